@@ -1,0 +1,50 @@
+"""A static, preallocated KV cache of S slots for all layers.
+
+Slot layout: 0..capacity-1 hold the sequence (committed tokens first, then the
+scratch rows of the step in flight); above them sit slots reserved for keys a
+method owns (e.g. BiTA's per-layer prompt keys); the last slot is the trash
+slot that exact-mode padding rows write to and read from.
+"""
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layers, batch, n_slots, n_kv_heads, head_dim, dtype, device):
+        shape = (n_layers, batch, n_kv_heads, n_slots, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.n_slots = n_slots
+        self.trash = n_slots - 1
+        self.n_reserved = 0
+
+    @classmethod
+    def for_model(cls, model, n_slots, batch=1):
+        a, w = model.args, model.embed.weight
+        return cls(a.n_layers, batch, n_slots, a.kv_heads, a.hd, w.dtype, w.device)
+
+    @property
+    def capacity(self) -> int:
+        """Slots available to the sequence and the scratch rows of a step."""
+        return self.n_slots - 1 - self.n_reserved
+
+    def layer(self, i):
+        return self.k[i], self.v[i]  # each (B, Hkv, S, D), views: writes land in the cache
+
+    def reserve(self, n: int) -> torch.Tensor:
+        """Claim n slots for method-owned keys, just below the trash slot."""
+        if n > self.capacity - 1:
+            raise ValueError(f"cannot reserve {n} of {self.n_slots} cache slots")
+        self.n_reserved += n
+        return torch.arange(self.capacity, self.capacity + n, device=self.k.device)
+
+    def compact(self, src: torch.Tensor, dst_start: int) -> None:
+        """Rollback/commit: move the entries at slots src to dst_start, dst_start+1, ... in order.
+
+        The accepted path of a draft tree is scattered over scratch slots; this makes
+        it contiguous after the committed prefix. Every other slot keeps its content.
+        """
+        dst = torch.arange(dst_start, dst_start + len(src), device=self.k.device)
+        if torch.equal(src, dst):
+            return
+        self.k[:, :, :, dst] = self.k[:, :, :, src]  # the gather copies first, so overlap is safe
+        self.v[:, :, :, dst] = self.v[:, :, :, src]

@@ -1,0 +1,118 @@
+"""HF Llama checkpoints in and out: config.json, model.safetensors (or a sharded index), tokenizer.model.
+
+Our module names differ from HF's in a few places; HF_NAMES is the one map between them.
+Q/K need no permutation: HF checkpoints already use the rotate-half RoPE layout we use.
+"""
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from . import NanospecError
+from .model import Llama, ModelArgs, rope_inv_freq
+
+HF_NAMES = [  # (HF, ours); lm_head, mlp.*_proj and self_attn.*_proj keep their leaf names
+    ("model.embed_tokens.", "embed."), ("model.norm.", "norm."), ("model.layers.", "layers."),
+    (".self_attn.", ".attn."), (".input_layernorm.", ".attn_norm."),
+    (".post_attention_layernorm.", ".mlp_norm."),
+]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def from_hf_name(name: str) -> str:
+    for hf, ours in HF_NAMES:
+        name = name.replace(hf, ours)
+    return name
+
+
+def to_hf_name(name: str) -> str:
+    for hf, ours in reversed(HF_NAMES):  # infixes first, then the prefixes, anchored
+        if not hf.startswith("."):
+            name = hf + name[len(ours):] if name.startswith(ours) else name
+        else:
+            name = name.replace(ours, hf)
+    return name
+
+
+def atomic_write(path: Path, write) -> None:
+    """write(tmp_path) then rename over path: a crash never leaves a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_args(path) -> ModelArgs:
+    path = Path(path)
+    if not path.is_dir():
+        raise NanospecError(f"no weights directory at {path}: pass --weights DIR with an HF Llama checkpoint")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise NanospecError(f"{path} has no config.json: is it an HF Llama checkpoint directory?")
+    try:
+        return ModelArgs.from_hf(json.loads(cfg_file.read_text()))
+    except json.JSONDecodeError as e:
+        raise NanospecError(f"{cfg_file} is not valid JSON ({e})") from None
+    except KeyError as e:
+        raise NanospecError(f"{cfg_file} lacks the key {e}") from None
+    except (ValueError, TypeError) as e:
+        raise NanospecError(f"{cfg_file}: {e}") from None
+
+
+def load_tensors(path: Path) -> dict:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise NanospecError(f"{path} has no model.safetensors (or model.safetensors.index.json)")
+    state = {}
+    for f in files:
+        with safe_open(path / f, framework="pt") as sf:
+            for k in sf.keys():
+                if not k.endswith("rotary_emb.inv_freq"):  # a buffer some old exports saved
+                    state[from_hf_name(k)] = sf.get_tensor(k)
+    return state
+
+
+def load(path, dtype=torch.float32, device="cpu") -> Llama:
+    """Load an HF Llama directory; weights are cast to dtype (upcasting bf16 to fp32 is exact)."""
+    path = Path(path)
+    args = load_args(path)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in load_tensors(path).items()}
+    if args.tie_embeddings:
+        state.setdefault("lm_head.weight", state.get("embed.weight"))
+    with torch.device("meta"):
+        model = Llama(args)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except (RuntimeError, TypeError) as e:
+        first = str(e).strip().splitlines()
+        raise NanospecError(f"weights in {path} do not match its config.json: "
+                            f"{' '.join(first[1:2] or first[:1]).strip()}") from None
+    if args.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model.eval()
+
+
+def save(model: Llama, path, dtype=None, tokenizer_model=None) -> None:
+    """Write an HF-format directory (each file atomically) that transformers loads unchanged."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {to_hf_name(k): v.detach().to(dtype or v.dtype).contiguous().cpu()
+             for k, v in model.state_dict().items()
+             if not (model.args.tie_embeddings and k == "lm_head.weight")}
+    cfg = model.args.to_hf()
+    cfg["torch_dtype"] = str(dtype or model.embed.weight.dtype).removeprefix("torch.")
+    atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
+    atomic_write(path / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+    if tokenizer_model is not None:
+        data = Path(tokenizer_model).read_bytes()
+        atomic_write(path / "tokenizer.model", lambda p: p.write_bytes(data))

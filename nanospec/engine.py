@@ -1,0 +1,192 @@
+"""The decoding loop: prefill, then draft -> verify -> commit until a stop.
+
+A method is a Drafter. Each step the engine asks it for a draft tree rooted at the
+last emitted token (draft), lets it run the verification forward (forward: by
+default the tree's rows alone; methods add their own rows or loop over the layers
+themselves), accepts the longest path AR agrees with (tree.verify), moves that
+path's keys into place (commit, via KVCache.compact) and tells the drafter what
+was accepted (accepted). Plain AR is the base Drafter: a tree of the root alone.
+
+In exact mode every forward after the first token runs exactly Q rows (padded) on
+a cache of S slots, so AR and every method must use the same Q and S to compare
+bitwise: generate() takes both, and cache_slots() gives the S that fits a request.
+"""
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from . import NanospecError
+from .cache import KVCache
+from .model import Block
+from .tree import Sampler, Tree, verify
+
+PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
+
+
+class Decoding:
+    """The state of one generation, handed to the drafter at every step (batch of one)."""
+
+    def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int]):
+        self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
+        self.device = model.embed.weight.device
+        self.prompt = prompt
+        self.out: list[int] = []   # tokens emitted so far
+        self.last = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
+        self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
+
+    @property
+    def room(self) -> int:
+        """Rows the next forward may write: slots cur..capacity-1."""
+        return self.cache.capacity - self.cur
+
+    def run(self, block: Block, embeds=None, hidden=False):
+        """Run the model on a block (padded to Q rows in exact mode); outputs for its rows, batch 0."""
+        n = len(block)
+        if int(block.slots.max()) >= self.cache.capacity:
+            raise NanospecError(f"a step of {n} rows does not fit the cache at {self.cur} tokens")
+        if self.exact:
+            if n > self.Q:
+                raise NanospecError(f"a step of {n} rows exceeds the exact-mode block of Q={self.Q} rows; raise --block")
+            block = block.pad(self.Q, self.cache.trash)
+            if embeds is not None:
+                embeds = F.pad(embeds, (0, 0, 0, self.Q - n))
+        res = self.model(block.to(self.device), self.cache, self.exact, embeds, hidden)
+        return tuple(r[0, :n] for r in res) if hidden else res[0, :n]
+
+    def prefill(self, tokens: list[int]) -> None:
+        """Commit tokens in chunks (Q rows in exact mode: the same for every method)."""
+        chunk = self.Q if self.exact else PREFILL_CHUNK_FAST
+        for s in range(0, len(tokens), chunk):
+            part = tokens[s:s + chunk]
+            self.run(Tree.chain(part[0], part[1:]).block(self.cur))
+            self.cur += len(part)
+
+    def commit(self, tree: Tree, path: list[int], tokens: list[int]) -> None:
+        """Keep the accepted path's keys (node i sits at slot cur+i) and emit its tokens."""
+        self.cache.compact(torch.tensor(path, device=self.device) + self.cur, self.cur)
+        self.cur += len(path)
+        self.out += tokens
+        self.last = tokens[-1]
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class Drafter:
+    """Plain autoregressive decoding; every method subclasses this."""
+    name = "ar"
+    max_rows = 1        # the most rows one step's forward runs (sizes the exact-mode block)
+    reserved_slots = 0  # cache slots for method-owned keys
+
+    def start(self, dec: Decoding) -> None:
+        """Called once after prefill, before the first step."""
+
+    def draft(self, dec: Decoding) -> Tree:
+        return Tree.chain(dec.last)
+
+    def forward(self, dec: Decoding, tree: Tree) -> torch.Tensor:
+        """The verification forward; returns the tree rows' logits (n, V)."""
+        return dec.run(tree.block(dec.cur))
+
+    def accepted(self, dec: Decoding, tree: Tree, path: list[int]) -> None:
+        """Called after commit with the accepted path (node indices, root first)."""
+
+
+@dataclass
+class Output:
+    tokens: list[int]
+    stop: str                   # "eos", "max_new_tokens" or "cache_full"
+    steps: int = 0
+    accepted: list[int] = field(default_factory=list)  # tokens emitted per step
+    forward_s: list[float] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    logits: torch.Tensor | None = None  # (new tokens, V) fp32: the logits each token came from
+
+    @property
+    def mean_accepted(self) -> float:
+        return len(self.tokens) / max(self.steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / max(self.decode_s, 1e-9)
+
+
+def cache_slots(prompt_len: int, max_new_tokens: int, Q: int, reserved: int = 0) -> int:
+    """Slots S that hold a prompt, its continuation, one step's scratch rows and the trash slot."""
+    return prompt_len + max_new_tokens + Q + reserved + 1
+
+
+def check_prompt(prompt, vocab_size: int) -> list[int]:
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise NanospecError("the prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise NanospecError(f"token id {bad[0]} is out of range for a vocabulary of {vocab_size}")
+    return prompt
+
+
+@torch.inference_mode()
+def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=128, exact=False,
+             Q=None, n_slots=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+             eos_id=None, record_logits=False) -> Output:
+    """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR).
+
+    Q: the exact-mode block (default max(16, drafter.max_rows)); n_slots: the cache size S
+    (default cache_slots(...)). eos_id None uses the model's; pass -1 to never stop on EOS.
+    """
+    drafter = drafter or Drafter()
+    prompt = check_prompt(prompt, model.args.vocab_size)
+    Q = Q or max(16, drafter.max_rows)
+    S = n_slots or cache_slots(len(prompt), max_new_tokens, Q, drafter.reserved_slots)
+    eos = model.args.eos_id if eos_id is None else eos_id
+    cache = KVCache.for_model(model, S)
+    if drafter.reserved_slots:
+        cache.reserve(drafter.reserved_slots)
+    if len(prompt) > cache.capacity:
+        raise NanospecError(f"the prompt has {len(prompt)} tokens but the cache holds {cache.capacity}; "
+                            "shorten it or raise --max-len")
+    sampler = Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1)
+    dec = Decoding(model, cache, exact, Q, prompt)
+    res, logits = Output([], "max_new_tokens"), []
+
+    t0 = time.perf_counter()
+    dec.prefill(prompt[:-1])
+    drafter.start(dec)
+    dec.sync()
+    t1 = time.perf_counter()
+    while len(dec.out) < max_new_tokens:
+        if dec.room < 1:
+            res.stop = "cache_full"
+            break
+        tree = drafter.draft(dec)
+        assert tree.tokens[0] == dec.last, "a draft tree must be rooted at the last emitted token"
+        tf = time.perf_counter()
+        tree_logits = drafter.forward(dec, tree)
+        dec.sync()
+        res.forward_s.append(time.perf_counter() - tf)
+        path, toks = verify(tree, tree_logits, sampler, len(dec.out))
+        if record_logits:
+            logits.append(tree_logits[path].float().cpu())
+        dec.commit(tree, path, toks)
+        drafter.accepted(dec, tree, path)
+        res.steps += 1
+        res.accepted.append(len(toks))
+        if eos in toks:
+            res.stop = "eos"
+            break
+    dec.sync()
+    res.prefill_s, res.decode_s = t1 - t0, time.perf_counter() - t1
+    n = min(len(dec.out), max_new_tokens)
+    if eos in dec.out[:n]:
+        n, res.stop = dec.out.index(eos) + 1, "eos"
+    elif res.stop == "eos":  # the EOS came after the last token asked for
+        res.stop = "max_new_tokens"
+    res.tokens = dec.out[:n]
+    if record_logits:
+        res.logits = torch.cat(logits)[:n]
+    return res

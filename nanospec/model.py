@@ -1,0 +1,299 @@
+"""A Llama that computes a block of rows with explicit positions, cache slots and visibility.
+
+Every forward takes a Block: T rows, each with a RoPE position, the cache slot
+its key/value is written to, and the slots it may attend to. The visible slots
+of a row are "the committed prefix 0..prefix-1, then `extra` in the given
+order" -- for a tree node, its ancestors by depth and itself. That order is
+the canonical key order of the exactness contract (DESIGN.md section 2).
+
+Two attention modes share everything else:
+- exact: each row gathers its visible keys into canonical order, padded to the
+  cache's S slots, so a row's result depends only on its own input and its
+  visible keys -- not on which other rows share the block. Together with a
+  fixed block of Q rows (the engine pads), a tree node's logits are bitwise
+  equal to those AR computes for the same token.
+- fast: SDPA over the used part of the cache with a boolean mask; no padding.
+"""
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None: n_heads (MHA)
+    vocab_size: int = 4096
+    hidden_dim: int = 688  # SwiGLU inner size
+    head_dim: int | None = None  # None: dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    tie_embeddings: bool = False
+    max_seq_len: int = 2048
+    bos_id: int | None = 1
+    eos_id: int | None = 2
+    pad_id: int | None = None
+
+    # derived values, computed without overwriting what the user set
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelArgs":
+        if cfg.get("model_type", "llama") != "llama":
+            raise ValueError(f"model_type {cfg.get('model_type')!r} is not llama")
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise ValueError(f"{key}=true is not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+        # transformers >= 5 nests rope settings in rope_parameters; older versions use
+        # rope_theta + rope_scaling ({"type"|"rope_type": ...}).
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        kind = rope.pop("rope_type", rope.pop("type", "default"))
+        scaling = None if kind == "default" else {"rope_type": kind, **rope}
+        eos = cfg.get("eos_token_id")
+        return cls(
+            dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+            n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
+            vocab_size=cfg["vocab_size"], hidden_dim=cfg["intermediate_size"],
+            head_dim=cfg.get("head_dim"), norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta, rope_scaling=scaling,
+            tie_embeddings=cfg.get("tie_word_embeddings", False),
+            max_seq_len=cfg.get("max_position_embeddings", 2048),
+            bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos,
+            pad_id=cfg.get("pad_token_id"))
+
+    def to_hf(self) -> dict:
+        rope = {"rope_type": "default", **(self.rope_scaling or {})}
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads,
+            "vocab_size": self.vocab_size, "intermediate_size": self.hidden_dim,
+            "head_dim": self.hd, "rms_norm_eps": self.norm_eps, "hidden_act": "silu",
+            "rope_theta": self.rope_theta, "rope_scaling": None if rope["rope_type"] == "default" else rope,
+            "rope_parameters": {"rope_theta": self.rope_theta, **rope},
+            "tie_word_embeddings": self.tie_embeddings,
+            "max_position_embeddings": self.max_seq_len, "bos_token_id": self.bos_id,
+            "eos_token_id": self.eos_id, "pad_token_id": self.pad_id,
+            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        }
+
+
+@dataclass
+class Block:
+    """T rows of one forward. B is the batch; slots are shared by the batch."""
+    tokens: torch.Tensor  # (B, T) token ids (ignored for rows fed as embeddings)
+    pos: torch.Tensor     # (B, T) RoPE positions
+    slots: torch.Tensor   # (T,) cache slot each row writes its key/value to
+    prefix: torch.Tensor  # (B, T) each row sees committed slots 0..prefix-1 ...
+    extra: torch.Tensor   # (B, T, E) ... then these slots, in this order (-1 = none)
+
+    def __len__(self):
+        return self.slots.shape[0]
+
+    @staticmethod
+    def cat(*blocks: "Block") -> "Block":
+        E = max(b.extra.shape[-1] for b in blocks)
+        pad = lambda b: F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)
+        return Block(torch.cat([b.tokens for b in blocks], 1), torch.cat([b.pos for b in blocks], 1),
+                     torch.cat([b.slots for b in blocks]), torch.cat([b.prefix for b in blocks], 1),
+                     torch.cat([pad(b) for b in blocks], 1))
+
+    def pad(self, Q: int, trash: int) -> "Block":
+        """Pad to exactly Q rows; padding rows write and read only the trash slot."""
+        n = len(self)
+        assert n <= Q, f"block of {n} rows exceeds Q={Q}"
+        B, dev = self.tokens.shape[0], self.slots.device
+        z = torch.zeros(B, Q - n, dtype=torch.long, device=dev)
+        filler = Block(z, z, torch.full((Q - n,), trash, device=dev), z, (z + trash)[..., None])
+        return Block.cat(self, filler)
+
+    def to(self, device) -> "Block":
+        return Block(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    def select(self, rows: torch.Tensor) -> "Block":
+        """The subset of rows (e.g. survivors of pruning); their visibility is unchanged."""
+        return Block(self.tokens[:, rows], self.pos[:, rows], self.slots[rows],
+                     self.prefix[:, rows], self.extra[:, rows])
+
+
+@dataclass
+class Context:
+    """Per-forward attention inputs derived once from a Block and shared by all layers."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    idx: torch.Tensor | None = None    # exact: (B, T, Sp) canonical slot order per row
+    valid: torch.Tensor | None = None  # exact: (B, T, Sp) which of those are visible
+    mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
+    L: int = 0                         # fast: number of cache slots in use
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    hd, sc = args.hd, args.rope_scaling
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    kind = (sc or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / sc["factor"]
+    if kind == "llama3":  # frequency-dependent scaling, as in Llama 3.1
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
+
+
+def apply_rope(x, cos, sin):  # x (B, T, H, D); cos, sin (B, T, 1, D)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def attend_exact(q, kc, vc, ctx):
+    """q (B, T, H, D); kc, vc (B, Hkv, S, D). Each row reduces over its own keys in canonical order."""
+    B, T, H, D = q.shape
+    Hkv = kc.shape[1]
+    b = torch.arange(B, device=q.device)[:, None, None, None]
+    h = torch.arange(Hkv, device=q.device)[None, None, :, None]
+    k = kc[b, h, ctx.idx[:, :, None, :]]  # (B, T, Hkv, Sp, D): row t's visible keys, canonical order
+    v = vc[b, h, ctx.idx[:, :, None, :]]
+    q = q.view(B, T, Hkv, H // Hkv, D)  # query head h uses key head h // G
+    att = q @ k.transpose(-1, -2) * D ** -0.5  # (B, T, Hkv, G, Sp)
+    att = att.masked_fill(~ctx.valid[:, :, None, None, :], float("-inf"))
+    att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (att @ v).reshape(B, T, H, D)
+
+
+def attend_fast(q, kc, vc, ctx):
+    """SDPA over cache slots 0..L-1; query heads folded into rows so GQA needs no key copy."""
+    B, T, H, D = q.shape
+    Hkv = kc.shape[1]
+    G = H // Hkv
+    k, v = kc[:, :, :ctx.L], vc[:, :, :ctx.L]  # (B, Hkv, L, D)
+    q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    mask = ctx.mask
+    if mask is not None:
+        mask = mask[:, None, None].expand(B, 1, G, T, ctx.L).reshape(B, 1, G * T, ctx.L)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, Hkv, G*T, D)
+    return y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = args.n_heads, args.kv_heads, args.hd
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.hd, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.kv_heads * args.hd, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.kv_heads * args.hd, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.hd, args.dim, bias=False)
+
+    def forward(self, x, ctx: Context, kc, vc):
+        B, T, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.hd), ctx.cos, ctx.sin)
+        k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.hd), ctx.cos, ctx.sin)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        kc.index_copy_(2, ctx.slots, k.transpose(1, 2))  # (B, Hkv, T, D) into the slots
+        vc.index_copy_(2, ctx.slots, v.transpose(1, 2))
+        y = (attend_exact if ctx.idx is not None else attend_fast)(q, kc, vc, ctx)
+        return self.o_proj(y.reshape(B, T, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn = Attention(args)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, ctx, kc, vc):
+        x = x + self.attn(self.attn_norm(x), ctx, kc, vc)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Layer(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def context(self, block: Block, n_slots: int, exact: bool) -> Context:
+        freqs = block.pos[..., None].float() * self.inv_freq  # (B, T, D/2), fp32 like HF
+        emb = torch.cat((freqs, freqs), -1)[:, :, None]       # (B, T, 1, D)
+        dt = self.embed.weight.dtype
+        ctx = Context(emb.cos().to(dt), emb.sin().to(dt), block.slots)
+        prefix, extra = block.prefix[..., None], block.extra
+        if exact:
+            # Rows' key vectors are padded to a multiple of 32 so that every row's slice starts
+            # 64-byte aligned: CPU BLAS takes alignment-dependent paths in batched matmuls, which
+            # made a row's fp32 result depend on its index in the block.
+            Sp = -(-n_slots // 32) * 32
+            j = torch.arange(Sp, device=extra.device)
+            ext = F.pad(extra, (0, Sp - extra.shape[-1]), value=-1)  # (B, T, Sp)
+            idx = torch.where(j < prefix, j, ext.gather(-1, (j - prefix).clamp(min=0)))
+            ctx.valid, ctx.idx = idx >= 0, idx.clamp(min=0)
+        else:
+            ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)
+            # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
+            mask = torch.arange(L + 1, device=extra.device) < prefix
+            mask.scatter_(-1, torch.where(extra < 0, L, extra), True)
+            mask = mask[..., :L]
+            ctx.mask = None if bool(mask.all()) else mask
+        return ctx
+
+    def forward(self, block: Block, cache, exact: bool, embeds=None, hidden=False):
+        """Logits (B, T, V) for the block's rows; with hidden=True also the final normed states."""
+        ctx = self.context(block, cache.n_slots, exact)
+        x = self.embed(block.tokens) if embeds is None else embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, *cache.layer(i))
+        h = self.norm(x)
+        return (self.lm_head(h), h) if hidden else self.lm_head(h)

@@ -1,0 +1,133 @@
+"""Draft trees: build, flatten to rows, verify.
+
+A tree's node 0 is the root: the last emitted token, whose key/value is not in
+the cache yet. Every other node is a draft token; parents[i] < i. Plain AR
+decoding is the tree with the root alone. A tree of n nodes becomes n rows at
+cache slots cur..cur+n-1, node i at position cur + depth(i), each seeing the
+committed prefix 0..cur-1 and then its ancestors by depth and itself -- the
+canonical key order.
+"""
+import itertools
+
+import torch
+
+from .model import Block
+
+
+class Tree:
+    def __init__(self, tokens: list[int], parents: list[int]):
+        assert len(tokens) == len(parents) and parents[0] == -1
+        assert all(0 <= p < i for i, p in enumerate(parents) if i), "parents must precede children"
+        self.tokens, self.parents = list(tokens), list(parents)
+        self.depth = [0] * len(tokens)
+        self.kids: list[dict[int, int]] = [{} for _ in tokens]  # node -> {token: child}
+        for i in range(1, len(tokens)):
+            p = parents[i]
+            self.depth[i] = self.depth[p] + 1
+            self.kids[p].setdefault(tokens[i], i)  # a duplicate sibling can never be reached
+
+    def __len__(self):
+        return len(self.tokens)
+
+    # --- builders -------------------------------------------------------------------------
+    @classmethod
+    def chain(cls, root: int, drafts: list[int] = ()) -> "Tree":
+        return cls([root, *drafts], list(range(-1, len(drafts))))
+
+    @classmethod
+    def from_branches(cls, root: int, branches: list[list[int]]) -> "Tree":
+        """Merge token sequences that continue the root into one tree; shared prefixes share nodes."""
+        t = cls([root], [-1])
+        for branch in branches:
+            node = 0
+            for tok in branch:
+                child = t.kids[node].get(tok)
+                if child is None:
+                    child = len(t.tokens)
+                    t.tokens.append(tok)
+                    t.parents.append(node)
+                    t.depth.append(t.depth[node] + 1)
+                    t.kids.append({})
+                    t.kids[node][tok] = child
+                node = child
+        return t
+
+    @classmethod
+    def from_choices(cls, root: int, cands: list[list[int]], paths=None) -> "Tree":
+        """cands[d] are ranked candidates for depth d+1; paths are rank tuples like (0, 2).
+
+        A path (r0, r1, ...) is the branch cands[0][r0], cands[1][r1], ...: Medusa's sparse
+        tree. paths=None takes every combination: the product tree.
+        """
+        if paths is None:
+            paths = [p for d in range(1, len(cands) + 1)
+                     for p in itertools.product(*(range(len(c)) for c in cands[:d]))]
+        return cls.from_branches(root, [[cands[d][r] for d, r in enumerate(p)] for p in paths])
+
+    # --- flattening -----------------------------------------------------------------------
+    def path_to(self, i: int) -> list[int]:
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self.parents[i]
+        return path[::-1]
+
+    def block(self, cur: int, device=None) -> Block:
+        """Rows for this tree at committed length cur: node i writes slot cur+i."""
+        n, E = len(self), max(self.depth) + 1
+        extra = torch.full((1, n, E), -1, dtype=torch.long)
+        for i in range(n):
+            p = self.path_to(i)
+            extra[0, i, :len(p)] = torch.tensor(p) + cur
+        pos = torch.tensor([self.depth], dtype=torch.long) + cur
+        return Block(torch.tensor([self.tokens]), pos, torch.arange(cur, cur + n),
+                     torch.full((1, n), cur, dtype=torch.long), extra).to(device)
+
+
+class Sampler:
+    """Greedy (temperature 0) or seeded sampling with one uniform per output position.
+
+    Output position i always uses uniform u[i] of the seeded stream, whatever the method,
+    so sampling at an accepted tree node is exactly what AR does at that position.
+    """
+
+    def __init__(self, temperature=0.0, top_k=0, top_p=1.0, seed=0, n=4096):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        g = torch.Generator().manual_seed(seed)
+        self.u = torch.rand(n, generator=g, dtype=torch.float64).tolist()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def pick(self, logits: torch.Tensor, i: int) -> int:
+        if self.greedy:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.double() / self.temperature, -1)
+        probs, ids = probs.sort(descending=True, stable=True)
+        if self.top_k:
+            probs[self.top_k:] = 0
+        if self.top_p < 1.0:  # keep the smallest head of the ranking whose mass reaches top_p
+            probs[probs.cumsum(0) - probs >= self.top_p] = 0
+        cdf = probs.cumsum(0)
+        j = torch.searchsorted(cdf, self.u[i] * cdf[-1], right=True)
+        return int(ids[min(int(j), int((probs > 0).sum()) - 1)])
+
+
+def verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int):
+    """Accept the longest path that AR would produce.
+
+    logits (n, V) are the tree rows' logits; n_out is the number of tokens emitted so far.
+    At each node on the path the target token is what AR would emit there; descend while
+    a child carries it. Returns (path of node indices from the root, emitted tokens):
+    the path's draft tokens followed by the target at its last node.
+    """
+    targets = logits.argmax(-1).tolist() if sampler.greedy else None
+    node, path, out = 0, [0], []
+    while True:
+        t = targets[node] if targets else sampler.pick(logits[node], n_out + len(out))
+        out.append(t)
+        node = tree.kids[node].get(t)
+        if node is None:
+            return path, out
+        path.append(node)
