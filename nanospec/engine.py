@@ -7,9 +7,9 @@ themselves), accepts the longest path AR agrees with (tree.verify), moves that
 path's keys into place (commit, via KVCache.compact) and tells the drafter what
 was accepted (accepted). Plain AR is the base Drafter: a tree of the root alone.
 
-In exact mode every forward after the first token runs exactly Q rows (padded) on
-a cache of S slots, so AR and every method must use the same Q and S to compare
-bitwise: generate() takes both, and cache_slots() gives the S that fits a request.
+In exact mode every forward runs exactly Q rows (padded) on a cache of S slots,
+so AR and every method must use the same Q and S to compare bitwise: generate()
+takes both, and shapes() gives values that fit a set of drafters.
 """
 import time
 from dataclasses import dataclass, field
@@ -28,8 +28,9 @@ PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bo
 class Decoding:
     """The state of one generation, handed to the drafter at every step (batch of one)."""
 
-    def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int]):
+    def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None):
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
+        self.reserved = reserved   # the drafter's own cache slots (e.g. BiTA's prompt keys)
         self.device = model.embed.weight.device
         self.prompt = prompt
         self.out: list[int] = []   # tokens emitted so far
@@ -115,9 +116,14 @@ class Output:
         return len(self.tokens) / max(self.decode_s, 1e-9)
 
 
-def cache_slots(prompt_len: int, max_new_tokens: int, Q: int, reserved: int = 0) -> int:
-    """Slots S that hold a prompt, its continuation, one step's scratch rows and the trash slot."""
-    return prompt_len + max_new_tokens + Q + reserved + 1
+def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None) -> tuple[int, int]:
+    """The exact-mode block Q and cache size S that fit every drafter: runs to compare share them.
+
+    S holds the prompt, its continuation, one step's scratch rows, reserved slots and the trash slot.
+    """
+    Q = Q or max(16, *(d.max_rows for d in drafters))
+    S = n_slots or prompt_len + max_new_tokens + Q + max(d.reserved_slots for d in drafters) + 1
+    return Q, S
 
 
 def check_prompt(prompt, vocab_size: int) -> list[int]:
@@ -136,22 +142,20 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
              eos_id=None, record_logits=False) -> Output:
     """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR).
 
-    Q: the exact-mode block (default max(16, drafter.max_rows)); n_slots: the cache size S
-    (default cache_slots(...)). eos_id None uses the model's; pass -1 to never stop on EOS.
+    Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)).
+    eos_id None uses the model's; pass -1 to never stop on EOS.
     """
     drafter = drafter or Drafter()
     prompt = check_prompt(prompt, model.args.vocab_size)
-    Q = Q or max(16, drafter.max_rows)
-    S = n_slots or cache_slots(len(prompt), max_new_tokens, Q, drafter.reserved_slots)
+    Q, S = shapes([drafter], len(prompt), max_new_tokens, Q, n_slots)
     eos = model.args.eos_id if eos_id is None else eos_id
     cache = KVCache.for_model(model, S)
-    if drafter.reserved_slots:
-        cache.reserve(drafter.reserved_slots)
+    reserved = cache.reserve(drafter.reserved_slots)
     if len(prompt) > cache.capacity:
         raise NanospecError(f"the prompt has {len(prompt)} tokens but the cache holds {cache.capacity}; "
                             "shorten it or raise --max-len")
     sampler = Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1)
-    dec = Decoding(model, cache, exact, Q, prompt)
+    dec = Decoding(model, cache, exact, Q, prompt, reserved)
     res, logits = Output([], "max_new_tokens"), []
 
     t0 = time.perf_counter()

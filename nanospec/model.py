@@ -142,6 +142,26 @@ class Context:
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
 
+    def rows(self, x):
+        """Matmul input: in exact mode, each row laid out 64-byte aligned (see `aligned`)."""
+        return aligned(x) if self.idx is not None else x
+
+
+def aligned_pad(x) -> int:
+    """Elements to add to x's last dim for 64-byte aligned rows."""
+    m = 64 // x.element_size()
+    return -x.shape[-1] % m
+
+
+def aligned(x):
+    """x as a view whose rows start 64-byte aligned (the last dim's stride padded).
+
+    CPU BLAS kernels take alignment-dependent paths: with fp32 rows of odd length, a row's
+    result depended on its index in the block. Exact mode feeds every matmul aligned rows.
+    """
+    pad = aligned_pad(x)
+    return F.pad(x, (0, pad))[..., :x.shape[-1]] if pad else x
+
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     hd, sc = args.hd, args.rope_scaling
@@ -188,11 +208,12 @@ def attend_exact(q, kc, vc, ctx):
     h = torch.arange(Hkv, device=q.device)[None, None, :, None]
     k = kc[b, h, ctx.idx[:, :, None, :]]  # (B, T, Hkv, Sp, D): row t's visible keys, canonical order
     v = vc[b, h, ctx.idx[:, :, None, :]]
-    q = q.view(B, T, Hkv, H // Hkv, D)  # query head h uses key head h // G
+    q = aligned(q.reshape(B, T, Hkv, H // Hkv, D))  # query head h uses key head h // G
     att = q @ k.transpose(-1, -2) * D ** -0.5  # (B, T, Hkv, G, Sp)
     att = att.masked_fill(~ctx.valid[:, :, None, None, :], float("-inf"))
     att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
-    return (att @ v).reshape(B, T, H, D)
+    Dp = D + aligned_pad(v)  # zero columns give each row's output block an aligned start too
+    return (att @ F.pad(v, (0, Dp - D)))[..., :D].reshape(B, T, H, D)
 
 
 def attend_fast(q, kc, vc, ctx):
@@ -220,13 +241,14 @@ class Attention(nn.Module):
 
     def forward(self, x, ctx: Context, kc, vc):
         B, T, _ = x.shape
+        x = ctx.rows(x)
         q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.hd), ctx.cos, ctx.sin)
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.hd), ctx.cos, ctx.sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
         kc.index_copy_(2, ctx.slots, k.transpose(1, 2))  # (B, Hkv, T, D) into the slots
         vc.index_copy_(2, ctx.slots, v.transpose(1, 2))
         y = (attend_exact if ctx.idx is not None else attend_fast)(q, kc, vc, ctx)
-        return self.o_proj(y.reshape(B, T, self.n_heads * self.hd))
+        return self.o_proj(ctx.rows(y.reshape(B, T, self.n_heads * self.hd)))
 
 
 class MLP(nn.Module):
@@ -236,8 +258,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
         self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, ctx: Context):
+        x = ctx.rows(x)
+        return self.down_proj(ctx.rows(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class Layer(nn.Module):
@@ -250,7 +273,7 @@ class Layer(nn.Module):
 
     def forward(self, x, ctx, kc, vc):
         x = x + self.attn(self.attn_norm(x), ctx, kc, vc)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self.mlp_norm(x), ctx)
 
 
 class Llama(nn.Module):
@@ -296,4 +319,5 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, *cache.layer(i))
         h = self.norm(x)
-        return (self.lm_head(h), h) if hidden else self.lm_head(h)
+        logits = self.lm_head(ctx.rows(h))
+        return (logits, h) if hidden else logits

@@ -1,0 +1,133 @@
+"""Decode with a method, check it against AR, or benchmark methods.
+
+    python decode.py --method ar --prompt "def fibonacci(n):"
+    python decode.py --method ar --weights DIR --check --json
+    python decode.py --bench --prompts prompts.jsonl --methods ar
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from nanospec import NanospecError
+from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
+from nanospec.checkpoint import DTYPES, load
+from nanospec.engine import Drafter, generate, shapes
+from nanospec.methods import METHODS, load_drafter
+from nanospec.tokenizer import Tokenizer
+
+DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "pylm"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", default="ar", help=f"one of: {', '.join(METHODS)}")
+    p.add_argument("--prompt", default="def fibonacci(n):")
+    p.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--prompt-ids", help="comma-separated token ids instead of text (no BOS added)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--weights", default=None, help=f"HF Llama directory (default: {DEFAULT_WEIGHTS.relative_to(Path(__file__).parent)})")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", choices=list(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--mode", default="fast", choices=["exact", "fast"])
+    p.add_argument("--block", type=int, help="exact mode: rows per forward (Q)")
+    p.add_argument("--max-len", type=int, help="KV cache slots (S); default fits prompt + new tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check", action="store_true", help="also run AR and compare tokens (and logits in exact mode)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--bench", action="store_true", help="benchmark --methods over --prompts")
+    p.add_argument("--prompts", help="JSONL file of {\"prompt\": ...} for --bench")
+    p.add_argument("--methods", default="ar", help="comma-separated methods for --bench")
+    return p.parse_args(argv)
+
+
+def setup(args):
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")
+    weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS
+    if not args.weights and not weights.is_dir():
+        raise NanospecError(f"the default model ({weights}) is not in this checkout yet; "
+                            "pass --weights DIR with an HF Llama checkpoint")
+    if args.max_new_tokens < 1:
+        raise NanospecError("--max-new-tokens must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise NanospecError("sampling needs --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+    dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
+    model = load(weights, dtype, args.device)
+    return weights, model, dtype
+
+
+def encode(args, tok, text):
+    if args.prompt_ids:
+        try:
+            return [int(t) for t in args.prompt_ids.split(",")]
+        except ValueError:
+            raise NanospecError("--prompt-ids takes comma-separated integers, e.g. 1,450,3") from None
+    if tok is None:
+        raise NanospecError("this weights directory has no tokenizer.model: pass --prompt-ids")
+    return tok.encode(text)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    methods = args.methods.split(",") if args.bench else [args.method]
+    for m in methods:
+        if m not in METHODS:
+            raise NanospecError(f"unknown method {m!r}; choose from: {', '.join(METHODS)}")
+    weights, model, dtype = setup(args)
+    tok = Tokenizer(weights / "tokenizer.model") if (weights / "tokenizer.model").is_file() else None
+    exact = args.mode == "exact"
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    info = dict(mode=args.mode, device=args.device, dtype=str(dtype).removeprefix("torch."))
+
+    if args.bench:
+        if not args.prompts:
+            raise NanospecError("--bench needs --prompts FILE.jsonl")
+        prompts = [encode(args, tok, p) for p in load_prompts(args.prompts)]
+        drafters = [load_drafter(m, model, weights) for m in methods]
+        results = bench(model, prompts, drafters, exact=exact, max_new_tokens=args.max_new_tokens,
+                        sampling=sampling)
+        print(table(results))
+        if args.json:
+            print(json.dumps({**info, "max_new_tokens": args.max_new_tokens, "results": results}))
+        return 0
+
+    text = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    prompt = encode(args, tok, text)
+    drafter = load_drafter(args.method, model, weights)
+    Q, S = shapes([drafter, Drafter()], len(prompt), args.max_new_tokens, args.block, args.max_len)
+    kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S, record_logits=args.check, **sampling)
+    out = generate(model, prompt, drafter, **kw)
+    new_text = tok.decode(out.tokens) if tok else None
+    print((text + new_text) if tok and not args.prompt_ids else out.tokens)
+    print(f"[{args.method}] {len(out.tokens)} tokens in {out.decode_s:.2f}s ({out.tokens_per_s:.1f} tok/s), "
+          f"{out.steps} steps, {out.mean_accepted:.2f} tokens/step, stop: {out.stop}", file=sys.stderr)
+    if out.stop == "cache_full":
+        print(f"note: stopped early: the cache of {S} slots is full; raise --max-len", file=sys.stderr)
+    identical = None
+    if args.check:
+        ref = generate(model, prompt, Drafter(), **kw)
+        identical = same_as_ar(out, ref, exact)
+        what = "tokens and logits (bitwise)" if exact else "tokens"
+        print(f"check vs AR ({what}): {'identical' if identical else 'DIFFERENT: ' + first_difference(out, ref)}",
+              file=sys.stderr)
+    if args.json:
+        print(json.dumps({"method": args.method, **info, "prompt": text if not args.prompt_ids else None,
+                          "text": new_text, "token_ids": out.tokens, "new_tokens": len(out.tokens),
+                          "steps": out.steps, "mean_accepted": round(out.mean_accepted, 3),
+                          "tokens_per_s": round(out.tokens_per_s, 2), "seconds": round(out.decode_s, 4),
+                          "identical_to_ar": identical}))
+    return 0 if identical is not False else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except NanospecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
