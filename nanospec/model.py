@@ -40,6 +40,15 @@ class ModelArgs:
     eos_id: int | None = 2
     pad_id: int | None = None
 
+    def __post_init__(self):
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}")
+        if self.hd % 2:
+            raise ValueError(f"head_dim={self.hd} must be even for RoPE")
+        kind = (self.rope_scaling or {}).get("rope_type", "default")
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
+
     # derived values, computed without overwriting what the user set
     @property
     def kv_heads(self) -> int:
@@ -180,7 +189,6 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / hi) & (wavelen <= old / lo)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
 
 
 def apply_rope(x, cos, sin):  # x (B, T, H, D); cos, sin (B, T, 1, D)

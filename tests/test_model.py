@@ -1,0 +1,139 @@
+"""Our Llama against transformers' LlamaForCausalLM, config parsing, checkpoint round trips."""
+import json
+
+import pytest
+import torch
+
+from helpers import random_model
+from nanospec import NanospecError
+from nanospec.cache import KVCache
+from nanospec.checkpoint import load, load_args, save
+from nanospec.engine import generate
+from nanospec.model import ModelArgs
+from nanospec.tree import Tree
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+CONFIGS = {  # name: LlamaConfig kwargs
+    "mha": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=48),
+    "gqa-odd": dict(hidden_size=30, num_attention_heads=6, num_key_value_heads=2, head_dim=6, intermediate_size=37),
+    "linear-rope": dict(hidden_size=24, num_attention_heads=3, num_key_value_heads=1, intermediate_size=40,
+                        rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "llama3-rope-tied": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40,
+                             rope_scaling=dict(LLAMA3), tie_word_embeddings=True, rope_theta=500000.0),
+}
+
+
+def full_logits(model, ids, exact):
+    """Logits for every position of ids, as one chain block."""
+    cache = KVCache.for_model(model, len(ids) + 1)
+    return model(Tree.chain(ids[0], ids[1:]).block(0, model.embed.weight.device), cache, exact)[0]
+
+
+def hf_model(name, vocab=61, layers=2):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=256,
+                                   **CONFIGS[name])
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # spread the logits out so greedy near-ties are rare
+        for n, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5 if p.dim() == 2 else torch.rand_like(p) + 0.5)
+    return hf
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_match_transformers(tmp_path, name):
+    hf = hf_model(name)
+    hf.save_pretrained(tmp_path)
+    ours = load(tmp_path)
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(1))
+    ref = hf(ids).logits[0]
+    for exact in (False, True):
+        torch.testing.assert_close(full_logits(ours, ids[0].tolist(), exact), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_tokens_match_transformers_generate(tmp_path, name):
+    hf = hf_model(name)
+    hf.save_pretrained(tmp_path)
+    ours = load(tmp_path)
+    ids = torch.randint(0, 61, (1, 9), generator=torch.Generator().manual_seed(2))
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(ids, max_new_tokens=30, do_sample=False)[0, 9:].tolist()
+    for exact in (False, True):
+        assert generate(ours, ids[0].tolist(), max_new_tokens=30, exact=exact, eos_id=-1).tokens == ref
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf = hf_model("gqa-odd")
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ids = list(range(1, 30))
+    torch.testing.assert_close(full_logits(load(tmp_path), ids, False), hf(torch.tensor([ids])).logits[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_our_checkpoint_loads_in_transformers(tmp_path, tied):
+    transformers = pytest.importorskip("transformers")
+    model = random_model(ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=33, hidden_dim=30,
+                                   rope_scaling=dict(LLAMA3), tie_embeddings=tied))
+    save(model, tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = list(range(33))
+    torch.testing.assert_close(full_logits(model, ids, False), hf(torch.tensor([ids])).logits[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_save_load_roundtrip_bf16_is_exact_upcast(tmp_path):
+    model = random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=20, hidden_dim=24))
+    save(model, tmp_path, dtype=torch.bfloat16)
+    back = load(tmp_path, torch.float32)
+    for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a.bfloat16().float(), b), k
+    assert not list(tmp_path.glob(".*tmp*")), "atomic writes leave no temporary files"
+
+
+def test_config_styles_and_errors(tmp_path):
+    base = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=10, intermediate_size=20)
+    old = ModelArgs.from_hf({**base, "rope_theta": 500.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    new = ModelArgs.from_hf({**base, "rope_parameters": {"rope_theta": 500.0, "rope_type": "linear", "factor": 2.0}})
+    assert old == new and old.rope_scaling == {"rope_type": "linear", "factor": 2.0} and old.rope_theta == 500.0
+    assert ModelArgs.from_hf(ModelArgs(dim=8, n_heads=2, rope_scaling=LLAMA3).to_hf()).rope_scaling == LLAMA3
+    cases = {"{not json": "not valid JSON", json.dumps({**base, "hidden_size": None} | {"x": 1})[:-1]: "not valid JSON",
+             json.dumps({k: v for k, v in base.items() if k != "vocab_size"}): "lacks the key 'vocab_size'",
+             json.dumps({**base, "attention_bias": True}): "attention_bias",
+             json.dumps({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}): "not supported"}
+    for text, msg in cases.items():
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(NanospecError, match=msg):
+            load_args(tmp_path)
+    for bad in ({**base, "num_key_value_heads": 3}, {**base, "head_dim": 5}):
+        (tmp_path / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(NanospecError, match="head"):
+            load_args(tmp_path)
+    with pytest.raises(NanospecError, match="no weights directory"):
+        load(tmp_path / "missing")
+
+
+def test_weights_that_do_not_match_config(tmp_path):
+    model = random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=20, hidden_dim=24))
+    save(model, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 25}))
+    with pytest.raises(NanospecError, match="do not match"):
+        load(tmp_path)
+
+
+def test_batch_rows_are_independent():
+    """The model keeps a batch dimension: each sequence of a batch gets its own result."""
+    model = random_model(ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40, hidden_dim=30))
+    a, b = list(range(1, 13)), list(range(20, 32))
+    one = [full_logits(model, ids, False) for ids in (a, b)]
+    blk = Tree.chain(a[0], a[1:]).block(0)
+    blk.tokens = torch.tensor([a, b])
+    blk.pos, blk.prefix, blk.extra = (t.expand(2, *t.shape[1:]) for t in (blk.pos, blk.prefix, blk.extra))
+    both = model(blk, KVCache.for_model(model, 13, batch=2), False)
+    torch.testing.assert_close(both[0], one[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(both[1], one[1], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,80 @@
+import random
+
+import torch
+from hypothesis import given, strategies as st
+
+from nanospec.cache import KVCache
+from nanospec.model import Llama, ModelArgs
+from nanospec.tree import Sampler, Tree, verify
+
+branches_st = st.lists(st.lists(st.integers(0, 4), max_size=5), max_size=8)
+
+
+@given(branches_st)
+def test_from_branches_merges_shared_prefixes(branches):
+    t = Tree.from_branches(9, branches)
+    prefixes = {tuple(b[:i]) for b in branches for i in range(1, len(b) + 1)}
+    assert len(t) == 1 + len(prefixes)
+    for b in branches:  # every branch is a path from the root
+        node = 0
+        for tok in b:
+            node = t.kids[node][tok]
+        assert [t.tokens[i] for i in t.path_to(node)] == [9, *b]
+
+
+def test_product_and_sparse_trees():
+    cands = [[10, 11, 12], [20, 21], [30, 31]]
+    full = Tree.from_choices(0, cands)
+    assert len(full) == 1 + 3 + 6 + 12
+    sparse = Tree.from_choices(0, cands, [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    assert sparse.tokens == [0, 10, 11, 20, 21, 30] and sparse.parents == [-1, 0, 0, 1, 1, 3]
+    assert Tree.chain(5, [6, 7]).parents == [-1, 0, 1]
+
+
+@given(branches_st, st.integers(0, 30))
+def test_block_rows_see_exactly_prefix_ancestors_and_self(branches, cur):
+    t = Tree.from_branches(9, branches)
+    blk = t.block(cur)
+    assert blk.slots.tolist() == list(range(cur, cur + len(t)))
+    model = Llama(ModelArgs(dim=8, n_layers=1, n_heads=2, vocab_size=10, hidden_dim=8))
+    S = cur + len(t) + 1
+    exact, fast = model.context(blk, S, True), model.context(blk, S, False)
+    for i in range(len(t)):
+        path = t.path_to(i)
+        assert blk.pos[0, i] == cur + len(path) - 1
+        canonical = list(range(cur)) + [cur + a for a in path]  # committed, ancestors by depth, self
+        assert exact.idx[0, i][exact.valid[0, i]].tolist() == canonical
+        mask = fast.mask if fast.mask is not None else torch.ones(1, len(t), fast.L, dtype=torch.bool)
+        assert mask[0, i].nonzero().flatten().tolist() == canonical
+
+
+@given(branches_st, st.integers(0, 2**31))
+def test_greedy_verify_accepts_longest_path_ar_agrees_with(branches, seed):
+    t = Tree.from_branches(1, branches)
+    logits = torch.randn(len(t), 5, generator=torch.Generator().manual_seed(seed))
+    target = logits.argmax(-1).tolist()
+    path, out = verify(t, logits, Sampler(), 0)
+    # brute force: a node is acceptable when every edge on its path carries its parent's target
+    ok = [i for i in range(len(t)) if all(t.tokens[c] == target[p] for p, c in zip(t.path_to(i), t.path_to(i)[1:]))]
+    best = max(ok, key=lambda i: t.depth[i])
+    assert len(path) == t.depth[best] + 1 and path == t.path_to(path[-1])
+    assert out == [t.tokens[i] for i in path[1:]] + [target[path[-1]]]
+
+
+def test_sampler_respects_top_k_top_p_and_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    probs = torch.softmax(logits, -1)
+    s = Sampler(temperature=1.0, seed=3, n=20000)
+    counts = torch.bincount(torch.tensor([s.pick(logits, i) for i in range(20000)]), minlength=5) / 20000
+    assert (counts - probs).abs().max() < 0.02
+    s = Sampler(temperature=1.0, top_k=2, seed=1, n=2000)
+    assert {s.pick(logits, i) for i in range(2000)} == {0, 1}
+    s = Sampler(temperature=1.0, top_p=0.7, seed=1, n=2000)  # p = .61, .22, ...: the top two reach .7
+    assert {s.pick(logits, i) for i in range(2000)} == {0, 1}
+    assert Sampler(temperature=1.0, top_k=1).pick(logits, 0) == 0
+
+
+def test_same_seed_same_uniforms():
+    a, b = Sampler(temperature=1.0, seed=7, n=50), Sampler(temperature=1.0, seed=7, n=100)
+    logits = torch.randn(50, 11, generator=torch.Generator().manual_seed(0))
+    assert [a.pick(l, i) for i, l in enumerate(logits)] == [b.pick(l, i) for i, l in enumerate(logits)]
