@@ -146,6 +146,7 @@ class Context:
     cos: torch.Tensor
     sin: torch.Tensor
     slots: torch.Tensor
+    exact: bool
     idx: torch.Tensor | None = None    # exact: (B, T, Sp) canonical slot order per row
     valid: torch.Tensor | None = None  # exact: (B, T, Sp) which of those are visible
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
@@ -153,7 +154,7 @@ class Context:
 
     def rows(self, x):
         """Matmul input: in exact mode, each row laid out 64-byte aligned (see `aligned`)."""
-        return aligned(x) if self.idx is not None else x
+        return aligned(x) if self.exact else x
 
 
 def aligned_pad(x) -> int:
@@ -255,7 +256,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
         kc.index_copy_(2, ctx.slots, k.transpose(1, 2))  # (B, Hkv, T, D) into the slots
         vc.index_copy_(2, ctx.slots, v.transpose(1, 2))
-        y = (attend_exact if ctx.idx is not None else attend_fast)(q, kc, vc, ctx)
+        y = (attend_exact if ctx.exact else attend_fast)(q, kc, vc, ctx)
         return self.o_proj(ctx.rows(y.reshape(B, T, self.n_heads * self.hd)))
 
 
@@ -300,7 +301,7 @@ class Llama(nn.Module):
         freqs = block.pos[..., None].float() * self.inv_freq  # (B, T, D/2), fp32 like HF
         emb = torch.cat((freqs, freqs), -1)[:, :, None]       # (B, T, 1, D)
         dt = self.embed.weight.dtype
-        ctx = Context(emb.cos().to(dt), emb.sin().to(dt), block.slots)
+        ctx = Context(emb.cos().to(dt), emb.sin().to(dt), block.slots, exact)
         prefix, extra = block.prefix[..., None], block.extra
         if exact:
             # Rows' key vectors are padded to a multiple of 32 so that every row's slice starts

@@ -42,11 +42,16 @@ def hf_model(name, vocab=61, layers=2):
     return hf
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_logits_match_transformers(tmp_path, name):
+def hf_and_ours(tmp_path, name):
+    """A transformers model and ours loaded from its save_pretrained directory."""
     hf = hf_model(name)
     hf.save_pretrained(tmp_path)
-    ours = load(tmp_path)
+    return hf, load(tmp_path)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_match_transformers(tmp_path, name):
+    hf, ours = hf_and_ours(tmp_path, name)
     ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(1))
     ref = hf(ids).logits[0]
     for exact in (False, True):
@@ -55,9 +60,7 @@ def test_logits_match_transformers(tmp_path, name):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_greedy_tokens_match_transformers_generate(tmp_path, name):
-    hf = hf_model(name)
-    hf.save_pretrained(tmp_path)
-    ours = load(tmp_path)
+    hf, ours = hf_and_ours(tmp_path, name)
     ids = torch.randint(0, 61, (1, 9), generator=torch.Generator().manual_seed(2))
     hf.generation_config.eos_token_id = None
     ref = hf.generate(ids, max_new_tokens=30, do_sample=False)[0, 9:].tolist()
