@@ -15,7 +15,7 @@ from nanospec import NanospecError
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.checkpoint import DTYPES, load
 from nanospec.engine import Drafter, generate, shapes
-from nanospec.methods import METHODS, load_drafter
+from nanospec.methods import METHODS, check_method, load_drafter
 from nanospec.tokenizer import Tokenizer
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "pylm"
@@ -76,9 +76,8 @@ def encode(args, tok, text):
 def main(argv=None):
     args = parse_args(argv)
     methods = args.methods.split(",") if args.bench else [args.method]
-    for m in methods:
-        if m not in METHODS:
-            raise NanospecError(f"unknown method {m!r}; choose from: {', '.join(METHODS)}")
+    for m in methods:  # before loading any weights
+        check_method(m)
     weights, model, dtype = setup(args)
     tok = Tokenizer(weights / "tokenizer.model") if (weights / "tokenizer.model").is_file() else None
     exact = args.mode == "exact"

@@ -11,7 +11,11 @@ METHODS = {
 }
 
 
-def load_drafter(name: str, model, weights) -> Drafter:
+def check_method(name: str) -> None:
     if name not in METHODS:
         raise NanospecError(f"unknown method {name!r}; choose from: {', '.join(METHODS)}")
+
+
+def load_drafter(name: str, model, weights) -> Drafter:
+    check_method(name)
     return METHODS[name](model, weights)
