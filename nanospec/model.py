@@ -221,8 +221,8 @@ def attend_exact(q, kc, vc, ctx):
     att = q @ k.transpose(-1, -2) * D ** -0.5  # (B, T, Hkv, G, Sp)
     att = att.masked_fill(~ctx.valid[:, :, None, None, :], float("-inf"))
     att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
-    Dp = D + aligned_pad(v)  # zero columns give each row's output block an aligned start too
-    return (att @ F.pad(v, (0, Dp - D)))[..., :D].reshape(B, T, H, D)
+    v = F.pad(v, (0, aligned_pad(v)))  # zero columns give each row's output block an aligned start too
+    return (att @ v)[..., :D].reshape(B, T, H, D)
 
 
 def attend_fast(q, kc, vc, ctx):
