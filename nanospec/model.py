@@ -131,6 +131,13 @@ class Block:
         filler = Block(z, z, torch.full((Q - n,), trash, device=dev), z, (z + trash)[..., None])
         return Block.cat(self, filler)
 
+    @staticmethod
+    def causal(tokens: torch.Tensor) -> "Block":
+        """A plain language-model block: row t at position t sees rows 0..t (use with cache=None)."""
+        B, T = tokens.shape
+        pos = torch.arange(T, device=tokens.device).expand(B, T)
+        return Block(tokens, pos, pos[0], pos + 1, torch.full((B, T, 1), -1, device=tokens.device))
+
     def to(self, device) -> "Block":
         return Block(*(getattr(self, f.name).to(device) for f in fields(self)))
 
@@ -254,8 +261,11 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.hd), ctx.cos, ctx.sin)
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.hd), ctx.cos, ctx.sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
-        kc.index_copy_(2, ctx.slots, k.transpose(1, 2))  # (B, Hkv, T, D) into the slots
-        vc.index_copy_(2, ctx.slots, v.transpose(1, 2))
+        if kc is None:  # no cache (training): the rows' own keys are slots 0..T-1
+            kc, vc = k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            kc.index_copy_(2, ctx.slots, k.transpose(1, 2))  # (B, Hkv, T, D) into the slots
+            vc.index_copy_(2, ctx.slots, v.transpose(1, 2))
         y = (attend_exact if ctx.exact else attend_fast)(q, kc, vc, ctx)
         return self.o_proj(ctx.rows(y.reshape(B, T, self.n_heads * self.hd)))
 
@@ -321,12 +331,16 @@ class Llama(nn.Module):
             ctx.mask = None if bool(mask.all()) else mask
         return ctx
 
-    def forward(self, block: Block, cache, exact: bool, embeds=None, hidden=False):
-        """Logits (B, T, V) for the block's rows; with hidden=True also the final normed states."""
-        ctx = self.context(block, cache.n_slots, exact)
+    def forward(self, block: Block, cache=None, exact: bool = False, embeds=None, hidden=False):
+        """Logits (B, T, V) for the block's rows; with hidden=True also the final normed states.
+
+        cache=None (training): no KV cache; row t's key is slot t, so the block's slots must
+        be 0..T-1 and visibility refers to rows (`causal` builds the plain LM block).
+        """
+        ctx = self.context(block, cache.n_slots if cache else len(block), exact)
         x = self.embed(block.tokens) if embeds is None else embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, *cache.layer(i))
+            x = layer(x, ctx, *(cache.layer(i) if cache else (None, None)))
         h = self.norm(x)
         logits = self.lm_head(ctx.rows(h))
         return (logits, h) if hidden else logits

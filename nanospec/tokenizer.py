@@ -1,9 +1,19 @@
-"""A thin sentencepiece wrapper (Llama style: BOS prepended, byte fallback)."""
+"""A thin sentencepiece wrapper (Llama style: BOS prepended, byte fallback), and its trainer.
+
+The trained tokenizer is BPE with byte fallback, so any text round-trips: characters
+outside the vocabulary become their UTF-8 bytes. Normalization is off and whitespace
+is kept as is (code's indentation is data). Ids: 0 unk, 1 <s>, 2 </s>, 3 <pad>, then
+N_RESERVED control ids <reserved_i> that never come out of encode(): later methods
+claim them (SDSAT's adaptive tokens).
+"""
+import io
 from pathlib import Path
 
 import sentencepiece as spm
 
 from . import NanospecError
+
+N_RESERVED = 32
 
 
 class Tokenizer:
@@ -20,3 +30,29 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(list(ids))
+
+    def reserved(self, i: int) -> int:
+        """Id of the i-th reserved control token."""
+        rid = self.sp.piece_to_id(f"<reserved_{i}>")
+        if rid == self.sp.unk_id():
+            raise NanospecError(f"this tokenizer has no <reserved_{i}> token")
+        return rid
+
+
+def train_tokenizer(texts, vocab_size: int) -> bytes:
+    """Train on an iterable of documents; returns the serialized model.
+
+    Sentencepiece reads sentences, so documents are fed line by line: no piece spans a
+    newline, and "\\n" itself is the byte token <0x0A>.
+    """
+    lines = (line for text in texts for line in text.split("\n") if line.strip())
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines, model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, split_digits=True, allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False, normalization_rule_name="identity", add_dummy_prefix=False,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=3,
+        control_symbols=[f"<reserved_{i}>" for i in range(N_RESERVED)],
+        character_coverage=0.9999, max_sentence_length=1 << 16, input_sentence_size=2_000_000,
+        shuffle_input_sentence=True, num_threads=2, minloglevel=2)
+    return model.getvalue()

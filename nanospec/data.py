@@ -1,0 +1,122 @@
+"""The default model's corpus: the .py files of the running interpreter's standard library.
+
+Offline everywhere. The split is per file, by a stable hash of the path relative to
+the stdlib root: sha256(path) as an integer, mod 100, below 5 is held out ("val"),
+the rest is "train". The same Python version gives the same split on every machine;
+another version has other files and so a somewhat different corpus.
+
+Held-out files also give the evaluation prompts: a function's signature and
+docstring, cut at the line boundary after the docstring, so the model writes the body.
+
+    python -m nanospec.data --prompts weights/pylm/prompts.jsonl   # regenerate the prompt set
+"""
+import argparse
+import ast
+import hashlib
+import json
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import atomic_write
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+VAL_PERCENT = 5
+CACHE = Path(__file__).resolve().parent.parent / ".cache" / "data"
+
+
+def split_of(rel: str) -> str:
+    """'val' or 'train' for a path relative to the stdlib root (posix form)."""
+    h = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "big")
+    return "val" if h % 100 < VAL_PERCENT else "train"
+
+
+def corpus_files(root: Path = STDLIB) -> list[str]:
+    """Relative paths of the stdlib's .py files (site-packages excluded), sorted."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                  if "site-packages" not in p.relative_to(root).parts)
+
+
+def documents(split: str, root: Path = STDLIB, max_files: int | None = None) -> list[tuple[str, str]]:
+    """(relative path, text) of the split's files; files that are not UTF-8 (test data) are skipped."""
+    docs = []
+    for rel in corpus_files(root):
+        if split_of(rel) != split:
+            continue
+        try:
+            docs.append((rel, (root / rel).read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, OSError):
+            continue
+        if max_files and len(docs) == max_files:
+            break
+    return docs
+
+
+def token_stream(tok, split: str, max_files: int | None = None) -> np.ndarray:
+    """The split as one uint16 array: BOS, file tokens, EOS, for each file. Cached outside git."""
+    key = hashlib.sha256(tok.sp.serialized_model_proto()).hexdigest()[:12]
+    name = f"{sys.version_info[0]}.{sys.version_info[1]}-{key}-{split}{f'-{max_files}' if max_files else ''}.npy"
+    path = CACHE / name
+    if path.is_file():
+        return np.load(path)
+    ids = []
+    for _, text in documents(split, max_files=max_files):
+        ids += tok.encode(text, bos=True) + [tok.eos_id]
+    arr = np.array(ids, dtype=np.uint16)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda p: np.save(open(p, "wb"), arr))
+    return arr
+
+
+def split_bytes(split: str, max_files: int | None = None) -> int:
+    """UTF-8 bytes of the split's text (for bits per byte)."""
+    return sum(len(text.encode()) for _, text in documents(split, max_files=max_files))
+
+
+def function_prompts(text: str, max_chars: int = 600) -> list[str]:
+    """Signature + docstring of each function with a body of 3+ lines after its docstring."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines, out = text.splitlines(keepends=True), []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or ast.get_docstring(node) is None:
+            continue
+        doc = node.body[0]
+        if len(node.body) < 2 or node.end_lineno - doc.end_lineno < 3:
+            continue
+        prompt = textwrap.dedent("".join(lines[node.lineno - 1:doc.end_lineno]))
+        if len(prompt) <= max_chars and prompt.startswith(("def ", "async def ")):
+            out.append(prompt)
+    return out
+
+
+def eval_prompts(n: int = 64, per_file: int = 2) -> list[str]:
+    """n held-out prompts, at most per_file from each file, spread evenly over the candidates."""
+    cands = [p for _, text in documents("val") for p in function_prompts(text)[:per_file]]
+    if len(cands) <= n:
+        return cands
+    return [cands[i * len(cands) // n] for i in range(n)]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Corpus statistics; write the held-out prompt set.")
+    p.add_argument("--prompts", help="write the evaluation prompts here (JSONL)")
+    p.add_argument("-n", type=int, default=64)
+    args = p.parse_args(argv)
+    files = corpus_files()
+    val = sum(split_of(f) == "val" for f in files)
+    print(f"stdlib {STDLIB} (Python {sys.version.split()[0]}): {len(files)} files, {val} held out")
+    if args.prompts:
+        prompts = eval_prompts(args.n)
+        body = "".join(json.dumps({"prompt": p}) + "\n" for p in prompts)
+        atomic_write(Path(args.prompts), lambda f: f.write_text(body))
+        print(f"wrote {len(prompts)} prompts to {args.prompts}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""What every trainer shares: the LR schedule, progress lines, resumable checkpoints."""
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint import atomic_write
+
+
+def cosine_lr(step: int, steps: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warmup to peak, then cosine decay to floor * peak at the last step."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + torch.cos(torch.tensor(t * torch.pi)).item()))
+
+
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95)):
+    """AdamW with decay on matrices only (not norms or 1-d gains)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def fmt_time(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """Prints `step i/n | loss | lr | tokens/s | elapsed | eta` every `every` steps."""
+
+    def __init__(self, steps: int, every: int, start_step: int = 0, elapsed: float = 0.0):
+        self.steps, self.every, self.start = steps, every, start_step
+        self.t0, self.prior = time.time(), elapsed  # prior: time spent before a resume
+        self.tokens, self.loss = 0, None
+
+    @property
+    def elapsed(self) -> float:
+        return self.prior + time.time() - self.t0
+
+    def step(self, step: int, loss: float, lr: float, tokens: int, **extra) -> None:
+        self.tokens += tokens
+        self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
+        done = step + 1
+        if done % self.every and done != self.steps:
+            return
+        run = time.time() - self.t0
+        rate = self.tokens / max(run, 1e-9)
+        eta = run / (done - self.start) * (self.steps - done)
+        more = "".join(f" | {k} {v}" for k, v in extra.items())
+        print(f"step {done}/{self.steps} | loss {self.loss:.4f} | lr {lr:.2e} | {rate:.0f} tok/s"
+              f" | {fmt_time(self.elapsed)} elapsed | eta {fmt_time(eta)}{more}", flush=True)
+
+
+def save_state(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda p: torch.save(state, p))
+
+
+def load_state(path: Path) -> dict | None:
+    return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None

@@ -1,0 +1,54 @@
+"""Train the default model and the methods' drafters.
+
+    python train.py --method tokenizer     # sentencepiece BPE on the stdlib corpus
+    python train.py --method base          # the default model, weights/pylm
+    python train.py --method base --help   # a method's own options
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from nanospec import NanospecError
+from nanospec import pretrain
+
+ROOT = Path(__file__).parent
+TRAINERS = {  # method -> (add_args, train)
+    "tokenizer": (pretrain.add_args, pretrain.train_tok),
+    "base": (pretrain.add_args, pretrain.train_base),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", required=True, help=f"one of: {', '.join(TRAINERS)}")
+    p.add_argument("--name", default="pylm", help="model name: writes weights/NAME/")
+    p.add_argument("--out", help="output directory (default weights/NAME)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--cache", default=str(ROOT / ".cache" / "train"), help="training checkpoints (not shipped)")
+    known, _ = p.parse_known_args(argv)
+    if known.method not in TRAINERS:
+        raise NanospecError(f"unknown method {known.method!r}; choose from: {', '.join(TRAINERS)}")
+    TRAINERS[known.method][0](p)
+    args = p.parse_args(argv)
+    args.out = args.out or str(ROOT / "weights" / args.name)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    TRAINERS[args.method][1](args)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except NanospecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
