@@ -14,6 +14,7 @@ import sentencepiece as spm
 from . import NanospecError
 
 N_RESERVED = 32
+SPACE_META = "\u2581"
 
 
 class Tokenizer:
@@ -24,9 +25,18 @@ class Tokenizer:
         self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
         self.bos_id, self.eos_id, self.pad_id = self.sp.bos_id(), self.sp.eos_id(), self.sp.pad_id()
         self.vocab_size = self.sp.get_piece_size()
+        # sentencepiece writes spaces as U+2581 and so would decode a literal U+2581 as a
+        # space; we encode that character as its UTF-8 bytes so every text round-trips.
+        self.meta_bytes = [self.sp.piece_to_id(f"<0x{b:02X}>") for b in SPACE_META.encode()]
+        if self.sp.unk_id() in self.meta_bytes:
+            self.meta_bytes = None  # no byte fallback: nothing better to do
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
-        return ([self.bos_id] if bos and self.bos_id >= 0 else []) + self.sp.encode(text)
+        ids = [self.bos_id] if bos and self.bos_id >= 0 else []
+        parts = text.split(SPACE_META) if self.meta_bytes else [text]
+        for i, part in enumerate(parts):
+            ids += (self.meta_bytes if i else []) + self.sp.encode(part)
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(list(ids))

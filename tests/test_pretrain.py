@@ -1,0 +1,83 @@
+"""train.py --method base on a tiny config: loss goes down, resume is exact, the bigram baseline is sane."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from nanospec import pretrain
+from nanospec.checkpoint import load
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--method", "base", "--tokenizer", str(ROOT / "weights" / "pylm" / "tokenizer.model"),
+        "--max-files", "6", "--dim", "32", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
+        "--hidden-dim", "48", "--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--warmup", "4"]
+
+
+def test_tiny_training_run_reduces_loss(tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "--steps", "40", "--eval-every", "10",
+                          "--out", str(tmp_path / "m"), "--cache", str(tmp_path / "c")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "step 40/40 | loss" in res.stdout and "eta" in res.stdout and "held-out" in res.stdout
+    report = json.loads((tmp_path / "m" / "training.json").read_text())
+    hist = report["history"]
+    assert [h["step"] for h in hist] == [10, 20, 30, 40]
+    assert hist[-1]["val_loss"] < hist[0]["val_loss"] < math.log(report["parameters"])  # loose sanity
+    assert report["val_loss_nats"] < math.log(8192) - 1 and report["tokens_seen"] == 40 * 4 * 32
+    model = load(tmp_path / "m")  # HF directory with tokenizer, loadable by our loader
+    assert (tmp_path / "m" / "tokenizer.model").is_file() and model.args.tie_embeddings
+
+
+def test_resume_after_interruption_is_exact(tmp_path, monkeypatch):
+    def run(out, steps_before_crash=None, resume=False):
+        args = train.parse_args([*TINY, "--steps", "12", "--save-every", "4", "--eval-every", "4",
+                                 "--out", str(out), "--cache", str(tmp_path / "c")] + (["--resume"] if resume else []))
+        if steps_before_crash is not None:
+            real = pretrain.Progress.step
+
+            def crash(self, step, *a, **k):
+                if step == steps_before_crash:
+                    raise KeyboardInterrupt
+                real(self, step, *a, **k)
+            monkeypatch.setattr(pretrain.Progress, "step", crash)
+        try:
+            pretrain.train_base(args)
+        except KeyboardInterrupt:
+            pass
+        monkeypatch.undo()
+
+    run(tmp_path / "a")
+    run(tmp_path / "b", steps_before_crash=6)  # dies after the step-4 checkpoint
+    assert not (tmp_path / "b" / "model.safetensors").exists()
+    run(tmp_path / "b", resume=True)
+    a, b = load(tmp_path / "a").state_dict(), load(tmp_path / "b").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "--resume", "--out", str(tmp_path / "m"),
+                          "--cache", str(tmp_path / "none")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 2 and res.stderr.startswith("error: --resume: no checkpoint")
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_bigram_baseline():
+    V = 16
+    periodic = np.tile(np.arange(V, dtype=np.uint16), 200)
+    wins = torch.from_numpy(periodic[:33 * 4].astype(np.int64)).view(4, 33)
+    assert pretrain.bigram_loss(periodic, wins, V) < 0.05
+    rand = np.random.default_rng(0).integers(0, V, 200_000).astype(np.uint16)
+    wins = torch.from_numpy(rand[:33 * 64].astype(np.int64)).view(64, 33)
+    assert abs(pretrain.bigram_loss(rand, wins, V) - math.log(V)) < 0.05
+
+
+def test_unknown_training_method_is_one_line():
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--method", "nope"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=60)
+    assert res.returncode == 2 and res.stderr.strip() == "error: unknown method 'nope'; choose from: tokenizer, base"
