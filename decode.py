@@ -2,7 +2,7 @@
 
     python decode.py --method ar --prompt "def fibonacci(n):"
     python decode.py --method ar --weights DIR --check --json
-    python decode.py --bench --prompts prompts.jsonl --methods ar
+    python decode.py --bench --methods ar            # the default model's held-out prompts
 """
 import argparse
 import json
@@ -41,7 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--check", action="store_true", help="also run AR and compare tokens (and logits in exact mode)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--bench", action="store_true", help="benchmark --methods over --prompts")
-    p.add_argument("--prompts", help="JSONL file of {\"prompt\": ...} for --bench")
+    p.add_argument("--prompts", help="JSONL file of {\"prompt\": ...} for --bench (default: the weights' prompts.jsonl)")
     p.add_argument("--methods", default="ar", help="comma-separated methods for --bench")
     return p.parse_args(argv)
 
@@ -85,9 +85,10 @@ def main(argv=None):
     info = dict(mode=args.mode, device=args.device, dtype=str(dtype).removeprefix("torch."))
 
     if args.bench:
-        if not args.prompts:
-            raise NanospecError("--bench needs --prompts FILE.jsonl")
-        prompts = [encode(args, tok, p) for p in load_prompts(args.prompts)]
+        prompt_file = args.prompts or (weights / "prompts.jsonl" if (weights / "prompts.jsonl").is_file() else None)
+        if prompt_file is None:
+            raise NanospecError("--bench needs --prompts FILE.jsonl (this weights directory has no prompts.jsonl)")
+        prompts = [encode(args, tok, p) for p in load_prompts(prompt_file)]
         drafters = [load_drafter(m, model, weights) for m in methods]
         results = bench(model, prompts, drafters, exact=exact, max_new_tokens=args.max_new_tokens,
                         sampling=sampling)

@@ -95,6 +95,9 @@ class Drafter:
     def accepted(self, dec: Decoding, tree: Tree, path: list[int]) -> None:
         """Called after commit with the accepted path (node indices, root first)."""
 
+    def finish(self, dec: Decoding) -> None:
+        """Called once when the generation stops."""
+
 
 @dataclass
 class Output:
@@ -183,6 +186,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         if eos in toks:
             res.stop = "eos"
             break
+    drafter.finish(dec)
     dec.sync()
     res.prefill_s, res.decode_s = t1 - t0, time.perf_counter() - t1
     n = min(len(dec.out), max_new_tokens)

@@ -20,11 +20,13 @@ class Tree:
         assert all(0 <= p < i for i, p in enumerate(parents) if i), "parents must precede children"
         self.tokens, self.parents = list(tokens), list(parents)
         self.depth = [0] * len(tokens)
-        self.kids: list[dict[int, int]] = [{} for _ in tokens]  # node -> {token: child}
+        # node -> {token: children carrying it}; more than one only in trees of unmerged
+        # branches (Lookahead's parallel drafts), where verify tries each
+        self.kids: list[dict[int, list[int]]] = [{} for _ in tokens]
         for i in range(1, len(tokens)):
             p = parents[i]
             self.depth[i] = self.depth[p] + 1
-            self.kids[p].setdefault(tokens[i], i)  # a duplicate sibling can never be reached
+            self.kids[p].setdefault(tokens[i], []).append(i)
 
     def __len__(self):
         return len(self.tokens)
@@ -41,16 +43,24 @@ class Tree:
         for branch in branches:
             node = 0
             for tok in branch:
-                child = t.kids[node].get(tok)
-                if child is None:
-                    child = len(t.tokens)
+                if tok not in t.kids[node]:
                     t.tokens.append(tok)
                     t.parents.append(node)
                     t.depth.append(t.depth[node] + 1)
                     t.kids.append({})
-                    t.kids[node][tok] = child
-                node = child
+                    t.kids[node][tok] = [len(t.tokens) - 1]
+                node = t.kids[node][tok][0]
         return t
+
+    @classmethod
+    def parallel(cls, root: int, branches: list[list[int]]) -> "Tree":
+        """Branches side by side, shared prefixes not merged (Lookahead's parallel multi-branch draft)."""
+        tokens, parents = [root], [-1]
+        for branch in branches:
+            for d, tok in enumerate(branch):
+                parents.append(0 if d == 0 else len(tokens) - 1)
+                tokens.append(tok)
+        return cls(tokens, parents)
 
     @classmethod
     def from_choices(cls, root: int, cands: list[list[int]], paths=None) -> "Tree":
@@ -119,15 +129,18 @@ def verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int):
 
     logits (n, V) are the tree rows' logits; n_out is the number of tokens emitted so far.
     At each node on the path the target token is what AR would emit there; descend while
-    a child carries it. Returns (path of node indices from the root, emitted tokens):
+    a child carries it (trying each, when unmerged branches put several there). Returns (path of node indices from the root, emitted tokens):
     the path's draft tokens followed by the target at its last node.
     """
     targets = logits.argmax(-1).tolist() if sampler.greedy else None
-    node, path, out = 0, [0], []
-    while True:
-        t = targets[node] if targets else sampler.pick(logits[node], n_out + len(out))
-        out.append(t)
-        node = tree.kids[node].get(t)
-        if node is None:
-            return path, out
-        path.append(node)
+
+    def walk(node, n):  # the longest accepted path below node, whose target is output position n
+        t = targets[node] if targets else sampler.pick(logits[node], n)
+        best = ([node], [t])
+        for child in tree.kids[node].get(t, ()):  # several only for unmerged duplicate branches
+            path, out = walk(child, n + 1)
+            if len(path) + 1 > len(best[0]):
+                best = ([node, *path], [t, *out])
+        return best
+
+    return walk(0, n_out)

@@ -4,6 +4,7 @@ import random
 import torch
 from hypothesis import strategies as st
 
+from nanospec.cache import KVCache
 from nanospec.engine import Drafter
 from nanospec.model import Block, Llama, ModelArgs
 from nanospec.tree import Tree
@@ -22,6 +23,12 @@ def random_model(args: ModelArgs, seed=0, dtype=torch.float32, device="cpu") -> 
         if not args.tie_embeddings:
             model.lm_head.weight.mul_(3)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def full_logits(model, ids, exact):
+    """Logits for every position of ids, as one chain block."""
+    cache = KVCache.for_model(model, len(ids) + 1)
+    return model(Tree.chain(ids[0], ids[1:]).block(0, model.embed.weight.device), cache, exact)[0]
 
 
 @st.composite

@@ -99,10 +99,7 @@ def test_bad_input_gives_one_error_line(weights, args, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
 
 
-def test_malformed_config_and_default_weights(weights, tmp_path):
+def test_malformed_config(weights, tmp_path):
     (tmp_path / "config.json").write_text("{\"hidden_size\": 8")
     res = decode("--weights", tmp_path)
     assert res.returncode == 2 and "not valid JSON" in res.stderr and len(res.stderr.strip().splitlines()) == 1
-    if not (ROOT / "weights" / "pylm").is_dir():
-        res = decode()
-        assert res.returncode == 2 and "--weights DIR" in res.stderr

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from helpers import random_model
+from helpers import full_logits, random_model
 from nanospec import NanospecError
 from nanospec.cache import KVCache
 from nanospec.checkpoint import load, load_args, save
@@ -22,12 +22,6 @@ CONFIGS = {  # name: LlamaConfig kwargs
     "llama3-rope-tied": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40,
                              rope_scaling=dict(LLAMA3), tie_word_embeddings=True, rope_theta=500000.0),
 }
-
-
-def full_logits(model, ids, exact):
-    """Logits for every position of ids, as one chain block."""
-    cache = KVCache.for_model(model, len(ids) + 1)
-    return model(Tree.chain(ids[0], ids[1:]).block(0, model.embed.weight.device), cache, exact)[0]
 
 
 def hf_model(name, vocab=61, layers=2):

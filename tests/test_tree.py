@@ -18,7 +18,7 @@ def test_from_branches_merges_shared_prefixes(branches):
     for b in branches:  # every branch is a path from the root
         node = 0
         for tok in b:
-            node = t.kids[node][tok]
+            (node,) = t.kids[node][tok]
         assert [t.tokens[i] for i in t.path_to(node)] == [9, *b]
 
 
@@ -78,3 +78,18 @@ def test_same_seed_same_uniforms():
     a, b = Sampler(temperature=1.0, seed=7, n=50), Sampler(temperature=1.0, seed=7, n=100)
     logits = torch.randn(50, 11, generator=torch.Generator().manual_seed(0))
     assert [a.pick(l, i) for i, l in enumerate(logits)] == [b.pick(l, i) for i, l in enumerate(logits)]
+
+
+def test_parallel_branches_are_each_verified():
+    # Figure 2 of the Lookahead paper: [on, my, knee] and [on, a, table] side by side after "sits"
+    sits, on, my, knee, a, table, chair = range(7)
+    t = Tree.parallel(sits, [[on, my, knee], [on, a, table]])
+    assert t.tokens == [sits, on, my, knee, on, a, table] and t.parents == [-1, 0, 1, 2, 0, 4, 5]
+    truth = {0: on, 1: a, 2: a, 3: a, 4: a, 5: chair, 6: a}  # target after each node
+    logits = torch.full((len(t), 7), -1.0)
+    for node, tok in truth.items():
+        logits[node, tok] = 1.0
+    path, out = verify(t, logits, Sampler(), 0)
+    assert path == [0, 4, 5] and out == [on, a, chair]
+    merged = Tree.from_branches(sits, [[on, my, knee], [on, a, table]])
+    assert len(merged) == len(t) - 1

@@ -1,21 +1,56 @@
-"""Method registry: name -> loader(model, weights_dir) returning a Drafter.
+"""Method registry: name -> loader(model, weights_dir, **options) returning a Drafter.
 
-Each method file registers itself here as it lands; `ar` is the baseline every
-method must reproduce.
+A method is named by a spec, "name" or "name:key=value,key=value", e.g.
+`lookahead:strategy=parallel,decoding_length=16`; the options are the loader's
+keyword arguments. Each method file registers itself here as it lands; `ar` is
+the baseline every method must reproduce.
 """
+import inspect
+
 from .. import NanospecError
 from ..engine import Drafter
+from . import lookahead
 
 METHODS = {
     "ar": lambda model, weights: Drafter(),
+    "lookahead": lookahead.load,
 }
 
 
-def check_method(name: str) -> None:
+def _value(v: str):
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    name, _, opts = spec.partition(":")
     if name not in METHODS:
         raise NanospecError(f"unknown method {name!r}; choose from: {', '.join(METHODS)}")
+    kwargs = {}
+    for kv in filter(None, opts.split(",")):
+        key, eq, val = kv.partition("=")
+        if not eq:
+            raise NanospecError(f"method option {kv!r} in {spec!r} is not key=value")
+        kwargs[key.strip()] = _value(val.strip())
+    allowed = [p for p in inspect.signature(METHODS[name]).parameters if p not in ("model", "weights")]
+    for key in kwargs:
+        if key not in allowed:
+            raise NanospecError(f"{name} has no option {key!r}; its options: {', '.join(allowed) or 'none'}")
+    return name, kwargs
 
 
-def load_drafter(name: str, model, weights) -> Drafter:
-    check_method(name)
-    return METHODS[name](model, weights)
+def check_method(spec: str) -> None:
+    parse_spec(spec)
+
+
+def load_drafter(spec: str, model, weights) -> Drafter:
+    name, kwargs = parse_spec(spec)
+    drafter = METHODS[name](model, weights, **kwargs)
+    drafter.name = spec
+    return drafter

@@ -1,0 +1,263 @@
+"""Lookahead (Zhao et al., Ant Group, 2023): training-free multi-branch drafts from a token trie.
+
+Spec: ../shared/papers/lookahead.txt (sections 4.2-4.3, Algorithm 1, Tables 3-4).
+
+Each step, the longest suffix of the text so far that the trie knows selects a
+sub-trie (multi-stage retrieval); its highest-frequency nodes, up to the decoding
+length, are the draft, which the core engine verifies in one forward. The trie
+learns as it goes:
+- prompt branch inserting: each window of `branch_length` tokens of the prompt;
+- generated branch inserting: after every step, the output's windows are extended
+  by the tokens just accepted (each window is counted once, growing as it fills);
+- branch eliminating: when a generation ends, its prompt's frequencies are removed;
+- node pruning: when a sub-trie exceeds `capacity` nodes, response frequencies are
+  halved and nodes left below 1 removed, until it fits;
+- branch weighting: a node ranks by response_freq + prompt_weight * prompt_freq.
+The trie belongs to the drafter, so it persists across the requests of a process
+(the paper's global trie); `warmup` feeds it responses from a JSONL file first.
+
+Three draft shapes (Figure 5's comparison): "hierarchical" (the selected nodes as one
+tree: shared prefixes merged), "parallel" (whole branches side by side, unmerged,
+the same token budget) and "single" (the one highest-frequency branch).
+
+Choices where the paper is silent, and why:
+- decoding_length counts draft tokens: a step's forward runs 1 + decoding_length rows.
+- The trie is partitioned by first token and `capacity` (default 16 x decoding
+  length, Table 4) bounds each first token's sub-trie, as in the authors' release:
+  a single bound of 512 nodes over the whole trie would not hold one response's
+  branches. Nodes that carry the current prompt's frequency are exempt from pruning;
+  the prompt bounds them and eliminating removes them.
+- prompt_weight 10: "a significant factor" that still lets a branch repeated many
+  times in responses outrank a prompt branch seen once.
+- Multi-stage retrieval tries suffixes of max_prefix .. 1 tokens and takes the first
+  whose sub-trie holds at least min_nodes nodes (else the shortest match): longer
+  matches are more relevant, shorter ones fill the budget.
+- Responses are inserted starting at the prompt's last token, so the first generated
+  tokens are found as its continuation.
+"""
+import heapq
+import json
+from pathlib import Path
+
+from .. import NanospecError
+from ..engine import Drafter
+from ..tokenizer import Tokenizer
+from ..tree import Tree
+
+STRATEGIES = ("hierarchical", "parallel", "single")
+
+
+class Node:
+    __slots__ = ("kids", "freq", "pfreq")
+
+    def __init__(self):
+        self.kids: dict[int, Node] = {}
+        self.freq = 0.0   # from responses (decays under pruning)
+        self.pfreq = 0    # from the current prompt (removed by eliminating)
+
+
+class Trie:
+    def __init__(self, capacity: int, prompt_weight: float = 10.0):
+        self.root = Node()
+        self.capacity, self.prompt_weight = capacity, prompt_weight
+        self.sizes: dict[int, int] = {}  # first token -> nodes with response frequency in its sub-trie
+
+    def weight(self, node: Node) -> float:
+        return node.freq + self.prompt_weight * node.pfreq
+
+    # --- updating ---------------------------------------------------------------------------
+    def insert(self, branch: list[int], prompt: bool = False, skip: int = 0) -> None:
+        """Count one occurrence of branch; its first `skip` nodes were counted before (a growing window)."""
+        node = self.root
+        for d, tok in enumerate(branch):
+            node = node.kids.setdefault(tok, Node())
+            if d < skip:
+                continue
+            if prompt:
+                node.pfreq += 1
+            else:
+                self.sizes[branch[0]] = self.sizes.get(branch[0], 0) + (node.freq == 0)
+                node.freq += 1
+        if not prompt and branch:
+            self.prune(branch[0])
+
+    def prune(self, first: int) -> None:
+        """Node pruning: halve response frequencies until the sub-trie fits the capacity."""
+        while self.sizes.get(first, 0) > self.capacity:
+            def decay(node: Node) -> int:  # returns the nodes still holding response frequency
+                node.freq = node.freq / 2 if node.freq >= 2 else 0.0
+                n = node.freq > 0
+                for tok, kid in list(node.kids.items()):
+                    n += decay(kid)
+                    if kid.freq == 0 and kid.pfreq == 0 and not kid.kids:
+                        del node.kids[tok]
+                return n
+            self.sizes[first] = decay(self.root.kids[first])
+            sub = self.root.kids[first]
+            if sub.freq == 0 and sub.pfreq == 0 and not sub.kids:
+                del self.root.kids[first]
+
+    def eliminate(self, branches: list[list[int]]) -> None:
+        """Branch eliminating: remove the prompt frequencies that these branches added."""
+        for branch in branches:
+            node = self.root
+            for tok in branch:
+                node = node.kids[tok]
+                node.pfreq -= 1
+
+        def sweep(node: Node) -> None:
+            for tok, kid in list(node.kids.items()):
+                sweep(kid)
+                if kid.freq == 0 and kid.pfreq == 0 and not kid.kids:
+                    del node.kids[tok]
+        for first in {b[0] for b in branches if b}:
+            sweep(self.root.kids[first])
+            sub = self.root.kids[first]
+            if sub.freq == 0 and sub.pfreq == 0 and not sub.kids:
+                del self.root.kids[first]
+
+    # --- retrieving -------------------------------------------------------------------------
+    def match(self, prefix: list[int]) -> Node | None:
+        node = self.root
+        for tok in prefix:
+            node = node.kids.get(tok)
+            if node is None:
+                return None
+        return node
+
+    def retrieve(self, context: list[int], max_prefix: int, min_nodes: int) -> tuple[int, Node | None]:
+        """Multi-stage retrieval: (matched suffix length, its node), longest suffix with enough nodes."""
+        best = (0, None)
+        for j in range(min(max_prefix, len(context)), 0, -1):
+            node = self.match(context[-j:])
+            if node is None or not node.kids:
+                continue
+            best = (j, node)
+            if count(node, min_nodes) >= min_nodes:
+                break
+        return best
+
+    def select(self, node: Node, budget: int, strategy: str) -> list[tuple[int, int]]:
+        """Up to `budget` draft tokens below node as (token, parent index; -1 = the root)."""
+        if strategy == "single":
+            out = []
+            while node.kids and len(out) < budget:
+                tok, node = max(node.kids.items(), key=lambda kv: self.weight(kv[1]))
+                out.append((tok, len(out) - 1))
+            return out
+        if strategy == "parallel":
+            out = []
+            for branch in self.branches(node):
+                branch = branch[:budget - len(out)]
+                out += [(tok, -1 if d == 0 else len(out) + d - 1) for d, tok in enumerate(branch)]
+                if len(out) >= budget:
+                    break
+            return out
+        # hierarchical: best-first; weights never grow along a path, so these are the top nodes
+        out, heap, seq = [], [], 0
+        for tok, kid in node.kids.items():
+            heap.append((-self.weight(kid), seq, tok, kid, -1))
+            seq += 1
+        heapq.heapify(heap)
+        while heap and len(out) < budget:
+            _, _, tok, kid, parent = heapq.heappop(heap)
+            out.append((tok, parent))
+            for t, k in kid.kids.items():
+                heapq.heappush(heap, (-self.weight(k), seq, t, k, len(out) - 1))
+                seq += 1
+        return out
+
+    def branches(self, node: Node) -> list[list[int]]:
+        """Root-to-leaf branches below node, the heaviest leaf first (ties: longer first)."""
+        found = []
+
+        def walk(n: Node, path: list[int]) -> None:
+            if not n.kids and path:
+                found.append((self.weight(n), len(path), path))
+            for tok, kid in n.kids.items():
+                walk(kid, path + [tok])
+        walk(node, [])
+        found.sort(key=lambda f: (-f[0], -f[1]))
+        return [p for _, _, p in found]
+
+
+def count(node: Node, limit: int) -> int:
+    """Nodes below node, counting up to limit."""
+    n, stack = 0, list(node.kids.values())
+    while stack and n < limit:
+        n += 1
+        stack.extend(stack.pop().kids.values())
+    return n
+
+
+class Lookahead(Drafter):
+    name = "lookahead"
+
+    def __init__(self, decoding_length=16, branch_length=12, strategy="hierarchical", capacity=None,
+                 prompt_weight=10.0, max_prefix=6, min_nodes=None):
+        if strategy not in STRATEGIES:
+            raise NanospecError(f"lookahead strategy {strategy!r}: choose from {', '.join(STRATEGIES)}")
+        if decoding_length < 1 or branch_length < 2:
+            raise NanospecError("lookahead needs decoding_length >= 1 and branch_length >= 2")
+        self.decoding_length, self.branch_length, self.strategy = decoding_length, branch_length, strategy
+        self.max_prefix = max_prefix
+        self.min_nodes = min_nodes if min_nodes is not None else decoding_length
+        self.max_rows = decoding_length + 1
+        self.trie = Trie(capacity or 16 * decoding_length, prompt_weight)
+
+    def windows(self, seq: list[int]) -> list[list[int]]:
+        return [seq[i:i + self.branch_length] for i in range(len(seq) - 1)]
+
+    def warm_up(self, responses: list[list[int]]) -> None:
+        for r in responses:
+            for w in self.windows(r):
+                self.trie.insert(w)
+
+    def start(self, dec):
+        self.prompt_branches = self.windows(dec.prompt)  # prompt branch inserting
+        for w in self.prompt_branches:
+            self.trie.insert(w, prompt=True)
+        self.base = len(dec.prompt) - 1  # responses start at the prompt's last token
+        self.seen = 0                    # tokens of the response already inserted
+
+    def draft(self, dec):
+        budget = min(self.decoding_length, dec.room - 1)
+        j, node = self.trie.retrieve(dec.prompt + dec.out, self.max_prefix, self.min_nodes)
+        if node is None or budget < 1:
+            return Tree.chain(dec.last)
+        picked = self.trie.select(node, budget, self.strategy)
+        return Tree([dec.last] + [t for t, _ in picked], [-1] + [p + 1 for _, p in picked])
+
+    def accepted(self, dec, tree, path):
+        """Generated branch inserting: extend every window the new tokens reach."""
+        seq = (dec.prompt + dec.out)[self.base:]
+        n, L = len(seq), self.branch_length
+        for i in range(max(0, self.seen - L + 1), n):  # window i holds seq[i:seen] already
+            self.trie.insert(seq[i:i + L], skip=max(0, self.seen - i))
+        self.seen = n
+
+    def finish(self, dec):
+        self.trie.eliminate(self.prompt_branches)
+
+
+def read_responses(path, tok: Tokenizer) -> list[list[int]]:
+    path = Path(path)
+    if not path.is_file():
+        raise NanospecError(f"no warm-up file at {path}: pass a JSONL file of {{\"response\": ...}} lines")
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            out.append(tok.encode(json.loads(line)["response"], bos=False))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise NanospecError(f"{path}:{i} is not a JSON object with a \"response\" field") from None
+    return out
+
+
+def load(model, weights, decoding_length=16, branch_length=12, strategy="hierarchical", capacity=0,
+         prompt_weight=10.0, max_prefix=6, min_nodes=-1, warmup="") -> Lookahead:
+    """decode.py's loader; warmup: a JSONL file of {"response": text} to feed the trie first."""
+    d = Lookahead(decoding_length, branch_length, strategy, capacity or None, prompt_weight, max_prefix,
+                  None if min_nodes < 0 else min_nodes)
+    if warmup:
+        d.warm_up(read_responses(warmup, Tokenizer(Path(weights) / "tokenizer.model")))
+    return d

@@ -1,0 +1,68 @@
+"""The shipped default model (weights/pylm): loads everywhere, fits the size budget, decodes exactly."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import Adversary, full_logits
+from nanospec.checkpoint import load
+from nanospec.engine import generate, shapes
+from nanospec.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+W = ROOT / "weights" / "pylm"
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load(W)
+
+
+def test_size_budget():
+    assert (W / "model.safetensors").stat().st_size < 17 * 2**20
+    files = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=ROOT).stdout.split(b"\0")
+    total = sum((ROOT / f.decode()).stat().st_size for f in files if f and (ROOT / f.decode()).is_file())
+    assert total < 56 * 2**20, f"repository is {total / 2**20:.1f} MiB, over the 56 MiB budget"
+
+
+def test_stored_bf16_and_upcast_is_exact(model):
+    cfg = json.loads((W / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["num_key_value_heads"] < cfg["num_attention_heads"]
+    bf = load(W, torch.bfloat16)
+    for (n, a), (_, b) in zip(model.state_dict().items(), bf.state_dict().items()):
+        assert torch.equal(a, b.float()), n
+
+
+def test_transformers_gives_the_same_logits(model):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(W, dtype=torch.float32).eval()
+    ids = Tokenizer(W / "tokenizer.model").encode(PROMPT)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = full_logits(model, ids, exact=False)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_tree_decoding_on_the_default_model(dtype):
+    model = load(W, dtype)
+    prompt = Tokenizer(W / "tokenizer.model").encode(PROMPT)
+    Q, S = shapes([Adversary([], 1, max_nodes=12)], len(prompt), 24)
+    kw = dict(max_new_tokens=24, exact=True, Q=Q, n_slots=S, eos_id=-1, record_logits=True)
+    ar = generate(model, prompt, **kw)
+    adv = generate(model, prompt, Adversary(ar.tokens, model.args.vocab_size, seed=1), **kw)
+    assert adv.tokens == ar.tokens and torch.equal(adv.logits, ar.logits) and adv.steps < ar.steps
+
+
+def test_decode_py_uses_it_by_default():
+    res = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--method", "ar", "--prompt", "def fibonacci(n):",
+                          "--max-new-tokens", "24", "--check", "--json"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["identical_to_ar"] is True and out["text"] and res.stdout.startswith("def fibonacci(n):")
