@@ -41,7 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--check", action="store_true", help="also run AR and compare tokens (and logits in exact mode)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--bench", action="store_true", help="benchmark --methods over --prompts")
-    p.add_argument("--prompts", help="JSONL file of {\"prompt\": ...} for --bench (default: the weights' prompts.jsonl)")
+    p.add_argument("--prompts", help="JSONL file of {\"prompt\": ...}: decode each, or --bench them "
+                   "(--bench default: the weights' prompts.jsonl)")
+    p.add_argument("--limit", type=int, help="only the first N of --prompts")
     p.add_argument("--methods", default="ar", help="comma-separated methods for --bench")
     return p.parse_args(argv)
 
@@ -88,7 +90,7 @@ def main(argv=None):
         prompt_file = args.prompts or (weights / "prompts.jsonl" if (weights / "prompts.jsonl").is_file() else None)
         if prompt_file is None:
             raise NanospecError("--bench needs --prompts FILE.jsonl (this weights directory has no prompts.jsonl)")
-        prompts = [encode(args, tok, p) for p in load_prompts(prompt_file)]
+        prompts = [encode(args, tok, p) for p in load_prompts(prompt_file)[:args.limit]]
         drafters = [load_drafter(m, model, weights) for m in methods]
         results = bench(model, prompts, drafters, exact=exact, max_new_tokens=args.max_new_tokens,
                         sampling=sampling)
@@ -97,14 +99,26 @@ def main(argv=None):
             print(json.dumps({**info, "max_new_tokens": args.max_new_tokens, "results": results}))
         return 0
 
-    text = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
-    prompt = encode(args, tok, text)
     drafter = load_drafter(args.method, model, weights)
+    if args.prompts:  # several prompts in turn (one drafter: a method's state persists across them)
+        texts = load_prompts(args.prompts)[:args.limit]
+    else:
+        texts = [Path(args.prompt_file).read_text() if args.prompt_file else args.prompt]
+    status = 0
+    for i, text in enumerate(texts):
+        if i:
+            print("-" * 72)
+        status = max(status, decode_one(args, model, tok, drafter, text, info, exact, sampling))
+    return status
+
+
+def decode_one(args, model, tok, drafter, text, info, exact, sampling) -> int:
+    prompt = encode(args, tok, text)
     Q, S = shapes([drafter, Drafter()], len(prompt), args.max_new_tokens, args.block, args.max_len)
     kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S, record_logits=args.check, **sampling)
     out = generate(model, prompt, drafter, **kw)
     new_text = tok.decode(out.tokens) if tok else None
-    print((text + new_text) if tok and not args.prompt_ids else out.tokens)
+    print((text + new_text) if tok and not args.prompt_ids else out.tokens, flush=True)
     print(f"[{args.method}] {len(out.tokens)} tokens in {out.decode_s:.2f}s ({out.tokens_per_s:.1f} tok/s), "
           f"{out.steps} steps, {out.mean_accepted:.2f} tokens/step, stop: {out.stop}", file=sys.stderr)
     if out.stop == "cache_full":
@@ -123,7 +137,6 @@ def main(argv=None):
                           "tokens_per_s": round(out.tokens_per_s, 2), "seconds": round(out.decode_s, 4),
                           "identical_to_ar": identical}))
     return 0 if identical is not False else 1
-
 
 if __name__ == "__main__":
     try:

@@ -9,6 +9,7 @@ Held-out files also give the evaluation prompts: a function's signature and
 docstring, cut at the line boundary after the docstring, so the model writes the body.
 
     python -m nanospec.data --prompts weights/pylm/prompts.jsonl   # regenerate the prompt set
+    python -m nanospec.data --responses .cache/warmup.jsonl -n 1000  # training-split functions
 """
 import argparse
 import ast
@@ -76,8 +77,8 @@ def split_bytes(split: str, max_files: int | None = None) -> int:
     return sum(len(text.encode()) for _, text in documents(split, max_files=max_files))
 
 
-def function_prompts(text: str, max_chars: int = 600) -> list[str]:
-    """Signature + docstring of each function with a body of 3+ lines after its docstring."""
+def functions(text: str, max_chars: int = 600) -> list[tuple[str, str]]:
+    """(signature + docstring, body) of each function with a body of 3+ lines after its docstring."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -89,10 +90,16 @@ def function_prompts(text: str, max_chars: int = 600) -> list[str]:
         doc = node.body[0]
         if len(node.body) < 2 or node.end_lineno - doc.end_lineno < 3:
             continue
-        prompt = textwrap.dedent("".join(lines[node.lineno - 1:doc.end_lineno]))
+        src = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno])).splitlines(keepends=True)
+        cut = doc.end_lineno - node.lineno + 1
+        prompt = "".join(src[:cut])
         if len(prompt) <= max_chars and prompt.startswith(("def ", "async def ")):
-            out.append(prompt)
+            out.append((prompt, "".join(src[cut:])))
     return out
+
+
+def function_prompts(text: str, max_chars: int = 600) -> list[str]:
+    return [p for p, _ in functions(text, max_chars)]
 
 
 def eval_prompts(n: int = 64, per_file: int = 2) -> list[str]:
@@ -103,10 +110,17 @@ def eval_prompts(n: int = 64, per_file: int = 2) -> list[str]:
     return [cands[i * len(cands) // n] for i in range(n)]
 
 
+def train_functions(n: int) -> list[tuple[str, str]]:
+    """n (prompt, body) pairs from training files, spread evenly (e.g. Lookahead's warm-up responses)."""
+    cands = [f for _, text in documents("train") for f in functions(text)]
+    return cands if len(cands) <= n else [cands[i * len(cands) // n] for i in range(n)]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Corpus statistics; write the held-out prompt set.")
     p.add_argument("--prompts", help="write the evaluation prompts here (JSONL)")
     p.add_argument("-n", type=int, default=64)
+    p.add_argument("--responses", help="write -n training-split functions as {\"prompt\", \"response\"} JSONL")
     args = p.parse_args(argv)
     files = corpus_files()
     val = sum(split_of(f) == "val" for f in files)
@@ -116,6 +130,12 @@ def main(argv=None):
         body = "".join(json.dumps({"prompt": p}) + "\n" for p in prompts)
         atomic_write(Path(args.prompts), lambda f: f.write_text(body))
         print(f"wrote {len(prompts)} prompts to {args.prompts}")
+    if args.responses:
+        pairs = train_functions(args.n)
+        body = "".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in pairs)
+        Path(args.responses).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(Path(args.responses), lambda f: f.write_text(body))
+        print(f"wrote {len(pairs)} training-split functions to {args.responses}")
 
 
 if __name__ == "__main__":

@@ -103,3 +103,19 @@ def test_malformed_config(weights, tmp_path):
     (tmp_path / "config.json").write_text("{\"hidden_size\": 8")
     res = decode("--weights", tmp_path)
     assert res.returncode == 2 and "not valid JSON" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_prompts_file_decodes_each_with_one_drafter(weights, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n", "x = 1"]) + "\n")
+    res = decode("--weights", weights, "--prompts", prompts, "--limit", 2, "--max-new-tokens", 6, "--json",
+                 "--method", "lookahead:strategy=parallel,decoding_length=4", "--check", "--mode", "exact")
+    assert res.returncode == 0, res.stderr
+    outs = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert [o["prompt"] for o in outs] == ["def f(x):", "import os\n"]
+    assert all(o["identical_to_ar"] is True for o in outs)
+
+
+def test_bad_method_option_is_one_line(weights):
+    res = decode("--weights", weights, "--method", "lookahead:depth=3")
+    assert res.returncode == 2 and res.stderr.strip().startswith("error: lookahead has no option 'depth'")
