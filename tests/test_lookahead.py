@@ -10,6 +10,7 @@ from nanospec import NanospecError
 from nanospec.engine import generate, shapes
 from nanospec.methods import parse_spec
 from nanospec.methods.lookahead import STRATEGIES, Lookahead, Trie, count
+from nanospec.model import ModelArgs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -174,13 +175,31 @@ def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, str
     kw = dict(max_new_tokens=24, Q=Q, n_slots=S, eos_id=-1, record_logits=True, **sampling)
     ar = generate(model, prompt, exact=True, **kw)
     d.warm_up([[rng.randrange(args.vocab_size) for _ in range(10)] for _ in range(5)] + [prompt[-1:] + ar.tokens[:12]])
-    for exact in (True, False):  # the second request also meets the trie the first one grew
+    # the second request meets the trie the first one grew; fast mode's tokens are only
+    # promised in fp32 (bf16 near-ties flip under its other kernel shapes)
+    for exact in (True, dtype == "bf16"):
         out = generate(model, prompt, d, exact=exact, **kw)
         ref = ar if exact else generate(model, prompt, exact=False, **kw)
         assert out.tokens == ref.tokens
         if exact:
-            assert torch.equal(out.logits, ar.logits) and out.steps < ar.steps
+            assert torch.equal(out.logits, ar.logits)
     assert all(n.pfreq == 0 for _, n in nodes(d.trie))  # both prompts eliminated
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_drafts_get_accepted(device, strategy):
+    """The exactness property would be vacuous if no draft were ever accepted."""
+    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, hidden_dim=48),
+                         device=device)
+    prompt = list(range(10)) * 3
+    d = Lookahead(decoding_length=8, strategy=strategy)
+    Q, S = shapes([d], len(prompt), 40)
+    kw = dict(max_new_tokens=40, Q=Q, n_slots=S, eos_id=-1, record_logits=True, exact=True)
+    ar = generate(model, prompt, **kw)
+    first = generate(model, prompt, d, **kw)   # learns from its own output on the fly
+    again = generate(model, prompt, d, **kw)   # the global trie remembers the first response
+    assert first.tokens == again.tokens == ar.tokens and torch.equal(again.logits, ar.logits)
+    assert again.mean_accepted > 3 and again.mean_accepted > first.mean_accepted
 
 
 def test_spec_options():

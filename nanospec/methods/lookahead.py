@@ -217,12 +217,12 @@ class Lookahead(Drafter):
         self.prompt_branches = self.windows(dec.prompt)  # prompt branch inserting
         for w in self.prompt_branches:
             self.trie.insert(w, prompt=True)
-        self.base = len(dec.prompt) - 1  # responses start at the prompt's last token
-        self.seen = 0                    # tokens of the response already inserted
+        self.seen = 0  # tokens of the response (the prompt's last token, then the output) inserted
 
     def draft(self, dec):
         budget = min(self.decoding_length, dec.room - 1)
-        j, node = self.trie.retrieve(dec.prompt + dec.out, self.max_prefix, self.min_nodes)
+        m = self.max_prefix
+        j, node = self.trie.retrieve((dec.prompt[-m:] + dec.out[-m:])[-m:], m, self.min_nodes)
         if node is None or budget < 1:
             return Tree.chain(dec.last)
         picked = self.trie.select(node, budget, self.strategy)
@@ -230,7 +230,7 @@ class Lookahead(Drafter):
 
     def accepted(self, dec, tree, path):
         """Generated branch inserting: extend every window the new tokens reach."""
-        seq = (dec.prompt + dec.out)[self.base:]
+        seq = dec.prompt[-1:] + dec.out
         n, L = len(seq), self.branch_length
         for i in range(max(0, self.seen - L + 1), n):  # window i holds seq[i:seen] already
             self.trie.insert(seq[i:i + L], skip=max(0, self.seen - i))
