@@ -15,7 +15,7 @@ from nanospec import NanospecError
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.checkpoint import DTYPES, load
 from nanospec.engine import Drafter, generate, shapes
-from nanospec.methods import METHODS, check_method, load_drafter
+from nanospec.methods import METHODS, check_method, load_drafter, split_specs
 from nanospec.tokenizer import Tokenizer
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "pylm"
@@ -77,7 +77,7 @@ def encode(args, tok, text):
 
 def main(argv=None):
     args = parse_args(argv)
-    methods = args.methods.split(",") if args.bench else [args.method]
+    methods = split_specs(args.methods) if args.bench else [args.method]
     for m in methods:  # before loading any weights
         check_method(m)
     weights, model, dtype = setup(args)

@@ -75,15 +75,18 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         new = sum(len(o.tokens) for o in outs)
         steps = sum(o.steps for o in outs)
         tps = new / sum(o.decode_s for o in outs)
+        fwd_ms = 1000 * sum(sum(o.forward_s) for o in outs) / steps
         results.append(dict(method=d.name, prompts=len(prompts), new_tokens=new, steps=steps,
-                            mean_accepted=round(new / steps, 3), tokens_per_s=round(tps, 2),
+                            mean_accepted=round(new / steps, 3), forward_ms=round(fwd_ms, 2),
+                            tokens_per_s=round(tps, 2),
                             speedup=round(tps / ar_tps, 3),
                             mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(outs, ref))))
     return results
 
 
 def table(results: list[dict]) -> str:
-    cols = ["method", "prompts", "new_tokens", "steps", "mean_accepted", "tokens_per_s", "speedup", "mismatches"]
+    cols = ["method", "prompts", "new_tokens", "steps", "mean_accepted", "forward_ms", "tokens_per_s", "speedup",
+            "mismatches"]
     rows = [cols] + [[str(r[c]) for c in cols] for r in results]
     w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w[i]) for i, v in enumerate(r)) for r in rows)

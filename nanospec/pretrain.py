@@ -26,7 +26,7 @@ from .checkpoint import atomic_write, load, save
 from .data import STDLIB, documents, split_bytes, token_stream
 from .model import Block, Llama, ModelArgs
 from .tokenizer import Tokenizer, train_tokenizer
-from .training import Progress, adamw, cosine_lr, load_state, save_state
+from .training import Progress, adamw, cosine_lr, hardware, load_state, save_state
 
 
 def add_args(p):
@@ -177,8 +177,7 @@ def train_base(args):
     report = {
         "command": "python " + " ".join(sys.argv), "python": platform.python_version(),
         "torch": torch.__version__, "stdlib": str(STDLIB),
-        "hardware": torch.cuda.get_device_name(dev) if dev.type == "cuda" else
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "hardware": hardware(dev),
         "wall_time_s": round(wall), "steps": args.steps, "tokens_seen": args.steps * B * T,
         "parameters": n_params, "train_tokens": len(train_ids), "val_tokens": len(val_ids),
         "val_bytes": n_bytes, "val_loss_nats": round(loss, 4), "val_bits_per_byte": round(bpb(loss), 4),

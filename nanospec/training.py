@@ -1,4 +1,5 @@
 """What every trainer shares: the LR schedule, progress lines, resumable checkpoints."""
+import platform
 import time
 from pathlib import Path
 
@@ -21,6 +22,18 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def hardware(device) -> str:
+    """A line naming what a job ran on, for the records trainers write."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.machine()
+    try:
+        name = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {torch.get_num_threads()} threads"
 
 
 def fmt_time(s: float) -> str:

@@ -78,7 +78,7 @@ def test_bench_json(weights, tmp_path):
     assert {"device", "dtype", "mode", "results"} <= out.keys()
     (r,) = out["results"]
     assert r["method"] == "ar" and r["prompts"] == 2 and r["mismatches"] == 0 and r["speedup"] > 0
-    assert {"new_tokens", "steps", "mean_accepted", "tokens_per_s"} <= r.keys()
+    assert {"new_tokens", "steps", "mean_accepted", "forward_ms", "tokens_per_s"} <= r.keys() and r["forward_ms"] > 0
 
 
 @pytest.mark.parametrize("args, message", [

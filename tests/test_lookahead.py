@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 from helpers import model_args, random_model
 from nanospec import NanospecError
 from nanospec.engine import generate, shapes
-from nanospec.methods import parse_spec
+from nanospec.methods import parse_spec, split_specs
 from nanospec.methods.lookahead import STRATEGIES, Lookahead, Trie, count
 from nanospec.model import ModelArgs
 
@@ -205,6 +205,8 @@ def test_drafts_get_accepted(device, strategy):
 def test_spec_options():
     assert parse_spec("lookahead:strategy=parallel,decoding_length=8") == (
         "lookahead", {"strategy": "parallel", "decoding_length": 8})
+    assert split_specs("ar,lookahead:strategy=single,decoding_length=8,lookahead") == [
+        "ar", "lookahead:strategy=single,decoding_length=8", "lookahead"]
     with pytest.raises(NanospecError, match="has no option 'depth'"):
         parse_spec("lookahead:depth=3")
     with pytest.raises(NanospecError, match="choose from"):

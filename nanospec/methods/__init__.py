@@ -45,6 +45,18 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name, kwargs
 
 
+def split_specs(methods: str) -> list[str]:
+    """'ar,lookahead:strategy=single,decoding_length=8' -> ['ar', 'lookahead:strategy=single,decoding_length=8']:
+    a piece with '=' and no ':' continues the spec before it."""
+    specs = []
+    for piece in methods.split(","):
+        if "=" in piece and ":" not in piece and specs:
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
+
+
 def check_method(spec: str) -> None:
     parse_spec(spec)
 
