@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from nanospec import NanospecError
+from nanospec import NanospecError, cli
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.checkpoint import DTYPES, load
 from nanospec.engine import Drafter, generate, shapes
@@ -139,8 +139,4 @@ def decode_one(args, model, tok, drafter, text, info, exact, sampling) -> int:
     return 0 if identical is not False else 1
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except NanospecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli(main)

@@ -5,12 +5,11 @@
     python train.py --method base --help   # a method's own options
 """
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-from nanospec import NanospecError
+from nanospec import NanospecError, cli
 from nanospec import pretrain
 
 ROOT = Path(__file__).parent
@@ -47,8 +46,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except NanospecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli(main)

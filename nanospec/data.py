@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import cli
 from .checkpoint import atomic_write
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -139,4 +140,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

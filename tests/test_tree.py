@@ -1,9 +1,6 @@
-import random
-
 import torch
 from hypothesis import given, strategies as st
 
-from nanospec.cache import KVCache
 from nanospec.model import Llama, ModelArgs
 from nanospec.tree import Sampler, Tree, verify
 
