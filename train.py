@@ -11,11 +11,13 @@ import torch
 
 from nanospec import NanospecError, cli
 from nanospec import pretrain
+from nanospec.methods import medusa
 
 ROOT = Path(__file__).parent
 TRAINERS = {  # method -> (add_args, train)
     "tokenizer": (pretrain.add_args, pretrain.train_tok),
     "base": (pretrain.add_args, pretrain.train_base),
+    "medusa": (medusa.add_args, medusa.train),
 }
 
 

@@ -3,6 +3,7 @@
 Our module names differ from HF's in a few places; HF_NAMES is the one map between them.
 Q/K need no permutation: HF checkpoints already use the rotate-half RoPE layout we use.
 """
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -45,6 +46,16 @@ def atomic_write(path: Path, write) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def fingerprint(model: Llama) -> str:
+    """A short hash of the base weights (as fp32, so a bf16 file loaded in either dtype agrees).
+    Drafter weights record it; loading them against another base model is refused."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def load_args(path) -> ModelArgs:

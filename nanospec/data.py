@@ -18,9 +18,11 @@ import json
 import sys
 import sysconfig
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from . import cli
 from .checkpoint import atomic_write
@@ -115,6 +117,28 @@ def train_functions(n: int) -> list[tuple[str, str]]:
     """n (prompt, body) pairs from training files, spread evenly (e.g. Lookahead's warm-up responses)."""
     cands = [f for _, text in documents("train") for f in functions(text)]
     return cands if len(cands) <= n else [cands[i * len(cands) // n] for i in range(n)]
+
+
+def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64) -> list[tuple[list[int], list[int]]]:
+    """Self-distillation data: (prompt, the model's greedy continuation) for n training-split
+    function prompts. Generated batched once, then cached under .cache/ by the model's fingerprint."""
+    from .checkpoint import fingerprint
+    from .engine import generate_batch
+    path = CACHE / f"distill-{fingerprint(model)}-{n}-{new_tokens}.pt"
+    if path.is_file():
+        return torch.load(path)
+    prompts = sorted((tok.encode(p) for p, _ in train_functions(n)), key=len)  # similar lengths batch well
+    data, t0 = [], time.time()
+    for i in range(0, len(prompts), batch):
+        part = prompts[i:i + batch]
+        data += list(zip(part, generate_batch(model, part, new_tokens)))
+        done = len(data)
+        eta = (time.time() - t0) / done * (len(prompts) - done)
+        print(f"distill: {done}/{len(prompts)} prompts, {done * new_tokens / (time.time() - t0):.0f} tok/s, "
+              f"eta {eta:.0f}s", flush=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda f: torch.save(data, f))
+    return data
 
 
 def main(argv=None):

@@ -9,11 +9,12 @@ import inspect
 
 from .. import NanospecError
 from ..engine import Drafter
-from . import lookahead
+from . import lookahead, medusa
 
 METHODS = {
     "ar": lambda model, weights: Drafter(),
     "lookahead": lookahead.load,
+    "medusa": medusa.load_medusa,
 }
 
 

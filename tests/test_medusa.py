@@ -1,0 +1,114 @@
+"""Medusa heads: init, tree choice, weights on disk, training, and exactness against AR."""
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from helpers import model_args, random_model
+from nanospec import NanospecError
+from nanospec.checkpoint import fingerprint, load, save
+from nanospec.engine import generate, generate_batch, shapes
+from nanospec.methods.medusa import Heads, Medusa, choose_tree, load_medusa, loss_fn, samples, save_drafter
+from nanospec.model import ModelArgs
+from nanospec.tokenizer import Tokenizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+W = Path(__file__).resolve().parents[1] / "weights" / "pylm"
+TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, hidden_dim=48)
+
+
+def test_untrained_heads_repeat_the_next_token_guess():
+    model = random_model(TINY)
+    heads = Heads(32, 50, 3).init_from(model.lm_head)
+    h = torch.randn(7, 32)
+    out = heads(h)
+    for k in range(3):
+        assert torch.equal(out[k], model.lm_head(h))
+
+
+def test_choose_tree_by_path_probability():
+    acc = [[0.6, 0.25, 0.1], [0.5, 0.1, 0.05]]
+    assert choose_tree(acc, 4) == [(0,), (0, 0), (1,), (1, 0)]  # 0.25 * 0.5 beats 0.1
+    assert choose_tree(acc, 6)[4:] == [(2,), (0, 1)]  # 0.1, then 0.6 * 0.1
+
+
+@given(st.lists(st.lists(st.floats(0.01, 1.0), min_size=3, max_size=3), min_size=1, max_size=4), st.integers(1, 30))
+def test_chosen_trees_are_prefix_closed_and_parents_first(acc, size):
+    paths = choose_tree(acc, size)
+    assert len(paths) == min(size, sum(3 ** d for d in range(1, len(acc) + 1)))
+    for i, p in enumerate(paths):
+        assert len(p) == 1 or p[:-1] in paths[:i]
+
+
+@given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 20))
+def test_batched_generation_equals_ar(device, args, seed, plen):
+    model = random_model(args, seed, device=device)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(args.vocab_size) for _ in range(rng.randint(1, plen))] for _ in range(3)]
+    for p, out in zip(prompts, generate_batch(model, prompts, 12)):
+        assert out == generate(model, p, max_new_tokens=12, eos_id=-1).tokens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 30), size=st.integers(1, 20),
+       sampled=st.booleans())
+def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, size, sampled):
+    model = random_model(args, seed, DTYPES[dtype], device)
+    torch.manual_seed(seed)
+    heads = Heads(args.dim, args.vocab_size, 3).init_from(model.lm_head)  # drafts the repeated next token...
+    with torch.no_grad():
+        heads.res[1].weight.normal_()  # ...and, from head 2 on, random guesses
+    d = Medusa(heads.to(device=device, dtype=DTYPES[dtype]), choose_tree([[0.5, 0.3, 0.2]] * 3, size))
+    prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
+    sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
+    Q, S = shapes([d], plen, 24)
+    kw = dict(max_new_tokens=24, Q=Q, n_slots=S, eos_id=-1, record_logits=True, **sampling)
+    ar, out = generate(model, prompt, exact=True, **kw), generate(model, prompt, d, exact=True, **kw)
+    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    if dtype == "fp32":
+        assert generate(model, prompt, d, **kw).tokens == generate(model, prompt, **kw).tokens
+
+
+def test_a_few_training_steps_reduce_the_loss():
+    model = random_model(TINY)
+    data = list(zip([[1, 2, 3], [4, 5], [6]] * 4, generate_batch(model, [[1, 2, 3], [4, 5], [6]] * 4, 16)))
+    h, y = samples(model, data, 3)
+    heads = Heads(32, 50, 3).init_from(model.lm_head)
+    opt = torch.optim.Adam(heads.parameters(), lr=1e-2)
+    first = loss_fn(heads(h), y).item()
+    for _ in range(30):
+        loss = loss_fn(heads(h), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.7 * first
+
+
+def test_weights_for_another_base_model_are_refused(tmp_path):
+    model, other = random_model(TINY, seed=0), random_model(TINY, seed=1)
+    save(model, tmp_path)
+    heads = Heads(32, 50, 2).init_from(model.lm_head)
+    with pytest.raises(NanospecError, match="no medusa.safetensors"):
+        load_medusa(model, tmp_path)
+    save_drafter(tmp_path / "medusa.safetensors", heads, {"base_fingerprint": fingerprint(other), "heads": 2,
+                                                          "acc": [[0.5], [0.5]], "tree": [[0], [0, 0]]})
+    with pytest.raises(NanospecError, match="trained for another base model"):
+        load_medusa(model, tmp_path)
+    save_drafter(tmp_path / "medusa.safetensors", heads, {"base_fingerprint": fingerprint(model), "heads": 2,
+                                                          "acc": [[0.5], [0.5]], "tree": [[0], [0, 0]]})
+    assert load_medusa(model, tmp_path).paths == [(0,), (0, 0)]
+
+
+@pytest.mark.skipif(not (W / "medusa.safetensors").is_file(), reason="the default model's heads are not trained")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shipped_heads_on_the_default_model(dtype):
+    model = load(W, DTYPES[dtype])
+    d = load_medusa(model, W)
+    prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
+    Q, S = shapes([d], len(prompt), 48)
+    kw = dict(max_new_tokens=48, Q=Q, n_slots=S, eos_id=-1, record_logits=True, exact=True)
+    ar, out = generate(model, prompt, **kw), generate(model, prompt, d, **kw)
+    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    assert out.mean_accepted > 1.5  # non-vacuous: trained heads get drafts accepted
