@@ -2,6 +2,7 @@
 
 Our module names differ from HF's in a few places; HF_NAMES is the one map between them.
 Q/K need no permutation: HF checkpoints already use the rotate-half RoPE layout we use.
+Methods' trained weights are separate files that record the fingerprint of their base model.
 """
 import hashlib
 import json
@@ -127,3 +128,24 @@ def save(model: Llama, path, dtype=None, tokenizer_model=None) -> None:
     if tokenizer_model is not None:
         data = Path(tokenizer_model).read_bytes()
         atomic_write(path / "tokenizer.model", lambda p: p.write_bytes(data))
+
+
+def save_drafter(path: Path, module: torch.nn.Module, meta: dict) -> None:
+    """A method's trained weights (bf16) with JSON metadata; meta should carry base_fingerprint."""
+    state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in module.state_dict().items()}
+    atomic_write(path, lambda p: save_file(state, str(p), metadata={k: json.dumps(v) for k, v in meta.items()}))
+
+
+def load_drafter_file(path: Path, model, train_cmd: str) -> tuple[dict, dict]:
+    """(tensors, metadata) of a drafter file, refusing one trained for another base model."""
+    if not path.is_file():
+        raise NanospecError(f"no {path.name} in {path.parent}: train it with `{train_cmd}`")
+    with safe_open(path, framework="pt") as f:
+        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    fp = fingerprint(model)
+    if meta.get("base_fingerprint") != fp:
+        raise NanospecError(f"{path} was trained for another base model (fingerprint "
+                            f"{meta.get('base_fingerprint')}, these weights {fp}): retrain with `{train_cmd}`")
+    w = model.embed.weight
+    return {k: v.to(device=w.device, dtype=w.dtype) for k, v in tensors.items()}, meta

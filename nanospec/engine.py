@@ -214,7 +214,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list
     start = torch.tensor([P - len(p) for p in prompts], device=dev)[:, None, None]  # (B, 1, 1)
 
     def block(tokens, lo):  # rows for slots lo..lo+T-1 of every sequence
-        T, hi = tokens.shape[1], lo + tokens.shape[1]
+        hi = lo + tokens.shape[1]
         slots = torch.arange(lo, hi, device=dev)
         j = torch.arange(hi, device=dev)
         own = slots[None, :, None] < start  # (B, T, 1): padding rows

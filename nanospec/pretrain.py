@@ -68,10 +68,9 @@ def windows(stream: np.ndarray, B: int, T: int, gen: torch.Generator) -> torch.T
     return torch.from_numpy(np.stack([stream[s:s + T + 1] for s in starts]).astype(np.int64))
 
 
-def val_windows(stream: np.ndarray, T: int, limit: int | None = None) -> torch.Tensor:
-    """Non-overlapping windows of T+1 tokens covering the stream (or its first `limit`)."""
+def val_windows(stream: np.ndarray, T: int) -> torch.Tensor:
+    """Non-overlapping windows of T+1 tokens covering the stream."""
     n = (len(stream) - 1) // T
-    n = min(n, limit) if limit else n
     return torch.from_numpy(np.stack([stream[i * T:i * T + T + 1] for i in range(n)]).astype(np.int64))
 
 

@@ -8,9 +8,9 @@ from hypothesis import given, strategies as st
 
 from helpers import model_args, random_model
 from nanospec import NanospecError
-from nanospec.checkpoint import fingerprint, load, save
+from nanospec.checkpoint import fingerprint, load, save, save_drafter
 from nanospec.engine import generate, generate_batch, shapes
-from nanospec.methods.medusa import Heads, Medusa, choose_tree, load_medusa, loss_fn, samples, save_drafter
+from nanospec.methods.medusa import Heads, Medusa, choose_tree, load_medusa, loss_fn, samples
 from nanospec.model import ModelArgs
 from nanospec.tokenizer import Tokenizer
 

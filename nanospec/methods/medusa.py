@@ -22,7 +22,6 @@ Choices where the papers are silent, and why:
   drafts nothing (one AR step).
 """
 import heapq
-import json
 import math
 import time
 from pathlib import Path
@@ -30,11 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from .. import NanospecError
-from ..checkpoint import atomic_write, fingerprint, load
+from ..checkpoint import fingerprint, load, load_drafter_file, save_drafter
 from ..data import distill
 from ..engine import Drafter
 from ..model import Block
@@ -107,26 +103,6 @@ class Medusa(Drafter):
 
 
 # --- weights on disk ---------------------------------------------------------------------------
-def save_drafter(path: Path, module: nn.Module, meta: dict) -> None:
-    state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in module.state_dict().items()}
-    atomic_write(path, lambda p: save_file(state, str(p), metadata={k: json.dumps(v) for k, v in meta.items()}))
-
-
-def load_drafter_file(path: Path, model, train_cmd: str) -> tuple[dict, dict]:
-    """(tensors, metadata) of a drafter file, refusing one trained for another base model."""
-    if not path.is_file():
-        raise NanospecError(f"no {path.name} in {path.parent}: train it with `{train_cmd}`")
-    with safe_open(path, framework="pt") as f:
-        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    fp = fingerprint(model)
-    if meta.get("base_fingerprint") != fp:
-        raise NanospecError(f"{path} was trained for another base model (fingerprint "
-                            f"{meta.get('base_fingerprint')}, these weights {fp}): retrain with `{train_cmd}`")
-    w = model.embed.weight
-    return {k: v.to(device=w.device, dtype=w.dtype) for k, v in tensors.items()}, meta
-
-
 def load_heads(model, weights):
     tensors, meta = load_drafter_file(Path(weights) / "medusa.safetensors", model, "python train.py --method medusa")
     a = model.args
