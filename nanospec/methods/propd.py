@@ -1,0 +1,89 @@
+"""ProPD (Zhong et al., 2024): early tree pruning and a dynamic tree size on top of Medusa heads.
+
+Spec: ../shared/papers/propd.txt (sections 3-4, Tables 2-3).
+
+WORK IN PROGRESS (issue 5): this file so far holds the dynamic tree planner of section 4.2;
+early pruning (4.1) and the drafter that uses both are not written yet, and nothing registers
+this module as a method.
+
+Dynamic token tree generation (4.2):
+- CostModel: per (batch size, tree size), an EMA of measured iteration time; a linear fit
+  T(size) = b0 + b1 * size by weighted least squares with weights exp(-lambda * age), age
+  being the steps since that size was last measured (solved in closed form).
+- Acceptance: per head i and rank k, an EMA of "the true token was in head i's top-k";
+  p[i][k] = P[i][k] - P[i][k-1] is the chance that rank k is the right one.
+- A tree's expected acceptance length is 1 (the token verification always yields) plus,
+  for every node, the product of p along its path (Figure 6: 1.88 for 'abd' + 'ac').
+- plan() picks the size maximising expected length / estimated time.
+"""
+import math
+
+from .medusa import choose_tree
+
+
+class CostModel:
+    def __init__(self, alpha: float = 0.3, lam: float = 0.01):
+        self.alpha, self.lam = alpha, lam
+        self.perf: dict[tuple[int, int], float] = {}  # (batch, size) -> EMA of iteration time
+        self.seen: dict[tuple[int, int], int] = {}    # (batch, size) -> step of the last update
+        self.step = 0
+
+    def update(self, size: int, seconds: float, batch: int = 1) -> None:
+        key = (batch, size)
+        old = self.perf.get(key)
+        self.perf[key] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        self.seen[key] = self.step
+        self.step += 1
+
+    def fit(self, batch: int = 1) -> tuple[float, float] | None:
+        """(b0, b1) of the weighted least-squares line, or None with fewer than two sizes measured."""
+        pts = [(s, t, math.exp(-self.lam * (self.step - self.seen[(b, s)])))
+               for (b, s), t in self.perf.items() if b == batch]
+        if len({s for s, _, _ in pts}) < 2:
+            return None
+        W = sum(w for _, _, w in pts)
+        xm = sum(w * s for s, _, w in pts) / W
+        ym = sum(w * t for _, t, w in pts) / W
+        b1 = sum(w * (s - xm) * (t - ym) for s, t, w in pts) / sum(w * (s - xm) ** 2 for s, _, w in pts)
+        return ym - b1 * xm, b1
+
+    def estimate(self, size: int, batch: int = 1) -> float | None:
+        fit = self.fit(batch)
+        return None if fit is None else fit[0] + fit[1] * size
+
+
+class Acceptance:
+    """P[i][k]: EMA of "head i's true token was in its top-(k+1)"."""
+
+    def __init__(self, heads: int, topk: int, alpha: float = 0.05, prior: list[list[float]] | None = None):
+        self.alpha = alpha
+        self.P = [list(row) for row in prior] if prior else [[0.0] * topk for _ in range(heads)]
+
+    def update(self, head: int, rank: int | None) -> None:
+        """rank: where the true token was in the head's ranking (None: beyond top-k)."""
+        row = self.P[head]
+        for k in range(len(row)):
+            row[k] = (1 - self.alpha) * row[k] + self.alpha * (rank is not None and rank <= k)
+
+    def p(self) -> list[list[float]]:
+        return [[row[k] - (row[k - 1] if k else 0.0) for k in range(len(row))] for row in self.P]
+
+
+def expected_length(paths: list[tuple[int, ...]], p: list[list[float]]) -> float:
+    total = 1.0
+    for path in paths:
+        total += math.prod(p[d][r] for d, r in enumerate(path))
+    return total
+
+
+def plan(p: list[list[float]], cost: CostModel, sizes: list[int], batch: int = 1) -> int:
+    """The tree size maximising expected accepted length per estimated second."""
+    best, best_size = -1.0, sizes[0]
+    for size in sizes:
+        t = cost.estimate(size + 1, batch)  # rows = draft nodes + the root
+        if t is None or t <= 0:
+            return sizes[0]
+        v = expected_length(choose_tree(p, size), p) / t
+        if v > best:
+            best, best_size = v, size
+    return best_size
