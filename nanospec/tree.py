@@ -74,6 +74,11 @@ class Tree:
                      for p in itertools.product(*(range(len(c)) for c in cands[:d]))]
         return cls.from_branches(root, [[cands[d][r] for d, r in enumerate(p)] for p in paths])
 
+    def drop(self, nodes) -> None:
+        """Make nodes (and so their descendants) unreachable for verify; indices and slots stay."""
+        for i in nodes:
+            self.kids[self.parents[i]][self.tokens[i]].remove(i)
+
     # --- flattening -----------------------------------------------------------------------
     def path_to(self, i: int) -> list[int]:
         path = []

@@ -59,3 +59,38 @@ def test_plan_picks_the_best_speed():
     assert plan(p, expensive_rows, [1, 3, 7, 15]) in (1, 3)
     assert plan(p, CostModel(), [3, 7]) == 3  # nothing measured yet: the first size
     assert math.isclose(expected_length([], p), 1.0)
+
+
+# --- early pruning: exactness with a random early head that prunes often -----------------------
+import torch
+from hypothesis import given, strategies as st
+
+from helpers import model_args, random_model
+from nanospec.engine import generate, shapes
+from nanospec.methods.medusa import Heads, choose_tree as medusa_tree
+from nanospec.methods.propd import EarlyHead, ProPD
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 30), size=st.integers(1, 20),
+       k=st.integers(1, 4), sampled=st.booleans())
+def test_pruned_verification_equals_ar(device, dtype, args, seed, plen, size, k, sampled):
+    model = random_model(args, seed, DTYPES[dtype], device)
+    torch.manual_seed(seed)
+    heads = Heads(args.dim, args.vocab_size, 3).init_from(model.lm_head).to(device=device, dtype=DTYPES[dtype])
+    early = EarlyHead(args.dim, args.norm_eps)
+    with torch.no_grad():
+        early.res.weight.normal_()  # a poor early head: prunes true continuations too
+    early = early.to(device=device, dtype=DTYPES[dtype])
+    layer = seed % args.n_layers + 1 if args.n_layers > 1 else 1
+    d = ProPD(heads, medusa_tree([[0.5, 0.3, 0.2]] * 3, size), early, layer, k)
+    prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
+    sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
+    Q, S = shapes([d], plen, 24)
+    kw = dict(max_new_tokens=24, Q=Q, n_slots=S, eos_id=-1, record_logits=True, **sampling)
+    ar, out = generate(model, prompt, exact=True, **kw), generate(model, prompt, d, exact=True, **kw)
+    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    if dtype == "fp32":
+        assert generate(model, prompt, d, **kw).tokens == generate(model, prompt, **kw).tokens

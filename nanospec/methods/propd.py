@@ -18,7 +18,13 @@ Dynamic token tree generation (4.2):
 """
 import math
 
-from .medusa import choose_tree
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..model import RMSNorm
+from ..tree import Tree
+from .medusa import Medusa, choose_tree
 
 
 class CostModel:
@@ -87,3 +93,86 @@ def plan(p: list[list[float]], cost: CostModel, sizes: list[int], batch: int = 1
         if v > best:
             best, best_size = v, size
     return best_size
+
+
+# --- early pruning (section 4.1) ---------------------------------------------------------------
+
+class EarlyHead(nn.Module):
+    """Next-token guesses from layer-n hidden states: a zero-initialised residual SiLU block and an
+    RMSNorm (from the final norm) in front of the frozen, shared lm_head (so the file stays tiny)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.res = nn.Linear(dim, dim)
+        self.norm = RMSNorm(dim, eps)
+
+    def init_from(self, model) -> "EarlyHead":
+        with torch.no_grad():
+            self.res.weight.zero_()
+            self.res.bias.zero_()
+            self.norm.weight.copy_(model.norm.weight)
+        return self
+
+    def forward(self, x, lm_head):
+        return lm_head(self.norm(x + F.silu(self.res(x))))
+
+
+def pruned(tree: Tree, early_logits: torch.Tensor, k: int) -> list[int]:
+    """Nodes whose token is not in the top-k of their parent's early prediction (their
+    descendants go with them); the root stays."""
+    top = early_logits.topk(min(k, early_logits.shape[-1]), dim=-1).indices.tolist()
+    return [i for i in range(1, len(tree)) if tree.tokens[i] not in top[tree.parents[i]]]
+
+
+def forward_pruned(dec, tree: Tree, early: EarlyHead, layer: int, k: int):
+    """The verification forward with early pruning after `layer` layers; returns (logits, h, dropped).
+
+    Fast mode removes the pruned rows (and their descendants) before the remaining layers.
+    Exact mode keeps every row (each row's result is independent of the others there) and only
+    drops the pruned nodes from verification, so the survivors' logits are AR's, bitwise.
+    """
+    model, n = dec.model, len(tree)
+    block = tree.block(dec.cur, dec.device)
+    if dec.exact:
+        block = block.pad(dec.Q, dec.cache.trash)
+    ctx = model.context(block, dec.cache.n_slots, dec.exact)
+    x = model.embed(block.tokens)
+    for i in range(layer):
+        x = model.layers[i](x, ctx, *dec.cache.layer(i))
+    cut = pruned(tree, early(x[0, :n], model.lm_head), k)
+    gone = set(cut)
+    for i in range(1, n):  # descendants of a pruned node go too
+        if tree.parents[i] in gone:
+            gone.add(i)
+    keep = torch.tensor([i for i in range(len(block)) if i not in gone], device=dec.device)
+    if not dec.exact and gone:
+        block = block.select(keep)
+        ctx = model.context(block, dec.cache.n_slots, False)
+        x = x[:, keep]
+    for i in range(layer, len(model.layers)):
+        x = model.layers[i](x, ctx, *dec.cache.layer(i))
+    h = model.norm(x)
+    out = model.lm_head(ctx.rows(h))[0]
+    if not dec.exact and gone:  # scatter the survivors back to node order
+        full = out.new_zeros(n, out.shape[-1])
+        full_h = h.new_zeros(n, h.shape[-1])
+        full[keep], full_h[keep] = out, h[0]
+        out, h = full, full_h[None]
+    tree.drop(cut)
+    return out[:n], h[0, :n], sorted(gone)
+
+
+class ProPD(Medusa):
+    """Medusa's heads and tree, verified with early pruning (the dynamic size is still to come)."""
+    name = "propd"
+
+    def __init__(self, heads, paths, early: EarlyHead, layer: int, k: int):
+        super().__init__(heads, paths)
+        self.early, self.layer, self.k = early, layer, k
+        self.rows = self.pruned_rows = 0
+
+    def forward(self, dec, tree):
+        logits, self.h, gone = forward_pruned(dec, tree, self.early, self.layer, self.k)
+        self.rows += len(tree) - 1
+        self.pruned_rows += len(gone)
+        return logits
