@@ -176,3 +176,42 @@ class ProPD(Medusa):
         self.rows += len(tree) - 1
         self.pruned_rows += len(gone)
         return logits
+
+
+@torch.no_grad()
+def layer_states(model, seqs: list[list[int]], layer: int, batch: int = 16) -> list[torch.Tensor]:
+    """The frozen model's hidden state after `layer` layers at every position of every sequence."""
+    from ..model import Block
+    out = []
+    for i in range(0, len(seqs), batch):
+        part = seqs[i:i + batch]
+        T = max(map(len, part))
+        blk = Block.causal(torch.tensor([s + [0] * (T - len(s)) for s in part], device=model.embed.weight.device))
+        ctx = model.context(blk, T, False)
+        x = model.embed(blk.tokens)
+        for L in model.layers[:layer]:
+            x = L(x, ctx, None, None)
+        out += [x[j, :len(s)] for j, s in enumerate(part)]
+    return out
+
+
+def train_early(model, data, layer: int, steps: int = 300, batch: int = 1024, lr: float = 1e-3, seed: int = 0):
+    """Fit an EarlyHead at `layer` to the model's own next tokens (greedy continuations)."""
+    seqs = [p + c for p, c in data]
+    xs, ys = [], []
+    for (p, _), s, x in zip(data, seqs, layer_states(model, seqs, layer)):
+        xs.append(x[len(p) - 1:len(s) - 1])
+        ys.append(torch.tensor(s[len(p):]))
+    x, y = torch.cat(xs), torch.cat(ys)
+    torch.manual_seed(seed)
+    head = EarlyHead(model.args.dim, model.args.norm_eps).init_from(model)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    for step in range(steps):
+        idx = torch.randint(0, len(x), (batch,))
+        loss = F.cross_entropy(head(x[idx], model.lm_head), y[idx])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == steps - 1:
+            print(f"early head (layer {layer}): step {step + 1}/{steps} | loss {loss.item():.4f}", flush=True)
+    return head
