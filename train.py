@@ -2,6 +2,8 @@
 
     python train.py --method tokenizer     # sentencepiece BPE on the stdlib corpus
     python train.py --method base          # the default model, weights/pylm
+    python train.py --method medusa        # Medusa heads + ProPD's early heads
+    python train.py --method propd         # ProPD's early heads alone
     python train.py --method base --help   # a method's own options
 """
 import argparse
@@ -11,13 +13,31 @@ import torch
 
 from nanospec import NanospecError, cli
 from nanospec import pretrain
-from nanospec.methods import medusa
+from nanospec.methods import medusa, propd
 
 ROOT = Path(__file__).parent
+
+
+def medusa_args(p):
+    medusa.add_args(p)
+    propd.add_args(p)
+
+
+def train_medusa(args):  # the Medusa heads, then ProPD's early heads on the same data
+    medusa.train(args)
+    propd.train(args)
+
+
+def propd_args(p):
+    medusa.data_args(p)
+    propd.add_args(p)
+
+
 TRAINERS = {  # method -> (add_args, train)
     "tokenizer": (pretrain.add_args, pretrain.train_tok),
     "base": (pretrain.add_args, pretrain.train_base),
-    "medusa": (medusa.add_args, medusa.train),
+    "medusa": (medusa_args, train_medusa),
+    "propd": (propd_args, propd.train),  # the early heads alone (Medusa's must exist to decode)
 }
 
 

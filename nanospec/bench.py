@@ -80,7 +80,8 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
                             mean_accepted=round(new / steps, 3), forward_ms=round(fwd_ms, 2),
                             tokens_per_s=round(tps, 2),
                             speedup=round(tps / ar_tps, 3),
-                            mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(outs, ref))))
+                            mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(outs, ref)),
+                            notes=d.report()))
     return results
 
 
@@ -89,4 +90,5 @@ def table(results: list[dict]) -> str:
             "mismatches"]
     rows = [cols] + [[str(r[c]) for c in cols] for r in results]
     w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    return "\n".join("  ".join(v.rjust(w[i]) for i, v in enumerate(r)) for r in rows)
+    notes = [f"{r['method']}: {r['notes']}" for r in results if r.get("notes")]
+    return "\n".join(["  ".join(v.rjust(w[i]) for i, v in enumerate(r)) for r in rows] + notes)

@@ -98,6 +98,10 @@ class Drafter:
     def finish(self, dec: Decoding) -> None:
         """Called once when the generation stops."""
 
+    def report(self) -> str:
+        """A line of method statistics for the benchmark (e.g. ProPD's pruning rate)."""
+        return ""
+
 
 @dataclass
 class Output:

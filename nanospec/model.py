@@ -163,6 +163,12 @@ class Context:
         """Matmul input: in exact mode, each row laid out 64-byte aligned (see `aligned`)."""
         return aligned(x) if self.exact else x
 
+    def select(self, rows: torch.Tensor) -> "Context":
+        """The context of a subset of rows (e.g. survivors of pruning), sliced rather than rebuilt."""
+        pick = lambda t: None if t is None else t[:, rows]
+        return Context(pick(self.cos), pick(self.sin), self.slots[rows], self.exact,
+                       pick(self.idx), pick(self.valid), pick(self.mask), self.L)
+
 
 def aligned_pad(x) -> int:
     """Elements to add to x's last dim for 64-byte aligned rows."""

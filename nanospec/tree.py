@@ -7,6 +7,7 @@ cache slots cur..cur+n-1, node i at position cur + depth(i), each seeing the
 committed prefix 0..cur-1 and then its ancestors by depth and itself -- the
 canonical key order.
 """
+import functools
 import itertools
 
 import torch
@@ -89,14 +90,23 @@ class Tree:
 
     def block(self, cur: int, device=None) -> Block:
         """Rows for this tree at committed length cur: node i writes slot cur+i."""
-        n, E = len(self), max(self.depth) + 1
-        extra = torch.full((1, n, E), -1, dtype=torch.long)
-        for i in range(n):
-            p = self.path_to(i)
-            extra[0, i, :len(p)] = torch.tensor(p) + cur
-        pos = torch.tensor([self.depth], dtype=torch.long) + cur
-        return Block(torch.tensor([self.tokens]), pos, torch.arange(cur, cur + n),
-                     torch.full((1, n), cur, dtype=torch.long), extra).to(device)
+        n = len(self)
+        extra, depth = _layout(tuple(self.parents))
+        return Block(torch.tensor([self.tokens]), depth + cur, torch.arange(cur, cur + n),
+                     torch.full((1, n), cur, dtype=torch.long), torch.where(extra < 0, -1, extra + cur)).to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ancestor table (1, n, E): node i's path from the root, -1 padded; depths (1, n)) of a tree
+    shape. Cached: a method with a static tree (Medusa, ProPD) builds its visibility only once."""
+    n = len(parents)
+    paths = [[]] * n
+    for i, p in enumerate(parents):
+        paths[i] = (paths[p] if p >= 0 else []) + [i]
+    E = max(map(len, paths))
+    extra = torch.tensor([[p + [-1] * (E - len(p)) for p in paths]])
+    return extra, torch.tensor([[len(p) - 1 for p in paths]])
 
 
 class Sampler:

@@ -1,10 +1,21 @@
-"""ProPD's dynamic tree planner: the cost regression, acceptance tracking, expected length."""
+"""ProPD: the dynamic tree planner (cost regression, acceptance tracking, expected length),
+early pruning, the drafter's exactness and the early-head trainer."""
 import math
 import random
 
 import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, strategies as st
 
-from nanospec.methods.propd import Acceptance, CostModel, expected_length, plan
+from helpers import model_args, random_model
+from nanospec.engine import generate, shapes
+from nanospec.methods import propd
+from nanospec.methods.medusa import Heads, choose_tree as medusa_tree
+from nanospec.methods.propd import (Acceptance, CostModel, EarlyHead, ProPD, expected_length, plan, pruned,
+                                    samples, train_early)
+from nanospec.model import ModelArgs
+from nanospec.tree import Tree
 
 
 def test_regression_recovers_known_coefficients():
@@ -57,35 +68,48 @@ def test_plan_picks_the_best_speed():
         expensive_rows.update(size, 0.010 + 0.005 * size)
     assert plan(p, cheap_rows, [1, 3, 7, 15]) == 15  # rows are free: the biggest tree
     assert plan(p, expensive_rows, [1, 3, 7, 15]) in (1, 3)
-    assert plan(p, CostModel(), [3, 7]) == 3  # nothing measured yet: the first size
+    assert plan(p, CostModel(), [3, 7]) is None  # nothing measured yet
     assert math.isclose(expected_length([], p), 1.0)
 
 
-# --- early pruning: exactness with a random early head that prunes often -----------------------
-import torch
-from hypothesis import given, strategies as st
-
-from helpers import model_args, random_model
-from nanospec.engine import generate, shapes
-from nanospec.methods.medusa import Heads, choose_tree as medusa_tree
-from nanospec.methods.propd import EarlyHead, ProPD
+# --- early pruning and the drafter ---------------------------------------------------------------
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ACC = [[0.5, 0.3, 0.2]] * 3
+
+
+def test_pruning_takes_descendants_and_keeps_the_root():
+    #        0:root
+    #     1:a      2:b
+    #   3:c  4:d    5:e
+    tree = Tree([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2])
+    lm = nn.Linear(10, 10, bias=False)
+    with torch.no_grad():
+        lm.weight.copy_(torch.eye(10))
+    x = torch.zeros(6, 10)
+    x[0, [1, 7]] = 1.0  # root's top-2: tokens 1 and 7 -> node 2 (b) and its child 5 go
+    x[1, [3, 8]] = 1.0  # a's top-2: 3 and 8 -> node 4 (d) goes
+    early = lambda h, lm_head: lm_head(h)
+    assert pruned(tree, x, early, lm, k=2) == [2, 4, 5]
+    assert pruned(tree, x, early, lm, k=10) == []
+    assert pruned(Tree.chain(9), x[:1], early, lm, k=1) == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 30), size=st.integers(1, 20),
-       k=st.integers(1, 4), sampled=st.booleans())
-def test_pruned_verification_equals_ar(device, dtype, args, seed, plen, size, k, sampled):
+       k=st.integers(1, 4), sampled=st.booleans(), prune=st.booleans(), dynamic=st.booleans())
+def test_propd_equals_ar(device, dtype, args, seed, plen, size, k, sampled, prune, dynamic):
+    """Pruning (often of the true continuation: a random early head) and dynamic trees change
+    nothing: bitwise logits in exact mode, tokens in fast mode."""
     model = random_model(args, seed, DTYPES[dtype], device)
     torch.manual_seed(seed)
     heads = Heads(args.dim, args.vocab_size, 3).init_from(model.lm_head).to(device=device, dtype=DTYPES[dtype])
     early = EarlyHead(args.dim, args.norm_eps)
     with torch.no_grad():
-        early.res.weight.normal_()  # a poor early head: prunes true continuations too
-    early = early.to(device=device, dtype=DTYPES[dtype])
+        early.res.weight.normal_()
+    early = early.to(device=device, dtype=DTYPES[dtype]) if prune else None
     layer = seed % args.n_layers + 1 if args.n_layers > 1 else 1
-    d = ProPD(heads, medusa_tree([[0.5, 0.3, 0.2]] * 3, size), early, layer, k)
+    d = ProPD(heads, medusa_tree(ACC, size), ACC, early, layer, k, dynamic, sizes=(1, 3, size), replan=4)
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     Q, S = shapes([d], plen, 24)
@@ -94,3 +118,58 @@ def test_pruned_verification_equals_ar(device, dtype, args, seed, plen, size, k,
     assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
     if dtype == "fp32":
         assert generate(model, prompt, d, **kw).tokens == generate(model, prompt, **kw).tokens
+
+
+class FakeDec:
+    def __init__(self):
+        self.out, self.cur = [], 0
+
+
+def test_acceptance_resolves_each_prediction_when_its_token_arrives():
+    d = ProPD(Heads(4, 10, 2), [(0,)], [[0.5, 0.5], [0.5, 0.5]], dynamic=True)
+    d.accept.alpha = 1.0  # remember only the latest outcome
+    dec = FakeDec()
+    d.start(dec)
+    d.h, d.guess = [None], lambda h: [[5, 6], [7, 8]]
+    dec.out = [1]  # the root; head 0 guesses output 1, head 1 output 2
+    d.accepted(dec, None, [0])
+    assert d.accept.P == [[0.5, 1.0], [0.5, 1.0]]  # the prior: nothing resolved yet
+    dec.out = [1, 6, 9]
+    d.accepted(dec, None, [0])
+    assert d.accept.P[0] == [0.0, 1.0]  # output 1 was 6: head 0's rank 2
+    assert d.accept.P[1] == [0.0, 0.0]  # output 2 was 9: not in head 1's top 2
+    assert [q[0] for q in d.pending] == [3, 4]  # the latest guesses wait
+
+
+def test_the_plan_is_redone_only_when_the_sequence_moves(monkeypatch):
+    args = ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=13, hidden_dim=24)
+    model = random_model(args, 0)
+    d = ProPD(Heads(16, 13, 3).init_from(model.lm_head), medusa_tree(ACC, 6), ACC, dynamic=True,
+              sizes=(1, 2, 6), replan=16)
+    calls = []
+    real = propd.plan
+    monkeypatch.setattr(propd, "plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = generate(model, [1, 2, 3], d, max_new_tokens=64, eos_id=-1)
+    assert len(out.tokens) == 64
+    # until two sizes are measured the plan is retried each step; afterwards once per 16 tokens
+    assert len(calls) <= 3 + 64 // 16 + 1 < out.steps
+    assert sum(d.sizes_used.values()) == out.steps
+
+
+def test_early_head_training_reduces_the_loss():
+    args = ModelArgs(dim=16, n_layers=3, n_heads=2, vocab_size=31, hidden_dim=24)
+    model = random_model(args, 0)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 31, (4,), generator=g).tolist(), torch.randint(0, 31, (12,), generator=g).tolist())
+            for _ in range(16)]
+    x, y = samples(model, data, 1)
+
+    def loss(head):
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(head(x, model.lm_head), y))
+
+    before = loss(EarlyHead(16, args.norm_eps).init_from(model))
+    after = loss(train_early(model, data, 1, steps=30, batch=64, lr=1e-2))
+    assert after < before - 0.1

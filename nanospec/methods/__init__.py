@@ -9,12 +9,13 @@ import inspect
 
 from .. import NanospecError
 from ..engine import Drafter
-from . import lookahead, medusa
+from . import lookahead, medusa, propd
 
 METHODS = {
     "ar": lambda model, weights: Drafter(),
     "lookahead": lookahead.load,
     "medusa": medusa.load_medusa,
+    "propd": propd.load_propd,
 }
 
 

@@ -118,10 +118,15 @@ def load_medusa(model, weights, tree_size=0) -> Medusa:
 
 
 # --- training ----------------------------------------------------------------------------------
-def add_args(p):
-    p.add_argument("--heads", type=int, default=3)
+def data_args(p):
+    """Self-distillation data options, shared with ProPD's early-head trainer."""
     p.add_argument("--distill-prompts", type=int, default=2000, help="training-split prompts to continue")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
+
+
+def add_args(p):
+    data_args(p)
+    p.add_argument("--heads", type=int, default=3)
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--batch-size", type=int, default=1024, help="positions per step")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -130,14 +135,19 @@ def add_args(p):
 
 
 @torch.no_grad()
-def hidden_states(model, seqs: list[list[int]], batch: int = 16) -> list[torch.Tensor]:
-    """The frozen model's final normed hidden state at every position of every sequence."""
+def hidden_states(model, seqs: list[list[int]], layer: int | None = None, batch: int = 16) -> list[torch.Tensor]:
+    """The frozen model's hidden state at every position of every sequence: the final normed one,
+    or with `layer` the residual stream after that many layers (ProPD's early heads)."""
     out = []
     for i in range(0, len(seqs), batch):
         part = seqs[i:i + batch]
         T = max(map(len, part))
-        x = torch.tensor([s + [0] * (T - len(s)) for s in part], device=model.embed.weight.device)  # right padding: causal, harmless
-        _, h = model(Block.causal(x), hidden=True)
+        blk = Block.causal(torch.tensor([s + [0] * (T - len(s)) for s in part], device=model.embed.weight.device))
+        ctx = model.context(blk, T, False)  # right padding: causal, so harmless
+        x = model.embed(blk.tokens)
+        for L in model.layers[:layer]:
+            x = L(x, ctx, None, None)
+        h = model.norm(x) if layer is None else x
         out += [h[j, :len(s)] for j, s in enumerate(part)]
     return out
 

@@ -1,10 +1,14 @@
 """ProPD (Zhong et al., 2024): early tree pruning and a dynamic tree size on top of Medusa heads.
 
-Spec: ../shared/papers/propd.txt (sections 3-4, Tables 2-3).
+Spec: ../shared/papers/propd.txt (sections 3-4, Tables 2-3). Medusa (medusa.py) supplies the
+heads and the candidate tree; this file adds what is ProPD's own.
 
-WORK IN PROGRESS (issue 5): this file so far holds the dynamic tree planner of section 4.2;
-early pruning (4.1) and the drafter that uses both are not written yet, and nothing registers
-this module as a method.
+Early pruning (4.1): an early prediction head reads the residual stream after layer n. In the
+verification forward, after layer n, every tree node whose token is not in the top-k of its
+parent's early prediction is pruned with its descendants, and layers n+1.. run on the
+survivors only: rows removed in fast mode (the attention context is sliced, not rebuilt: the
+paper's cached masks), kept but dropped from verification in exact mode (there a row's result
+never depends on the other rows, so survivors' logits stay AR's, bitwise).
 
 Dynamic token tree generation (4.2):
 - CostModel: per (batch size, tree size), an EMA of measured iteration time; a linear fit
@@ -14,17 +18,46 @@ Dynamic token tree generation (4.2):
   p[i][k] = P[i][k] - P[i][k-1] is the chance that rank k is the right one.
 - A tree's expected acceptance length is 1 (the token verification always yields) plus,
   for every node, the product of p along its path (Figure 6: 1.88 for 'abd' + 'ac').
-- plan() picks the size maximising expected length / estimated time.
+- plan() picks the size maximising expected length / estimated time; the tree of that size is
+  Medusa's greedy expansion under the tracked p.
+
+Choices where the paper is silent, and why:
+- The early head is a zero-initialised residual SiLU block and an RMSNorm (initialised from the
+  final norm) in front of the frozen, shared lm_head: the paper trains "their own heads" for
+  early layers (Figure 3a); sharing the vocabulary projection keeps each head at 66k
+  parameters. It is fitted to the base model's own next token (self-distillation data), at
+  every layer of --early-layers, by the same command as the Medusa heads.
+- Iteration time is wall time from one draft to the next (forward, verification, commit and
+  drafting included), keyed by the tree's size before pruning: pruning shows up as cheaper
+  large trees, which is how the two techniques combine (section 5.4.3).
+- Candidate sizes 1-64; before two sizes have been measured the planner keeps the static
+  tree's size. Every generation's first step is a one-row AR step (no hidden state yet), which
+  also measures the smallest point of the line.
+- Acceptance starts from the heads' measured held-out accuracies (stored by the trainer) and
+  tracks the top 10 ranks per head; a prediction is resolved once its position is emitted.
+- The plan is redone when the sequence length has moved by `replan` tokens (default 32) since
+  the last plan and at the start of every generation; the cost model and acceptance EMAs
+  persist across generations (the decoding conditions they estimate do).
 """
 import math
+import time
+from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import NanospecError
+from ..checkpoint import fingerprint, load, load_drafter_file, save_drafter
+from ..data import distill
 from ..model import RMSNorm
+from ..tokenizer import Tokenizer
+from ..training import Progress, adamw, cosine_lr
 from ..tree import Tree
-from .medusa import Medusa, choose_tree
+from .medusa import Medusa, choose_tree, hidden_states, load_heads
+
+SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
 class CostModel:
@@ -82,24 +115,19 @@ def expected_length(paths: list[tuple[int, ...]], p: list[list[float]]) -> float
     return total
 
 
-def plan(p: list[list[float]], cost: CostModel, sizes: list[int], batch: int = 1) -> int:
-    """The tree size maximising expected accepted length per estimated second."""
-    best, best_size = -1.0, sizes[0]
-    for size in sizes:
-        t = cost.estimate(size + 1, batch)  # rows = draft nodes + the root
-        if t is None or t <= 0:
-            return sizes[0]
-        v = expected_length(choose_tree(p, size), p) / t
-        if v > best:
-            best, best_size = v, size
-    return best_size
+def plan(p: list[list[float]], cost: CostModel, sizes, batch: int = 1) -> int | None:
+    """The tree size maximising expected accepted length per estimated second (None: no fit yet)."""
+    fit = cost.fit(batch)
+    if fit is None:
+        return None
+    speed = {s: expected_length(choose_tree(p, s), p) / max(fit[0] + fit[1] * s, 1e-9) for s in sizes}
+    return max(sizes, key=speed.get)
 
 
 # --- early pruning (section 4.1) ---------------------------------------------------------------
 
 class EarlyHead(nn.Module):
-    """Next-token guesses from layer-n hidden states: a zero-initialised residual SiLU block and an
-    RMSNorm (from the final norm) in front of the frozen, shared lm_head (so the file stays tiny)."""
+    """Next-token guesses from the residual stream after layer n (see the header)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -117,20 +145,28 @@ class EarlyHead(nn.Module):
         return lm_head(self.norm(x + F.silu(self.res(x))))
 
 
-def pruned(tree: Tree, early_logits: torch.Tensor, k: int) -> list[int]:
-    """Nodes whose token is not in the top-k of their parent's early prediction (their
-    descendants go with them); the root stays."""
-    top = early_logits.topk(min(k, early_logits.shape[-1]), dim=-1).indices.tolist()
-    return [i for i in range(1, len(tree)) if tree.tokens[i] not in top[tree.parents[i]]]
+def pruned(tree: Tree, x: torch.Tensor, early: EarlyHead, lm_head, k: int) -> list[int]:
+    """Nodes to prune given the rows' layer-n states x (n, D): those whose token is not in the
+    top-k of their parent's early prediction, and all their descendants; never the root."""
+    n = len(tree)
+    if n == 1:
+        return []
+    par = sorted(set(tree.parents[1:]))
+    top = early(x[par], lm_head).topk(min(k, lm_head.out_features), dim=-1).indices  # (parents, k)
+    row = {p: j for j, p in enumerate(par)}
+    idx = torch.tensor([row[p] for p in tree.parents[1:]], device=x.device)
+    tok = torch.tensor(tree.tokens[1:], device=x.device)
+    ok = (top[idx] == tok[:, None]).any(-1).tolist()
+    gone = set()
+    for i in range(1, n):  # parents precede children
+        if not ok[i - 1] or tree.parents[i] in gone:
+            gone.add(i)
+    return sorted(gone)
 
 
 def forward_pruned(dec, tree: Tree, early: EarlyHead, layer: int, k: int):
-    """The verification forward with early pruning after `layer` layers; returns (logits, h, dropped).
-
-    Fast mode removes the pruned rows (and their descendants) before the remaining layers.
-    Exact mode keeps every row (each row's result is independent of the others there) and only
-    drops the pruned nodes from verification, so the survivors' logits are AR's, bitwise.
-    """
+    """The verification forward with early pruning after `layer` layers: (logits (n, V), h (n, D),
+    pruned nodes). Pruned rows' logits and states are zeros in fast mode; never read."""
     model, n = dec.model, len(tree)
     block = tree.block(dec.cur, dec.device)
     if dec.exact:
@@ -139,79 +175,183 @@ def forward_pruned(dec, tree: Tree, early: EarlyHead, layer: int, k: int):
     x = model.embed(block.tokens)
     for i in range(layer):
         x = model.layers[i](x, ctx, *dec.cache.layer(i))
-    cut = pruned(tree, early(x[0, :n], model.lm_head), k)
-    gone = set(cut)
-    for i in range(1, n):  # descendants of a pruned node go too
-        if tree.parents[i] in gone:
-            gone.add(i)
-    keep = torch.tensor([i for i in range(len(block)) if i not in gone], device=dec.device)
-    if not dec.exact and gone:
-        block = block.select(keep)
-        ctx = model.context(block, dec.cache.n_slots, False)
-        x = x[:, keep]
+    gone = pruned(tree, x[0, :n], early, model.lm_head, k)
+    keep = None
+    if gone and not dec.exact:
+        drop = set(gone)
+        keep = torch.tensor([i for i in range(n) if i not in drop], device=dec.device)
+        ctx, x = ctx.select(keep), x[:, keep]
     for i in range(layer, len(model.layers)):
         x = model.layers[i](x, ctx, *dec.cache.layer(i))
-    h = model.norm(x)
-    out = model.lm_head(ctx.rows(h))[0]
-    if not dec.exact and gone:  # scatter the survivors back to node order
-        full = out.new_zeros(n, out.shape[-1])
-        full_h = h.new_zeros(n, h.shape[-1])
-        full[keep], full_h[keep] = out, h[0]
-        out, h = full, full_h[None]
-    tree.drop(cut)
-    return out[:n], h[0, :n], sorted(gone)
+    h = model.norm(x[0])
+    logits = model.lm_head(ctx.rows(h))
+    if keep is not None:  # scatter the survivors back to node order
+        logits = logits.new_zeros(n, logits.shape[-1]).index_copy_(0, keep, logits)
+        h = h.new_zeros(n, h.shape[-1]).index_copy_(0, keep, h)
+    tree.drop(gone)
+    return logits[:n], h[:n], gone
 
+
+# --- the drafter ---------------------------------------------------------------------------------
 
 class ProPD(Medusa):
-    """Medusa's heads and tree, verified with early pruning (the dynamic size is still to come)."""
+    """Medusa's heads, verified with early pruning (early=None: off) and a dynamic tree size
+    (dynamic=False: Medusa's static tree `paths`)."""
     name = "propd"
 
-    def __init__(self, heads, paths, early: EarlyHead, layer: int, k: int):
+    def __init__(self, heads, paths, acc, early: EarlyHead | None = None, layer: int = 4, k: int = 50,
+                 dynamic: bool = True, sizes=SIZES, replan: int = 32, alpha: float = 0.3, lam: float = 0.01):
         super().__init__(heads, paths)
         self.early, self.layer, self.k = early, layer, k
+        self.dynamic, self.sizes, self.replan = dynamic, sorted(sizes), replan
+        self.static = list(self.paths)
+        if dynamic:  # room for the largest tree; candidates for every tracked rank
+            self.max_rows = 1 + max(self.sizes)
+            self.topk = [len(acc[0])] * len(acc)
+        self.accept = Acceptance(len(acc), len(acc[0]), alpha=0.05,
+                                 prior=[[sum(row[:r + 1]) for r in range(len(row))] for row in acc])
+        self.cost = CostModel(alpha, lam)
         self.rows = self.pruned_rows = 0
+        self.sizes_used = Counter()  # planned size -> steps
+
+    def start(self, dec):
+        super().start(dec)
+        self.pending = []      # (output index, head, ranked candidates) awaiting the true token
+        self.timer = None      # (tree size, start time) of the step in flight
+        self.planned_at = None
+
+    def draft(self, dec):
+        now = time.perf_counter()
+        if self.timer is not None:
+            self.cost.update(self.timer[0], now - self.timer[1])
+        if self.dynamic and (self.planned_at is None or abs(dec.cur - self.planned_at) >= self.replan):
+            size = plan(self.accept.p(), self.cost, self.sizes)
+            if size is not None:
+                self.paths, self.planned_at = choose_tree(self.accept.p(), size), dec.cur
+        tree = super().draft(dec)
+        full = self.cands is None or len(tree) - 1 == len(self.paths)  # not cut short by the cache
+        self.timer = (len(tree) - 1, now) if full else None
+        self.sizes_used[len(tree) - 1] += 1
+        return tree
 
     def forward(self, dec, tree):
+        if self.early is None or len(tree) == 1:
+            return super().forward(dec, tree)
         logits, self.h, gone = forward_pruned(dec, tree, self.early, self.layer, self.k)
         self.rows += len(tree) - 1
         self.pruned_rows += len(gone)
         return logits
 
+    def accepted(self, dec, tree, path):
+        super().accepted(dec, tree, path)
+        if not self.dynamic:
+            return
+        n, out = len(dec.out), dec.out
+        for i, head, cands in self.pending:
+            if i < n:
+                self.accept.update(head, cands.index(out[i]) if out[i] in cands else None)
+        self.pending = [q for q in self.pending if q[0] >= n]
+        self.pending += [(n + d, d, c) for d, c in enumerate(self.cands)]  # head d guesses output n + d
 
-@torch.no_grad()
-def layer_states(model, seqs: list[list[int]], layer: int, batch: int = 16) -> list[torch.Tensor]:
-    """The frozen model's hidden state after `layer` layers at every position of every sequence."""
-    from ..model import Block
-    out = []
-    for i in range(0, len(seqs), batch):
-        part = seqs[i:i + batch]
-        T = max(map(len, part))
-        blk = Block.causal(torch.tensor([s + [0] * (T - len(s)) for s in part], device=model.embed.weight.device))
-        ctx = model.context(blk, T, False)
-        x = model.embed(blk.tokens)
-        for L in model.layers[:layer]:
-            x = L(x, ctx, None, None)
-        out += [x[j, :len(s)] for j, s in enumerate(part)]
-    return out
+    def report(self) -> str:
+        parts = []
+        if self.early is not None:
+            parts.append(f"pruned {self.pruned_rows}/{self.rows} draft rows "
+                         f"({100 * self.pruned_rows / max(self.rows, 1):.1f}%) after layer {self.layer}, top-{self.k}")
+        total = sum(self.sizes_used.values())
+        top = sorted(self.sizes_used.items(), key=lambda kv: -kv[1])[:4]
+        parts.append("tree sizes " + ", ".join(f"{s} ({100 * c / total:.0f}%)" for s, c in top))
+        return "; ".join(parts)
 
 
-def train_early(model, data, layer: int, steps: int = 300, batch: int = 1024, lr: float = 1e-3, seed: int = 0):
-    """Fit an EarlyHead at `layer` to the model's own next tokens (greedy continuations)."""
+# --- weights on disk ---------------------------------------------------------------------------
+TRAIN_CMD = "python train.py --method propd"
+
+
+def load_early(model, weights, layer: int) -> EarlyHead:
+    tensors, meta = load_drafter_file(Path(weights) / "propd.safetensors", model, TRAIN_CMD)
+    if layer not in meta["layers"]:
+        raise NanospecError(f"propd.safetensors has early heads for layers {meta['layers']}, not {layer}; "
+                            f"train it with `{TRAIN_CMD} --early-layers {layer}`")
+    head = EarlyHead(model.args.dim, model.args.norm_eps).to(model.embed.weight)
+    head.load_state_dict({k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"layer{layer}.")})
+    return head.eval()
+
+
+def load_propd(model, weights, layer=4, k=50, prune=True, dynamic=True, tree_size=0, replan=32) -> ProPD:
+    heads, meta = load_heads(model, weights)
+    early = load_early(model, weights, layer) if prune else None
+    paths = choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"]
+    return ProPD(heads, paths, meta["acc"], early, layer, k, dynamic, replan=replan)
+
+
+# --- training ----------------------------------------------------------------------------------
+def add_args(p):
+    p.add_argument("--early-layers", default="2,4,6", help="layers to train early heads after (comma-separated)")
+    p.add_argument("--early-steps", type=int, default=400)
+    p.add_argument("--early-batch", type=int, default=1024, help="positions per step")
+    p.add_argument("--early-lr", type=float, default=2e-3)
+
+
+def samples(model, data, layer: int):
+    """(layer-n state at t, the model's token t+1) for every position whose next token is generated."""
     seqs = [p + c for p, c in data]
     xs, ys = [], []
-    for (p, _), s, x in zip(data, seqs, layer_states(model, seqs, layer)):
+    for (p, _), s, x in zip(data, seqs, hidden_states(model, seqs, layer)):
         xs.append(x[len(p) - 1:len(s) - 1])
         ys.append(torch.tensor(s[len(p):]))
-    x, y = torch.cat(xs), torch.cat(ys)
+    return torch.cat(xs), torch.cat(ys)
+
+
+@torch.no_grad()
+def topk_hits(head, lm_head, x, y, ks, batch: int = 4096) -> dict[int, float]:
+    """How often the true next token is in the head's top-k, per k."""
+    hits = Counter()
+    for i in range(0, len(x), batch):
+        rank = head(x[i:i + batch], lm_head).topk(max(ks), dim=-1).indices == y[i:i + batch, None]
+        for k in ks:
+            hits[k] += int(rank[:, :k].any(-1).sum())
+    return {k: hits[k] / len(x) for k in ks}
+
+
+def train_early(model, data, layer: int, steps: int, batch: int = 1024, lr: float = 2e-3, seed: int = 0) -> EarlyHead:
+    """Fit an early head after `layer` to the model's own next tokens; the model stays frozen."""
+    print(f"early head after layer {layer}: {steps} steps", flush=True)
+    x, y = samples(model, data, layer)
     torch.manual_seed(seed)
-    head = EarlyHead(model.args.dim, model.args.norm_eps).init_from(model)
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    head = EarlyHead(model.args.dim, model.args.norm_eps).init_from(model).to(x)
+    opt = adamw(head, lr, weight_decay=0.0)
+    prog = Progress(steps, every=50)
+    gen = torch.Generator().manual_seed(seed + layer)
     for step in range(steps):
-        idx = torch.randint(0, len(x), (batch,))
+        lr_now = cosine_lr(step, steps, lr, warmup=min(20, steps // 10 + 1))
+        for g in opt.param_groups:
+            g["lr"] = lr_now
+        idx = torch.randint(0, len(x), (batch,), generator=gen)
         loss = F.cross_entropy(head(x[idx], model.lm_head), y[idx])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == steps - 1:
-            print(f"early head (layer {layer}): step {step + 1}/{steps} | loss {loss.item():.4f}", flush=True)
+        prog.step(step, loss.item(), lr_now, len(idx))
     return head
+
+
+def train(args):
+    out = Path(args.out)
+    model = load(out)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    data = distill(model, Tokenizer(out / "tokenizer.model"), args.distill_prompts, args.new_tokens)
+    held, train_data = data[::10], [d for i, d in enumerate(data) if i % 10]  # medusa's split
+    layers = sorted({int(v) for v in args.early_layers.split(",")})
+    if not all(1 <= n < model.args.n_layers for n in layers):
+        raise NanospecError(f"--early-layers must lie in 1..{model.args.n_layers - 1}")
+    heads, hits = nn.ModuleDict(), {}
+    for n in layers:
+        heads[f"layer{n}"] = train_early(model, train_data, n, args.early_steps, args.early_batch, args.early_lr, args.seed)
+        hits[n] = topk_hits(heads[f"layer{n}"], model.lm_head, *samples(model, held, n), ks=(1, 5, 10, 20, 50, 100))
+        print(f"early head after layer {n}: held-out next token in top-k: "
+              + ", ".join(f"top-{k} {v:.3f}" for k, v in hits[n].items()), flush=True)
+    meta = {"base_fingerprint": fingerprint(model), "layers": layers, "topk_hits": hits}
+    save_drafter(out / "propd.safetensors", heads, meta)
+    print(f"wrote {out / 'propd.safetensors'}: early heads after layers {layers}")
