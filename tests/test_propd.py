@@ -5,7 +5,6 @@ import random
 
 import pytest
 import torch
-import torch.nn as nn
 from hypothesis import given, strategies as st
 
 from helpers import model_args, random_model
@@ -83,16 +82,13 @@ def test_pruning_takes_descendants_and_keeps_the_root():
     #     1:a      2:b
     #   3:c  4:d    5:e
     tree = Tree([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2])
-    lm = nn.Linear(10, 10, bias=False)
-    with torch.no_grad():
-        lm.weight.copy_(torch.eye(10))
     x = torch.zeros(6, 10)
     x[0, [1, 7]] = 1.0  # root's top-2: tokens 1 and 7 -> node 2 (b) and its child 5 go
     x[1, [3, 8]] = 1.0  # a's top-2: 3 and 8 -> node 4 (d) goes
-    early = lambda h, lm_head: lm_head(h)
-    assert pruned(tree, x, early, lm, k=2) == [2, 4, 5]
-    assert pruned(tree, x, early, lm, k=10) == []
-    assert pruned(Tree.chain(9), x[:1], early, lm, k=1) == []
+    early = lambda h: h  # the states are the early logits
+    assert pruned(tree, x, early, k=2).nonzero()[:, 0].tolist() == [2, 4, 5]
+    assert not pruned(tree, x, early, k=10).any()
+    assert not pruned(Tree.chain(9), x[:1], early, k=1).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -104,9 +100,10 @@ def test_propd_equals_ar(device, dtype, args, seed, plen, size, k, sampled, prun
     model = random_model(args, seed, DTYPES[dtype], device)
     torch.manual_seed(seed)
     heads = Heads(args.dim, args.vocab_size, 3).init_from(model.lm_head).to(device=device, dtype=DTYPES[dtype])
-    early = EarlyHead(args.dim, args.norm_eps)
+    early = EarlyHead(args.dim, args.vocab_size, 3, args.norm_eps)
     with torch.no_grad():
         early.res.weight.normal_()
+        early.up.weight.normal_()
     early = early.to(device=device, dtype=DTYPES[dtype]) if prune else None
     layer = seed % args.n_layers + 1 if args.n_layers > 1 else 1
     d = ProPD(heads, medusa_tree(ACC, size), ACC, early, layer, k, dynamic, sizes=(1, 3, size), replan=4)
@@ -168,8 +165,8 @@ def test_early_head_training_reduces_the_loss():
 
     def loss(head):
         with torch.no_grad():
-            return float(torch.nn.functional.cross_entropy(head(x, model.lm_head), y))
+            return float(torch.nn.functional.cross_entropy(head(x), y))
 
-    before = loss(EarlyHead(16, args.norm_eps).init_from(model))
-    after = loss(train_early(model, data, 1, steps=30, batch=64, lr=1e-2))
+    before = loss(EarlyHead(16, 31, 4, args.norm_eps).init_from(model))
+    after = loss(train_early(model, data, 1, steps=30, rank=4, batch=64, lr=1e-2))
     assert after < before - 0.1

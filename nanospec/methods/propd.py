@@ -39,6 +39,7 @@ Choices where the paper is silent, and why:
   the last plan and at the start of every generation; the cost model and acceptance EMAs
   persist across generations (the decoding conditions they estimate do).
 """
+import functools
 import math
 import time
 from collections import Counter
@@ -54,7 +55,7 @@ from ..data import distill
 from ..model import RMSNorm
 from ..tokenizer import Tokenizer
 from ..training import Progress, adamw, cosine_lr
-from ..tree import Tree
+from ..tree import Tree, _layout
 from .medusa import Medusa, choose_tree, hidden_states, load_heads
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -127,41 +128,52 @@ def plan(p: list[list[float]], cost: CostModel, sizes, batch: int = 1) -> int | 
 # --- early pruning (section 4.1) ---------------------------------------------------------------
 
 class EarlyHead(nn.Module):
-    """Next-token guesses from the residual stream after layer n (see the header)."""
+    """Next-token guesses from the residual stream after layer n (see the header): a residual SiLU
+    block and an RMSNorm, then a rank-r vocabulary projection (up @ down) initialised from the
+    truncated SVD of the lm_head, so an untrained head is the logit lens through a low-rank lm_head."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, vocab: int, rank: int, eps: float):
         super().__init__()
         self.res = nn.Linear(dim, dim)
         self.norm = RMSNorm(dim, eps)
+        self.down = nn.Linear(dim, rank, bias=False)
+        self.up = nn.Linear(rank, vocab, bias=False)
 
     def init_from(self, model) -> "EarlyHead":
+        U, S, Vh = torch.linalg.svd(model.lm_head.weight.float(), full_matrices=False)
+        r = self.down.out_features
         with torch.no_grad():
             self.res.weight.zero_()
             self.res.bias.zero_()
             self.norm.weight.copy_(model.norm.weight)
+            self.down.weight.copy_(Vh[:r])
+            self.up.weight.copy_(U[:, :r] * S[:r])
         return self
 
-    def forward(self, x, lm_head):
-        return lm_head(self.norm(x + F.silu(self.res(x))))
+    def forward(self, x):
+        return self.up(self.down(self.norm(x + F.silu(self.res(x)))))
 
 
-def pruned(tree: Tree, x: torch.Tensor, early: EarlyHead, lm_head, k: int) -> list[int]:
-    """Nodes to prune given the rows' layer-n states x (n, D): those whose token is not in the
-    top-k of their parent's early prediction, and all their descendants; never the root."""
-    n = len(tree)
-    if n == 1:
-        return []
-    par = sorted(set(tree.parents[1:]))
-    top = early(x[par], lm_head).topk(min(k, lm_head.out_features), dim=-1).indices  # (parents, k)
-    row = {p: j for j, p in enumerate(par)}
-    idx = torch.tensor([row[p] for p in tree.parents[1:]], device=x.device)
-    tok = torch.tensor(tree.tokens[1:], device=x.device)
-    ok = (top[idx] == tok[:, None]).any(-1).tolist()
-    gone = set()
-    for i in range(1, n):  # parents precede children
-        if not ok[i - 1] or tree.parents[i] in gone:
-            gone.add(i)
-    return sorted(gone)
+def pruned(tree: Tree, x: torch.Tensor, early: EarlyHead, k: int) -> torch.Tensor:
+    """(n,) bool: nodes to prune given the rows' layer-n states x (n, D). A node goes when its
+    token is not in the top-k of its parent's early prediction, or when an ancestor goes."""
+    par, row, path = _shape(tuple(tree.parents), x.device)
+    logits = early(x[par])
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # (parents, k)
+    tok = torch.tensor(tree.tokens, device=x.device)
+    bad = ~(top[row] == tok[:, None]).any(-1)
+    bad[0] = False  # the root is never a draft
+    return (bad[path.clamp(min=0)] & (path >= 0)).any(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _shape(parents: tuple[int, ...], device):
+    """For a tree shape: the nodes that have children, each node's parent's row among them,
+    and each node's path from the root (-1 padded), as tensors."""
+    par = sorted(set(parents[1:])) or [0]
+    row = [par.index(p) if p >= 0 else 0 for p in parents]
+    path = _layout(parents)[0][0]
+    return (torch.tensor(par, device=device), torch.tensor(row, device=device), path.to(device))
 
 
 def forward_pruned(dec, tree: Tree, early: EarlyHead, layer: int, k: int):
@@ -175,11 +187,11 @@ def forward_pruned(dec, tree: Tree, early: EarlyHead, layer: int, k: int):
     x = model.embed(block.tokens)
     for i in range(layer):
         x = model.layers[i](x, ctx, *dec.cache.layer(i))
-    gone = pruned(tree, x[0, :n], early, model.lm_head, k)
+    cut = pruned(tree, x[0, :n], early, k)
+    gone = cut.nonzero()[:, 0].tolist()
     keep = None
     if gone and not dec.exact:
-        drop = set(gone)
-        keep = torch.tensor([i for i in range(n) if i not in drop], device=dec.device)
+        keep = (~cut).nonzero()[:, 0]
         ctx, x = ctx.select(keep), x[:, keep]
     for i in range(layer, len(model.layers)):
         x = model.layers[i](x, ctx, *dec.cache.layer(i))
@@ -273,7 +285,8 @@ def load_early(model, weights, layer: int) -> EarlyHead:
     if layer not in meta["layers"]:
         raise NanospecError(f"propd.safetensors has early heads for layers {meta['layers']}, not {layer}; "
                             f"train it with `{TRAIN_CMD} --early-layers {layer}`")
-    head = EarlyHead(model.args.dim, model.args.norm_eps).to(model.embed.weight)
+    a = model.args
+    head = EarlyHead(a.dim, a.vocab_size, meta["rank"], a.norm_eps).to(model.embed.weight)
     head.load_state_dict({k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"layer{layer}.")})
     return head.eval()
 
@@ -289,6 +302,7 @@ def load_propd(model, weights, layer=4, k=50, prune=True, dynamic=True, tree_siz
 def add_args(p):
     p.add_argument("--early-layers", default="2,4,6", help="layers to train early heads after (comma-separated)")
     p.add_argument("--early-steps", type=int, default=400)
+    p.add_argument("--early-rank", type=int, default=64, help="rank of the early heads' vocabulary projection")
     p.add_argument("--early-batch", type=int, default=1024, help="positions per step")
     p.add_argument("--early-lr", type=float, default=2e-3)
 
@@ -304,22 +318,24 @@ def samples(model, data, layer: int):
 
 
 @torch.no_grad()
-def topk_hits(head, lm_head, x, y, ks, batch: int = 4096) -> dict[int, float]:
+def topk_hits(head, x, y, ks, batch: int = 4096) -> dict[int, float]:
     """How often the true next token is in the head's top-k, per k."""
     hits = Counter()
     for i in range(0, len(x), batch):
-        rank = head(x[i:i + batch], lm_head).topk(max(ks), dim=-1).indices == y[i:i + batch, None]
+        rank = head(x[i:i + batch]).topk(max(ks), dim=-1).indices == y[i:i + batch, None]
         for k in ks:
             hits[k] += int(rank[:, :k].any(-1).sum())
     return {k: hits[k] / len(x) for k in ks}
 
 
-def train_early(model, data, layer: int, steps: int, batch: int = 1024, lr: float = 2e-3, seed: int = 0) -> EarlyHead:
+def train_early(model, data, layer: int, steps: int, rank: int = 64, batch: int = 1024, lr: float = 2e-3,
+                seed: int = 0) -> EarlyHead:
     """Fit an early head after `layer` to the model's own next tokens; the model stays frozen."""
     print(f"early head after layer {layer}: {steps} steps", flush=True)
     x, y = samples(model, data, layer)
     torch.manual_seed(seed)
-    head = EarlyHead(model.args.dim, model.args.norm_eps).init_from(model).to(x)
+    a = model.args
+    head = EarlyHead(a.dim, a.vocab_size, rank, a.norm_eps).init_from(model).to(x)
     opt = adamw(head, lr, weight_decay=0.0)
     prog = Progress(steps, every=50)
     gen = torch.Generator().manual_seed(seed + layer)
@@ -328,7 +344,7 @@ def train_early(model, data, layer: int, steps: int, batch: int = 1024, lr: floa
         for g in opt.param_groups:
             g["lr"] = lr_now
         idx = torch.randint(0, len(x), (batch,), generator=gen)
-        loss = F.cross_entropy(head(x[idx], model.lm_head), y[idx])
+        loss = F.cross_entropy(head(x[idx]), y[idx])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -348,10 +364,11 @@ def train(args):
         raise NanospecError(f"--early-layers must lie in 1..{model.args.n_layers - 1}")
     heads, hits = nn.ModuleDict(), {}
     for n in layers:
-        heads[f"layer{n}"] = train_early(model, train_data, n, args.early_steps, args.early_batch, args.early_lr, args.seed)
-        hits[n] = topk_hits(heads[f"layer{n}"], model.lm_head, *samples(model, held, n), ks=(1, 5, 10, 20, 50, 100))
+        heads[f"layer{n}"] = train_early(model, train_data, n, args.early_steps, args.early_rank, args.early_batch,
+                                          args.early_lr, args.seed)
+        hits[n] = topk_hits(heads[f"layer{n}"], *samples(model, held, n), ks=(1, 5, 10, 20, 50, 100))
         print(f"early head after layer {n}: held-out next token in top-k: "
               + ", ".join(f"top-{k} {v:.3f}" for k, v in hits[n].items()), flush=True)
-    meta = {"base_fingerprint": fingerprint(model), "layers": layers, "topk_hits": hits}
+    meta = {"base_fingerprint": fingerprint(model), "layers": layers, "rank": args.early_rank, "topk_hits": hits}
     save_drafter(out / "propd.safetensors", heads, meta)
     print(f"wrote {out / 'propd.safetensors'}: early heads after layers {layers}")
