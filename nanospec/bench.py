@@ -59,28 +59,31 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
 
     for d in everyone:  # warm-up: first calls pay for allocation and kernel selection; a copy,
         run(copy.deepcopy(d), prompts[0], exact, n=min(8, max_new_tokens))  # so no state leaks
+    # Interleaved: each prompt runs under every method in turn, so slow drifts in machine speed
+    # (frequent on shared CPUs) hit every method alike.
     t0 = time.perf_counter()
-    fast_ar = [run(Drafter(), p, False) for p in prompts]
-    ref = fast_ar if not exact else [run(Drafter(), p, True) for p in prompts]
+    fast_ar, ref, outs = [], [], [[] for _ in drafters]
+    for i, p in enumerate(prompts):
+        fast_ar.append(run(Drafter(), p, False))
+        ref.append(fast_ar[-1] if not exact else run(Drafter(), p, True))
+        for d, o in zip(drafters, outs):
+            o.append(run(d, p, exact))
+        print(f"[bench] prompt {i + 1}/{len(prompts)}: " + ", ".join(
+            f"{d.name} {o[-1].mean_accepted:.2f}" for d, o in zip(drafters, outs)) + " tokens/step, "
+            f"{time.perf_counter() - t0:.0f}s", file=log, flush=True)
     ar_tps = sum(len(o.tokens) for o in fast_ar) / sum(o.decode_s for o in fast_ar)
-    print(f"[bench] fast AR: {ar_tps:.1f} tok/s over {len(prompts)} prompts "
-          f"({time.perf_counter() - t0:.1f}s)", file=log, flush=True)
+    print(f"[bench] fast AR: {ar_tps:.1f} tok/s over {len(prompts)} prompts", file=log, flush=True)
     results = []
-    for d in drafters:
-        outs = []
-        for i, p in enumerate(prompts):
-            outs.append(run(d, p, exact))
-            print(f"[bench] {d.name}: prompt {i + 1}/{len(prompts)}, "
-                  f"{outs[-1].mean_accepted:.2f} tokens/step", file=log, flush=True)
-        new = sum(len(o.tokens) for o in outs)
-        steps = sum(o.steps for o in outs)
-        tps = new / sum(o.decode_s for o in outs)
-        fwd_ms = 1000 * sum(sum(o.forward_s) for o in outs) / steps
+    for d, runs in zip(drafters, outs):
+        new = sum(len(o.tokens) for o in runs)
+        steps = sum(o.steps for o in runs)
+        tps = new / sum(o.decode_s for o in runs)
+        fwd_ms = 1000 * sum(sum(o.forward_s) for o in runs) / steps
         results.append(dict(method=d.name, prompts=len(prompts), new_tokens=new, steps=steps,
                             mean_accepted=round(new / steps, 3), forward_ms=round(fwd_ms, 2),
                             tokens_per_s=round(tps, 2),
                             speedup=round(tps / ar_tps, 3),
-                            mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(outs, ref)),
+                            mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(runs, ref)),
                             notes=d.report()))
     return results
 

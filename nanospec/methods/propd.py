@@ -30,9 +30,10 @@ Choices where the paper is silent, and why:
 - Iteration time is wall time from one draft to the next (forward, verification, commit and
   drafting included), keyed by the tree's size before pruning: pruning shows up as cheaper
   large trees, which is how the two techniques combine (section 5.4.3).
-- Candidate sizes 1-64; before two sizes have been measured the planner keeps the static
-  tree's size. Every generation's first step is a one-row AR step (no hidden state yet), which
-  also measures the smallest point of the line.
+- Candidate sizes 1-64. Until two sizes have been measured the planner explores: the static
+  tree's size, then the smallest. Every generation's first step is a one-row AR step (no hidden
+  state yet); it is not timed, since a single row takes a faster matrix-vector path on CPU and
+  would bend the line.
 - Acceptance starts from the heads' measured held-out accuracies (stored by the trainer) and
   tracks the top 10 ranks per head; a prediction is resolved once its position is emitted.
 - The plan is redone when the sequence length has moved by `replan` tokens (default 32) since
@@ -237,12 +238,17 @@ class ProPD(Medusa):
         if self.timer is not None:
             self.cost.update(self.timer[0], now - self.timer[1])
         if self.dynamic and (self.planned_at is None or abs(dec.cur - self.planned_at) >= self.replan):
-            size = plan(self.accept.p(), self.cost, self.sizes)
-            if size is not None:
-                self.paths, self.planned_at = choose_tree(self.accept.p(), size), dec.cur
+            p = self.accept.p()
+            size = plan(p, self.cost, self.sizes)
+            if size is None:  # explore: measure the static tree's size, then the smallest
+                seen = {s for _, s in self.cost.perf}
+                size = next((s for s in (len(self.static), self.sizes[0]) if s not in seen), len(self.static))
+            else:
+                self.planned_at = dec.cur
+            self.paths = choose_tree(p, size)
         tree = super().draft(dec)
-        full = self.cands is None or len(tree) - 1 == len(self.paths)  # not cut short by the cache
-        self.timer = (len(tree) - 1, now) if full else None
+        # time full trees only: not the first step (no hidden state yet: one AR row) nor trees cut by the cache
+        self.timer = (len(self.paths), now) if self.cands is not None and len(tree) - 1 == len(self.paths) else None
         self.sizes_used[len(tree) - 1] += 1
         return tree
 
