@@ -2,17 +2,21 @@
 early pruning, the drafter's exactness and the early-head trainer."""
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
 from helpers import model_args, random_model
+from nanospec import NanospecError
+from nanospec.checkpoint import load
 from nanospec.engine import generate, shapes
 from nanospec.methods import propd
 from nanospec.methods.medusa import Heads, choose_tree as medusa_tree
 from nanospec.methods.propd import (Acceptance, CostModel, EarlyHead, ProPD, expected_length, plan, pruned,
-                                    samples, train_early)
+                                    load_propd, samples, train_early)
+from nanospec.tokenizer import Tokenizer
 from nanospec.model import ModelArgs
 from nanospec.tree import Tree
 
@@ -170,3 +174,26 @@ def test_early_head_training_reduces_the_loss():
     before = loss(EarlyHead(16, 31, 4, args.norm_eps).init_from(model))
     after = loss(train_early(model, data, 1, steps=30, rank=4, batch=64, lr=1e-2))
     assert after < before - 0.1
+
+
+W = Path(__file__).parent.parent / "weights" / "pylm"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shipped_propd_on_the_default_model(dtype):
+    """Both techniques on, with the shipped early heads: bitwise AR in exact mode, and the early
+    head does prune rows (non-vacuous)."""
+    model = load(W, DTYPES[dtype])
+    d = load_propd(model, W, layer=2, k=10, replan=8)
+    prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
+    Q, S = shapes([d], len(prompt), 48)
+    kw = dict(max_new_tokens=48, Q=Q, n_slots=S, eos_id=-1, record_logits=True, exact=True)
+    ar, out = generate(model, prompt, **kw), generate(model, prompt, d, **kw)
+    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    assert out.mean_accepted > 1.5 and d.pruned_rows > 0
+
+
+def test_early_heads_for_another_layer_are_refused():
+    model = load(W)
+    with pytest.raises(NanospecError, match="layers"):
+        load_propd(model, W, layer=7)
