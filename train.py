@@ -4,6 +4,7 @@
     python train.py --method base          # the default model, weights/pylm
     python train.py --method medusa        # Medusa heads + ProPD's early heads
     python train.py --method propd         # ProPD's early heads alone
+    python train.py --method bita          # BiTA's mask and prompt tokens (--prompting deep|shallow|none)
     python train.py --method base --help   # a method's own options
 """
 import argparse
@@ -13,7 +14,8 @@ import torch
 
 from nanospec import NanospecError, cli
 from nanospec import pretrain
-from nanospec.methods import medusa, propd
+from nanospec.data import distill_args
+from nanospec.methods import bita, medusa, propd
 
 ROOT = Path(__file__).parent
 
@@ -29,7 +31,7 @@ def train_medusa(args):  # the Medusa heads, then ProPD's early heads on the sam
 
 
 def propd_args(p):
-    medusa.data_args(p)
+    distill_args(p)
     propd.add_args(p)
 
 
@@ -38,6 +40,7 @@ TRAINERS = {  # method -> (add_args, train)
     "base": (pretrain.add_args, pretrain.train_base),
     "medusa": (medusa_args, train_medusa),
     "propd": (propd_args, propd.train),  # the early heads alone (Medusa's must exist to decode)
+    "bita": (bita.add_args, bita.train),
 }
 
 

@@ -119,6 +119,12 @@ def train_functions(n: int) -> list[tuple[str, str]]:
     return cands if len(cands) <= n else [cands[i * len(cands) // n] for i in range(n)]
 
 
+def distill_args(p):
+    """Self-distillation data options, shared by the trainers that use `distill`."""
+    p.add_argument("--distill-prompts", type=int, default=2000, help="training-split prompts to continue")
+    p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
+
+
 def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64) -> list[tuple[list[int], list[int]]]:
     """Self-distillation data: (prompt, the model's greedy continuation) for n training-split
     function prompts. Generated batched once, then cached under .cache/ by the model's fingerprint."""

@@ -45,7 +45,8 @@ class Decoding:
     def run(self, block: Block, embeds=None, hidden=False):
         """Run the model on a block (padded to Q rows in exact mode); outputs for its rows, batch 0."""
         n = len(block)
-        if int(block.slots.max()) >= self.cache.capacity:
+        over = block.slots[block.slots >= self.cache.capacity]  # only the drafter's reserved slots may be there
+        if len(over) and (self.reserved is None or not torch.isin(over, self.reserved.to(over.device)).all()):
             raise NanospecError(f"a step of {n} rows does not fit the cache at {self.cur} tokens")
         if self.exact:
             if n > self.Q:

@@ -313,11 +313,15 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
-    def context(self, block: Block, n_slots: int, exact: bool) -> Context:
-        freqs = block.pos[..., None].float() * self.inv_freq  # (B, T, D/2), fp32 like HF
-        emb = torch.cat((freqs, freqs), -1)[:, :, None]       # (B, T, 1, D)
+    def rope(self, pos: torch.Tensor):
+        """cos, sin (B, T, 1, D) for positions (B, T)."""
+        freqs = pos[..., None].float() * self.inv_freq  # (B, T, D/2), fp32 like HF
+        emb = torch.cat((freqs, freqs), -1)[:, :, None]
         dt = self.embed.weight.dtype
-        ctx = Context(emb.cos().to(dt), emb.sin().to(dt), block.slots, exact)
+        return emb.cos().to(dt), emb.sin().to(dt)
+
+    def context(self, block: Block, n_slots: int, exact: bool) -> Context:
+        ctx = Context(*self.rope(block.pos), block.slots, exact)
         prefix, extra = block.prefix[..., None], block.extra
         if exact:
             # Rows' key vectors are padded to a multiple of 32 so that every row's slice starts

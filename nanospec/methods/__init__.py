@@ -9,13 +9,14 @@ import inspect
 
 from .. import NanospecError
 from ..engine import Drafter
-from . import lookahead, medusa, propd
+from . import bita, lookahead, medusa, propd
 
 METHODS = {
     "ar": lambda model, weights: Drafter(),
     "lookahead": lookahead.load,
     "medusa": medusa.load_medusa,
     "propd": propd.load_propd,
+    "bita": bita.load_bita,
 }
 
 

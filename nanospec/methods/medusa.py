@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..checkpoint import fingerprint, load, load_drafter_file, save_drafter
-from ..data import distill
+from ..data import distill, distill_args
 from ..engine import Drafter
 from ..model import Block
 from ..tokenizer import Tokenizer
@@ -118,14 +118,8 @@ def load_medusa(model, weights, tree_size=0) -> Medusa:
 
 
 # --- training ----------------------------------------------------------------------------------
-def data_args(p):
-    """Self-distillation data options, shared with ProPD's early-head trainer."""
-    p.add_argument("--distill-prompts", type=int, default=2000, help="training-split prompts to continue")
-    p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
-
-
 def add_args(p):
-    data_args(p)
+    distill_args(p)
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--batch-size", type=int, default=1024, help="positions per step")

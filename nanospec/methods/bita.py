@@ -1,0 +1,293 @@
+"""BiTA (Lin et al., 2024): bi-directional tuning, and generation + verification in one forward.
+
+Spec: ../shared/papers/bita.txt (section 3, Figures 3-6 and 10, Algorithm 1, Tables 3-4, appendix A).
+
+The frozen model gains M learnable mask-token embeddings and P learnable prompt tokens. Mask
+tokens appended after a token predict the tokens beyond its next one; prompt tokens are seen by
+mask tokens only (Figure 3), so ordinary tokens compute exactly what the base model computes.
+Each step runs one forward over the draft tree of the previous step's mask predictions plus a
+group of M mask tokens attached to every tree node (and the root): the tree is verified, and the
+group attached to the last accepted node drafts the next tree (Figure 10, Algorithm 1).
+
+Decoding variants (Table 4): `efficient` (default; top-k candidates per mask token, only the
+top-1 candidate of each depth has children, Figure 5), `full` (every top-k candidate has
+children: the product tree), `straight` (straightforward decoding, Figure 4: the top-1 chain
+and one mask group on the root, which sees no draft token). Prompting (Table 3): `deep`
+(default; prefix tuning: learned keys and values in every layer), `shallow` (learned input
+embeddings that run through the model as P rows before the first step), `none` (masks only).
+
+Choices where the paper is silent, and why:
+- Indexing: a node's own logits give the token after it (the AR output); mask i (0-based) of
+  the group attached to a node at position p sits at position p+1+i and predicts the token at
+  p+2+i, as in decoding's "the model outputs y_N and M future predictions y_N+1..y_N+M".
+  Training labels follow the same rule (eq. 1 with that offset).
+- Deep prompt keys carry no rotary position (prefix tuning stores rotated keys; these are
+  learned directly). Shallow prompt rows sit at positions 0..P-1 and see each other causally.
+- Straightforward decoding: after c accepted drafts, the root group's masks c.. give the next
+  drafts (the first c are "discarded"); with c = M there are none (the paper's "even zero").
+- Training packs `groups` mask groups per sequence at random split points of the answer (the
+  authors pack many per sample); the loss is eq. 1 summed over the M masks, averaged over
+  groups. Init N(0, 0.02); AdamW; cosine schedule from 3e-2, the paper's rate.
+- Near the end of the cache, when a full step no longer fits, the step is the root alone and
+  the next one drafts nothing.
+"""
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import NanospecError
+from ..checkpoint import fingerprint, load, load_drafter_file, save_drafter
+from ..data import distill, distill_args
+from ..engine import Drafter
+from ..model import Block, Context
+from ..tokenizer import Tokenizer
+from ..training import Progress, adamw, cosine_lr
+from ..tree import Tree
+
+PROMPTING = ("deep", "shallow", "none")
+DECODING = ("efficient", "full", "straight")
+
+
+class Tuning(nn.Module):
+    """The trainable embeddings: M mask tokens and P prompt tokens."""
+
+    def __init__(self, args, masks: int = 3, prompts: int = 16, prompting: str = "deep"):
+        super().__init__()
+        self.prompting, self.P = prompting, prompts if prompting != "none" else 0
+        self.mask = nn.Parameter(torch.randn(masks, args.dim) * 0.02)
+        if prompting == "deep":  # per layer and KV head: P keys and values
+            shape = (args.n_layers, args.kv_heads, self.P, args.hd)
+            self.key = nn.Parameter(torch.randn(shape) * 0.02)
+            self.value = nn.Parameter(torch.randn(shape) * 0.02)
+        elif prompting == "shallow":
+            self.prompt = nn.Parameter(torch.randn(self.P, args.dim) * 0.02)
+
+    @property
+    def M(self) -> int:
+        return self.mask.shape[0]
+
+
+# --- decoding ----------------------------------------------------------------------------------
+
+class BiTA(Drafter):
+    name = "bita"
+
+    def __init__(self, tune: Tuning, decoding: str = "efficient", k: int = 3):
+        if decoding not in DECODING:
+            raise NanospecError(f"bita decoding {decoding!r}: choose from {', '.join(DECODING)}")
+        self.tune, self.decoding, self.k, M = tune, decoding, k, tune.M
+        self.reserved_slots = tune.P
+        nodes = {"efficient": 1 + M * k, "full": 1 + sum(k ** d for d in range(1, M + 1)), "straight": 1 + M}
+        self.nodes = nodes[decoding]
+        self.max_rows = self.nodes + M * (1 if decoding == "straight" else self.nodes)
+
+    def start(self, dec):
+        self.cands = None  # per mask depth, ranked candidate tokens for the next tree
+        tune, slots = self.tune, dec.reserved
+        if tune.prompting == "deep":
+            for i in range(dec.model.args.n_layers):
+                kc, vc = dec.cache.layer(i)
+                kc[:, :, slots] = tune.key[i]
+                vc[:, :, slots] = tune.value[i]
+        elif tune.prompting == "shallow":  # P rows, causal among themselves, keys into the reserved slots
+            P = tune.P
+            extra = torch.where(torch.arange(P)[None] <= torch.arange(P)[:, None], slots.cpu()[None], -1)
+            z = torch.zeros(1, P, dtype=torch.long)
+            dec.run(Block(z, torch.arange(P)[None], slots.cpu(), z, extra[None]).to(dec.device),
+                    embeds=tune.prompt[None])
+
+    def draft(self, dec):
+        if self.cands is None or dec.room < self.max_rows:
+            return Tree.chain(dec.last)
+        c, k, M = self.cands, self.k, self.tune.M
+        if self.decoding == "straight":
+            return Tree.chain(dec.last, [r[0] for r in c])
+        if self.decoding == "full":
+            return Tree.from_choices(dec.last, [r[:k] for r in c])
+        return Tree.from_choices(dec.last, c, [(0,) * d + (j,) for d in range(M) for j in range(k)])
+
+    def forward(self, dec, tree):
+        n, M = len(tree), self.tune.M
+        blk = tree.block(dec.cur, dec.device)
+        hosts = [0] if self.decoding == "straight" else list(range(n))
+        if n + len(hosts) * M > dec.room:  # no room for mask groups: verify alone, draft nothing next
+            self.groups = None
+            return dec.run(blk)
+        self.groups = hosts
+        masks = mask_rows(blk, hosts, M, dec.cur + n, dec.reserved)
+        emb = dec.model.embed(blk.tokens)[0]
+        embeds = torch.cat([emb, self.tune.mask.to(emb).repeat(len(hosts), 1)])[None]
+        logits = dec.run(Block.cat(blk, masks), embeds=embeds)
+        self.mask_logits = logits[n:].view(len(hosts), M, -1)
+        return logits[:n]
+
+    def accepted(self, dec, tree, path):
+        if self.groups is None:
+            self.cands = None
+            return
+        k = max(self.k, 1)
+        if self.decoding == "straight":  # the root's group; the first c masks are used up
+            c = len(path) - 1
+            self.cands = [[t] for t in self.mask_logits[0, c:].argmax(-1).tolist()] or None
+        else:
+            g = self.groups.index(path[-1])
+            self.cands = self.mask_logits[g].topk(k, dim=-1).indices.tolist()
+
+
+def mask_rows(blk: Block, hosts: list[int], M: int, first_slot: int, reserved) -> Block:
+    """A group of M mask rows after each host node of a tree block: mask i of a host at position p
+    sits at p+1+i and sees the prompt's reserved slots, the host's path and its group's masks 0..i."""
+    dev = blk.slots.device
+    H = len(hosts)
+    h = torch.tensor(hosts, device=dev)
+    i = torch.arange(M, device=dev)
+    pos = (blk.pos[0, h][:, None] + 1 + i).reshape(1, H * M)
+    slots = first_slot + torch.arange(H * M, device=dev)
+    group = slots.view(H, 1, M).expand(H, M, M)
+    group = torch.where(i[None, None] <= i[None, :, None], group, -1)  # mask i sees masks 0..i
+    path = blk.extra[0, h][:, None].expand(H, M, -1)
+    parts = [path, group]
+    if reserved is not None and len(reserved):
+        parts.insert(0, reserved.to(dev).view(1, 1, -1).expand(H, M, -1))
+    extra = torch.cat(parts, -1).reshape(1, H * M, -1)
+    prefix = blk.prefix[:, :1].expand(1, H * M)
+    return Block(torch.zeros(1, H * M, dtype=torch.long, device=dev), pos, slots, prefix, extra)
+
+
+# --- weights on disk ---------------------------------------------------------------------------
+def filename(prompting: str) -> str:
+    return "bita.safetensors" if prompting == "deep" else f"bita-{prompting}.safetensors"
+
+
+def load_bita(model, weights, decoding="efficient", k=3, prompting="deep") -> BiTA:
+    if prompting not in PROMPTING:
+        raise NanospecError(f"bita prompting {prompting!r}: choose from {', '.join(PROMPTING)}")
+    cmd = "python train.py --method bita" + ("" if prompting == "deep" else f" --prompting {prompting}")
+    tensors, meta = load_drafter_file(Path(weights) / filename(prompting), model, cmd)
+    tune = Tuning(model.args, meta["masks"], meta["prompts"], prompting).to(model.embed.weight)
+    tune.load_state_dict(tensors)
+    return BiTA(tune.eval(), decoding, k)
+
+
+# --- training ----------------------------------------------------------------------------------
+def add_args(p):
+    distill_args(p)
+    p.add_argument("--masks", type=int, default=3, help="mask tokens M")
+    p.add_argument("--prompts", type=int, default=16, help="prompt tokens P")
+    p.add_argument("--prompting", default="deep", choices=PROMPTING)
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--groups", type=int, default=32, help="mask groups per sequence")
+    p.add_argument("--lr", type=float, default=3e-2)
+
+
+def pack(seqs: list[list[int]], starts: list[int], M: int, G: int, P: int, shallow: bool, gen):
+    """A packed SAR batch: each sequence's ordinary rows, then G mask groups at random split
+    points k of its answer (k >= start-1, the last prompt token). Keys are [P prompt | rows];
+    with shallow prompting the P prompt rows lead the rows. Returns (tokens, kind, pos, vis,
+    labels): kind is 0 for ordinary rows, 1+i for mask i, -1-j for prompt row j; labels
+    (B, G*M) hold -100 where there is nothing to predict."""
+    T = max(map(len, seqs))
+    pr = P if shallow else 0          # prompt rows
+    K0 = P                            # the first ordinary row's key
+    key = torch.arange(K0 + T + G * M)[None]
+    g, i = torch.arange(G).repeat_interleave(M), torch.arange(M).repeat(G)
+    t, j = torch.arange(T), torch.arange(pr)
+    out = []
+    for s, start in zip(seqs, starts):
+        lo, hi = start - 1, len(s) - 3  # mask 0 of a group at k predicts token k+2
+        ks = (lo + torch.randperm(max(hi - lo + 1, 0), generator=gen)[:G]).tolist()
+        n_valid = len(ks)
+        k = torch.tensor(ks + [0] * (G - n_valid))[g]  # groups beyond n_valid are padding
+        first = K0 + T + g[:, None] * M
+        vis = torch.cat([
+            key <= j[:, None],                                                    # prompt rows: causal
+            (key >= K0) & (key <= K0 + t[:, None]),                               # ordinary rows: causal
+            (key < K0) | ((key >= K0) & (key <= K0 + k[:, None])) | ((key >= first) & (key <= first + i[:, None])),
+        ])
+        target = k + 2 + i
+        lab = torch.tensor(s)[target.clamp(max=len(s) - 1)]
+        lab[(target >= len(s)) | (g >= n_valid)] = -100
+        out.append((torch.tensor([0] * pr + s + [0] * (T - len(s) + G * M)),
+                    torch.cat([-1 - j, torch.zeros(T, dtype=torch.long), 1 + i]),
+                    torch.cat([j, t, k + 1 + i]), vis, lab))
+    return tuple(torch.stack(x) for x in zip(*out))
+
+
+def sar_logits(model, tune: Tuning, tokens, kind, pos, vis):
+    """Logits (B, G*M, V) of the mask rows of a packed batch; cache-free, the model frozen."""
+    (B, R), a = tokens.shape, model.args
+    x = model.embed(tokens)
+    x = torch.where((kind >= 1)[..., None], tune.mask[(kind - 1).clamp(min=0)], x)
+    if tune.prompting == "shallow":
+        x = torch.where((kind < 0)[..., None], tune.prompt[(-1 - kind).clamp(min=0)], x)
+    K0 = tune.P if tune.prompting == "deep" else 0
+    ctx = Context(*model.rope(pos), torch.arange(K0, K0 + R, device=tokens.device), False, mask=vis, L=K0 + R)
+    for li, layer in enumerate(model.layers):
+        kc, vc = (x.new_zeros(B, a.kv_heads, R, a.hd) for _ in range(2))
+        if tune.prompting == "deep":  # the prompt's keys and values sit before the rows
+            kc = torch.cat([tune.key[li].expand(B, -1, -1, -1), kc], 2)
+            vc = torch.cat([tune.value[li].expand(B, -1, -1, -1), vc], 2)
+        x = layer(x, ctx, kc, vc)
+    n_mask = int((kind[0] >= 1).sum())  # the mask rows come last
+    return model.lm_head(model.norm(x[:, R - n_mask:]))
+
+
+def sar_loss(logits, labels, M: int):
+    """Eq. 1: cross-entropy summed over the M masks of a group, averaged over groups."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100) * M
+
+
+def batches(data, args, P, shallow, seed, steps):
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        idx = torch.randint(0, len(data), (args.batch_size,), generator=gen).tolist()
+        seqs = [data[i][0] + data[i][1] for i in idx]
+        yield pack(seqs, [len(data[i][0]) for i in idx], args.masks, args.groups, P, shallow, gen)
+
+
+@torch.no_grad()
+def accuracy(model, tune, data, args, topk: int = 5, n_batches: int = 8) -> list[list[float]]:
+    """acc[i][r]: how often mask i's rank-r candidate is the target, on held-out sequences."""
+    hits, count = torch.zeros(tune.M, topk), torch.zeros(tune.M)
+    for tokens, kind, pos, vis, lab in batches(data, args, tune.P, tune.prompting == "shallow", 1, n_batches):
+        top = sar_logits(model, tune, tokens, kind, pos, vis).topk(topk, dim=-1).indices  # (B, G*M, r)
+        lab = lab.view(len(lab), -1, tune.M)
+        top = top.view(len(lab), -1, tune.M, topk)
+        ok = lab != -100
+        hits += ((top == lab[..., None]) & ok[..., None]).sum((0, 1)).float()
+        count += ok.sum((0, 1)).float()
+    return (hits / count.clamp(min=1)[:, None]).tolist()
+
+
+def train(args):
+    out = Path(args.out)
+    model = load(out)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    data = distill(model, Tokenizer(out / "tokenizer.model"), args.distill_prompts, args.new_tokens)
+    held, train_data = data[::10], [d for i, d in enumerate(data) if i % 10]  # the trainers' common split
+    torch.manual_seed(args.seed)
+    tune = Tuning(model.args, args.masks, args.prompts, args.prompting)
+    opt = adamw(tune, args.lr, weight_decay=0.0)
+    prog = Progress(args.steps, every=10)
+    shallow = args.prompting == "shallow"
+    for step, (tokens, kind, pos, vis, lab) in enumerate(batches(train_data, args, tune.P, shallow, args.seed, args.steps)):
+        lr = cosine_lr(step, args.steps, args.lr, warmup=min(20, args.steps // 10 + 1))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = sar_loss(sar_logits(model, tune, tokens, kind, pos, vis), lab, tune.M)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(tune.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        prog.step(step, loss.item(), lr, int(tokens.numel()))
+    acc = accuracy(model, tune, held, args)
+    for i, a in enumerate(acc):
+        print(f"mask {i + 1} (token t+{i + 2}): held-out top-1 {a[0]:.3f}, top-5 {sum(a):.3f}")
+    meta = {"base_fingerprint": fingerprint(model), "masks": args.masks, "prompts": args.prompts,
+            "prompting": args.prompting, "acc": acc, "trained": {"steps": args.steps, "seconds": round(prog.elapsed)}}
+    save_drafter(out / filename(args.prompting), tune, meta)
+    print(f"wrote {out / filename(args.prompting)}")
