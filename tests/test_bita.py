@@ -1,0 +1,145 @@
+"""BiTA: exactness of every decoding variant and prompting, the attention contract of Figure 3,
+the trainer's packed forward against decoding, tree shapes and training."""
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from helpers import model_args, random_model
+from nanospec.cache import KVCache
+from nanospec.checkpoint import load
+from nanospec.engine import Decoding, generate, shapes
+from nanospec.methods.bita import BiTA, Tuning, batches, load_bita, pack, sar_logits, sar_loss
+from nanospec.model import ModelArgs
+from nanospec.tokenizer import Tokenizer
+from nanospec.tree import Tree
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+W = Path(__file__).resolve().parents[1] / "weights" / "pylm"
+TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
+
+
+def random_tuning(args, seed, M, P, prompting, dtype, device, scale=1.0):
+    torch.manual_seed(seed)
+    tune = Tuning(args, M, P, prompting)
+    with torch.no_grad():
+        for p in tune.parameters():
+            p.mul_(scale / 0.02)  # large embeddings: masks whose outputs vary, prompts that matter
+    return tune.to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 24), M=st.integers(1, 3),
+       P=st.integers(1, 5), prompting=st.sampled_from(["deep", "shallow", "none"]),
+       decoding=st.sampled_from(["efficient", "full", "straight"]), k=st.integers(1, 3), sampled=st.booleans())
+def test_bita_equals_ar(device, dtype, args, seed, plen, M, P, prompting, decoding, k, sampled):
+    model = random_model(args, seed, DTYPES[dtype], device)
+    d = BiTA(random_tuning(args, seed, M, P, prompting, DTYPES[dtype], device), decoding, k)
+    prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
+    sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
+    Q, S = shapes([d], plen, 20)
+    kw = dict(max_new_tokens=20, Q=Q, n_slots=S, eos_id=-1, record_logits=True, **sampling)
+    ar, out = generate(model, prompt, exact=True, **kw), generate(model, prompt, d, exact=True, **kw)
+    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    if dtype == "fp32":
+        assert generate(model, prompt, d, **kw).tokens == generate(model, prompt, **kw).tokens
+
+
+def step_logits(model, d, tree, prompt, exact, with_masks=True):
+    cache = KVCache.for_model(model, 96)
+    dec = Decoding(model, cache, exact, 64, prompt, cache.reserve(d.reserved_slots))
+    dec.prefill(prompt[:-1])
+    d.start(dec)
+    return d.forward(dec, tree) if with_masks else dec.run(tree.block(dec.cur))
+
+
+@pytest.mark.parametrize("prompting", ["deep", "shallow"])
+def test_tree_rows_never_see_prompt_or_mask_rows(prompting):
+    """Figure 3: ordinary rows' outputs are bitwise those of the tree alone, in exact mode."""
+    model = random_model(TINY, 1)
+    d = BiTA(random_tuning(TINY, 1, 3, 4, prompting, torch.float32, "cpu"), "efficient", 2)
+    tree = Tree.from_choices(5, [[1, 2], [3, 4], [6, 7]], [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1)])
+    prompt = [3, 9, 4, 1]
+    with_masks = step_logits(model, d, tree, prompt, exact=True)
+    alone = step_logits(model, d, tree, prompt, exact=True, with_masks=False)
+    assert d.mask_logits.shape[:2] == (len(tree), 3) and torch.equal(with_masks, alone)
+
+
+@pytest.mark.parametrize("prompting", ["deep", "shallow", "none"])
+def test_training_forward_matches_decoding(prompting):
+    """The trainer's packed, cache-free forward gives the mask logits decoding computes."""
+    model = random_model(TINY, 2)
+    tune = random_tuning(TINY, 2, 3, 4, prompting, torch.float32, "cpu", scale=0.5)
+    seq = [1, 5, 7, 9, 3, 4, 8, 2, 6, 11, 12, 30, 31]
+    tokens, kind, pos, vis, lab = pack([seq], [4], 3, 4, tune.P, prompting == "shallow", torch.Generator().manual_seed(0))
+    packed = sar_logits(model, tune, tokens, kind, pos, vis)[0].view(4, 3, -1)
+    splits = (pos[0, kind[0] >= 1].view(4, 3)[:, 0] - 1).tolist()
+    for g, k in enumerate(splits):
+        d = BiTA(tune, "straight", 1)
+        step_logits(model, d, Tree.chain(seq[k]), seq[:k + 1], exact=False)
+        torch.testing.assert_close(d.mask_logits[0], packed[g], atol=1e-4, rtol=1e-4)
+        assert lab[0, 3 * g].item() == seq[k + 2]  # mask 0 of a group at k predicts token k+2
+
+
+def test_draft_tree_shapes():
+    cands = [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+    tune = Tuning(TINY, 3, 2, "deep")
+
+    class Dec:
+        last, room = 5, 1000
+    eff, full, straight = (BiTA(tune, v, 3) for v in ("efficient", "full", "straight"))
+    for d in (eff, full, straight):
+        d.cands = cands
+    t = eff.draft(Dec)
+    assert len(t) == 1 + 9 == eff.nodes
+    assert [len(t.kids[i]) for i in range(len(t))] == [3, 3, 0, 0, 3, 0, 0, 0, 0, 0]  # only top-1s have children
+    assert len(full.draft(Dec)) == 1 + 3 + 9 + 27 == full.nodes
+    assert straight.draft(Dec).tokens == [5, 10, 20, 30]
+    assert eff.max_rows == 10 + 10 * 3 and straight.max_rows == 4 + 3
+
+
+def test_straightforward_drops_used_masks():
+    """After c accepted drafts, the root group's masks c.. give the next drafts (Figure 4)."""
+    d = BiTA(Tuning(TINY, 3, 2, "none"), "straight", 1)
+    d.groups = [0]
+    d.mask_logits = torch.eye(37)[[7, 8, 9]][None]  # root group: masks predict 7, 8, 9
+    d.accepted(None, None, [0, 1])  # one draft accepted
+    assert d.cands == [[8], [9]]
+    d.accepted(None, None, [0, 1, 2, 3])
+    assert d.cands is None  # all used up: the next step drafts nothing
+
+
+def test_a_few_training_steps_reduce_the_sar_loss():
+    model = random_model(TINY, 3)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 37, (4,), generator=g).tolist(), [7, 8, 9, 10] * 4) for _ in range(8)]
+    args = argparse.Namespace(batch_size=4, masks=3, groups=6)
+    tune = Tuning(TINY, 3, 4, "deep")
+    opt = torch.optim.AdamW(tune.parameters(), lr=3e-2)
+    fixed = next(batches(data, args, tune.P, False, 0, 1))
+
+    @torch.no_grad()
+    def loss():
+        return float(sar_loss(sar_logits(model, tune, *fixed[:4]), fixed[4], 3))
+    before = loss()
+    for b in batches(data, args, tune.P, False, 1, 30):
+        sar_loss(sar_logits(model, tune, *b[:4]), b[4], 3).backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss() < before - 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shipped_bita_on_the_default_model(dtype):
+    model = load(W, DTYPES[dtype])
+    d = load_bita(model, W)
+    prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
+    Q, S = shapes([d], len(prompt), 48)
+    kw = dict(max_new_tokens=48, Q=Q, n_slots=S, eos_id=-1, record_logits=True, exact=True)
+    ar, out = generate(model, prompt, **kw), generate(model, prompt, d, **kw)
+    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    assert out.mean_accepted > 1.5  # non-vacuous: trained tokens get drafts accepted
