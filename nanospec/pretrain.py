@@ -26,7 +26,7 @@ from .checkpoint import atomic_write, load, save
 from .data import STDLIB, documents, split_bytes, token_stream
 from .model import Block, Llama, ModelArgs
 from .tokenizer import Tokenizer, train_tokenizer
-from .training import Progress, adamw, cosine_lr, hardware, load_state, save_state
+from .training import Progress, adamw, cosine_lr, hardware, load_state, save_state, update
 
 
 def add_args(p):
@@ -147,15 +147,10 @@ def train_base(args):
     model.train()
     for step in range(start, args.steps):
         lr = cosine_lr(step, args.steps, args.lr, args.warmup)
-        for g in opt.param_groups:
-            g["lr"] = lr
         x = windows(train_ids, B, T, torch.Generator().manual_seed(args.seed * 1_000_003 + step)).to(dev)
         logits = model(Block.causal(x[:, :-1]))
         loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update(opt, loss, lr)
         prog.step(step, loss.item(), lr, B * T)
         done = step + 1
         if done % args.eval_every == 0 or done == args.steps:

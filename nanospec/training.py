@@ -24,6 +24,17 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
+def update(opt, loss, lr: float, clip: float | None = 1.0) -> None:
+    """One optimizer step at learning rate lr: backward, clip the gradient norm, step, zero."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def hardware(device) -> str:
     """A line naming what a job ran on, for the records trainers write."""
     if device.type == "cuda":

@@ -5,7 +5,7 @@ import torch
 from hypothesis import strategies as st
 
 from nanospec.cache import KVCache
-from nanospec.engine import Drafter
+from nanospec.engine import Drafter, generate, shapes
 from nanospec.model import Block, Llama, ModelArgs
 from nanospec.tree import Tree
 
@@ -29,6 +29,18 @@ def full_logits(model, ids, exact):
     """Logits for every position of ids, as one chain block."""
     cache = KVCache.for_model(model, len(ids) + 1)
     return model(Tree.chain(ids[0], ids[1:]).block(0, model.embed.weight.device), cache, exact)[0]
+
+
+def check_exact(model, prompt, drafter, n: int, sampling=None, fast: bool = True):
+    """Decode with the drafter and with AR at shared shapes: the same tokens and bitwise the same
+    logits in exact mode, and (fast=True) the same tokens in fast mode. Returns the exact output."""
+    Q, S = shapes([drafter], len(prompt), n)
+    kw = dict(max_new_tokens=n, Q=Q, n_slots=S, eos_id=-1, record_logits=True, **(sampling or {}))
+    ar, out = generate(model, prompt, exact=True, **kw), generate(model, prompt, drafter, exact=True, **kw)
+    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    if fast:
+        assert generate(model, prompt, drafter, **kw).tokens == generate(model, prompt, **kw).tokens
+    return out
 
 
 @st.composite

@@ -7,10 +7,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import model_args, random_model
+from helpers import check_exact, model_args, random_model
 from nanospec.cache import KVCache
 from nanospec.checkpoint import load
-from nanospec.engine import Decoding, generate, shapes
+from nanospec.engine import Decoding
 from nanospec.methods.bita import BiTA, Tuning, batches, load_bita, pack, sar_logits, sar_loss
 from nanospec.model import ModelArgs
 from nanospec.tokenizer import Tokenizer
@@ -39,12 +39,7 @@ def test_bita_equals_ar(device, dtype, args, seed, plen, M, P, prompting, decodi
     d = BiTA(random_tuning(args, seed, M, P, prompting, DTYPES[dtype], device), decoding, k)
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
-    Q, S = shapes([d], plen, 20)
-    kw = dict(max_new_tokens=20, Q=Q, n_slots=S, eos_id=-1, record_logits=True, **sampling)
-    ar, out = generate(model, prompt, exact=True, **kw), generate(model, prompt, d, exact=True, **kw)
-    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
-    if dtype == "fp32":
-        assert generate(model, prompt, d, **kw).tokens == generate(model, prompt, **kw).tokens
+    check_exact(model, prompt, d, 20, sampling, fast=dtype == "fp32")
 
 
 def step_logits(model, d, tree, prompt, exact, with_masks=True):
@@ -138,8 +133,5 @@ def test_shipped_bita_on_the_default_model(dtype):
     model = load(W, DTYPES[dtype])
     d = load_bita(model, W)
     prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
-    Q, S = shapes([d], len(prompt), 48)
-    kw = dict(max_new_tokens=48, Q=Q, n_slots=S, eos_id=-1, record_logits=True, exact=True)
-    ar, out = generate(model, prompt, **kw), generate(model, prompt, d, **kw)
-    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    out = check_exact(model, prompt, d, 48, fast=False)
     assert out.mean_accepted > 1.5  # non-vacuous: trained tokens get drafts accepted

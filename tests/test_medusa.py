@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import model_args, random_model
+from helpers import check_exact, model_args, random_model
 from nanospec import NanospecError
 from nanospec.checkpoint import fingerprint, load, save, save_drafter
-from nanospec.engine import generate, generate_batch, shapes
+from nanospec.engine import generate, generate_batch
 from nanospec.methods.medusa import Heads, Medusa, choose_tree, load_medusa, loss_fn, samples
 from nanospec.model import ModelArgs
 from nanospec.tokenizer import Tokenizer
@@ -63,12 +63,7 @@ def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, siz
     d = Medusa(heads.to(device=device, dtype=DTYPES[dtype]), choose_tree([[0.5, 0.3, 0.2]] * 3, size))
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
-    Q, S = shapes([d], plen, 24)
-    kw = dict(max_new_tokens=24, Q=Q, n_slots=S, eos_id=-1, record_logits=True, **sampling)
-    ar, out = generate(model, prompt, exact=True, **kw), generate(model, prompt, d, exact=True, **kw)
-    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
-    if dtype == "fp32":
-        assert generate(model, prompt, d, **kw).tokens == generate(model, prompt, **kw).tokens
+    check_exact(model, prompt, d, 24, sampling, fast=dtype == "fp32")
 
 
 def test_a_few_training_steps_reduce_the_loss():
@@ -107,8 +102,5 @@ def test_shipped_heads_on_the_default_model(dtype):
     model = load(W, DTYPES[dtype])
     d = load_medusa(model, W)
     prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
-    Q, S = shapes([d], len(prompt), 48)
-    kw = dict(max_new_tokens=48, Q=Q, n_slots=S, eos_id=-1, record_logits=True, exact=True)
-    ar, out = generate(model, prompt, **kw), generate(model, prompt, d, **kw)
-    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    out = check_exact(model, prompt, d, 48, fast=False)
     assert out.mean_accepted > 1.5  # non-vacuous: trained heads get drafts accepted

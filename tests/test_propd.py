@@ -8,10 +8,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import model_args, random_model
+from helpers import check_exact, model_args, random_model
 from nanospec import NanospecError
 from nanospec.checkpoint import load
-from nanospec.engine import generate, shapes
+from nanospec.engine import generate
 from nanospec.methods import propd
 from nanospec.methods.medusa import Heads, choose_tree as medusa_tree
 from nanospec.methods.propd import (Acceptance, CostModel, EarlyHead, ProPD, expected_length, plan, pruned,
@@ -113,12 +113,7 @@ def test_propd_equals_ar(device, dtype, args, seed, plen, size, k, sampled, prun
     d = ProPD(heads, medusa_tree(ACC, size), ACC, early, layer, k, dynamic, sizes=(1, 3, size), replan=4)
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
-    Q, S = shapes([d], plen, 24)
-    kw = dict(max_new_tokens=24, Q=Q, n_slots=S, eos_id=-1, record_logits=True, **sampling)
-    ar, out = generate(model, prompt, exact=True, **kw), generate(model, prompt, d, exact=True, **kw)
-    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
-    if dtype == "fp32":
-        assert generate(model, prompt, d, **kw).tokens == generate(model, prompt, **kw).tokens
+    check_exact(model, prompt, d, 24, sampling, fast=dtype == "fp32")
 
 
 class FakeDec:
@@ -186,10 +181,7 @@ def test_shipped_propd_on_the_default_model(dtype):
     model = load(W, DTYPES[dtype])
     d = load_propd(model, W, layer=2, k=10, replan=8)
     prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
-    Q, S = shapes([d], len(prompt), 48)
-    kw = dict(max_new_tokens=48, Q=Q, n_slots=S, eos_id=-1, record_logits=True, exact=True)
-    ar, out = generate(model, prompt, **kw), generate(model, prompt, d, **kw)
-    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    out = check_exact(model, prompt, d, 48, fast=False)
     assert out.mean_accepted > 1.5 and d.pruned_rows > 0
 
 

@@ -44,7 +44,7 @@ from ..data import distill, distill_args
 from ..engine import Drafter
 from ..model import Block, Context
 from ..tokenizer import Tokenizer
-from ..training import Progress, adamw, cosine_lr
+from ..training import Progress, adamw, cosine_lr, update
 from ..tree import Tree
 
 PROMPTING = ("deep", "shallow", "none")
@@ -277,13 +277,8 @@ def train(args):
     shallow = args.prompting == "shallow"
     for step, (tokens, kind, pos, vis, lab) in enumerate(batches(train_data, args, tune.P, shallow, args.seed, args.steps)):
         lr = cosine_lr(step, args.steps, args.lr, warmup=min(20, args.steps // 10 + 1))
-        for g in opt.param_groups:
-            g["lr"] = lr
         loss = sar_loss(sar_logits(model, tune, tokens, kind, pos, vis), lab, tune.M)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(tune.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update(opt, loss, lr)
         prog.step(step, loss.item(), lr, int(tokens.numel()))
     acc = accuracy(model, tune, held, args)
     for i, a in enumerate(acc):

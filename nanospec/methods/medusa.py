@@ -35,7 +35,7 @@ from ..data import distill, distill_args
 from ..engine import Drafter
 from ..model import Block
 from ..tokenizer import Tokenizer
-from ..training import Progress, adamw, cosine_lr
+from ..training import Progress, adamw, cosine_lr, update
 from ..tree import Tree
 
 
@@ -197,17 +197,12 @@ def train(args):
     order = torch.randperm(len(h_tr), generator=gen)
     for step in range(steps):
         lr = cosine_lr(step, steps, args.lr, warmup=min(50, steps // 10 + 1))
-        for g in opt.param_groups:
-            g["lr"] = lr
         i = (step * args.batch_size) % len(h_tr)
         if i < args.batch_size and step:
             order = torch.randperm(len(h_tr), generator=gen)
         idx = order[i:i + args.batch_size]
         loss = loss_fn(heads(h_tr[idx]), y_tr[idx])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update(opt, loss, lr)
         prog.step(step, loss.item(), lr, len(idx))
 
     acc = accuracy(heads, h_ev, y_ev, args.topk)

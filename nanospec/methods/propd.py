@@ -59,7 +59,7 @@ from ..checkpoint import fingerprint, load, load_drafter_file, save_drafter
 from ..data import distill
 from ..model import RMSNorm
 from ..tokenizer import Tokenizer
-from ..training import Progress, adamw, cosine_lr
+from ..training import Progress, adamw, cosine_lr, update
 from ..tree import Tree, _layout
 from .medusa import Medusa, choose_tree, hidden_states, load_heads
 
@@ -351,13 +351,9 @@ def train_early(model, data, layer: int, steps: int, rank: int = 64, batch: int 
     gen = torch.Generator().manual_seed(seed + layer)
     for step in range(steps):
         lr_now = cosine_lr(step, steps, lr, warmup=min(20, steps // 10 + 1))
-        for g in opt.param_groups:
-            g["lr"] = lr_now
         idx = torch.randint(0, len(x), (batch,), generator=gen)
         loss = F.cross_entropy(head(x[idx]), y[idx])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update(opt, loss, lr_now, clip=None)
         prog.step(step, loss.item(), lr_now, len(idx))
     return head
 
