@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from helpers import check_exact, model_args, random_model
+from nanospec import NanospecError
 from nanospec.cache import KVCache
 from nanospec.checkpoint import load
 from nanospec.engine import Decoding
@@ -135,3 +136,10 @@ def test_shipped_bita_on_the_default_model(dtype):
     prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
     out = check_exact(model, prompt, d, 48, fast=False)
     assert out.mean_accepted > 1.5  # non-vacuous: trained tokens get drafts accepted
+
+
+def test_bad_options_are_refused():
+    model = load(W)
+    for kw in (dict(decoding="fast"), dict(prompting="wide"), dict(k=0)):
+        with pytest.raises(NanospecError):
+            load_bita(model, W, **kw)

@@ -78,6 +78,8 @@ class BiTA(Drafter):
     def __init__(self, tune: Tuning, decoding: str = "efficient", k: int = 3):
         if decoding not in DECODING:
             raise NanospecError(f"bita decoding {decoding!r}: choose from {', '.join(DECODING)}")
+        if k < 1:
+            raise NanospecError(f"bita k={k}: take at least the top-1 candidate per mask token")
         self.tune, self.decoding, self.k, M = tune, decoding, k, tune.M
         self.reserved_slots = tune.P
         nodes = {"efficient": 1 + M * k, "full": 1 + sum(k ** d for d in range(1, M + 1)), "straight": 1 + M}
@@ -128,13 +130,12 @@ class BiTA(Drafter):
         if self.groups is None:
             self.cands = None
             return
-        k = max(self.k, 1)
         if self.decoding == "straight":  # the root's group; the first c masks are used up
             c = len(path) - 1
             self.cands = [[t] for t in self.mask_logits[0, c:].argmax(-1).tolist()] or None
         else:
             g = self.groups.index(path[-1])
-            self.cands = self.mask_logits[g].topk(k, dim=-1).indices.tolist()
+            self.cands = self.mask_logits[g].topk(self.k, dim=-1).indices.tolist()
 
 
 def mask_rows(blk: Block, hosts: list[int], M: int, first_slot: int, reserved) -> Block:
