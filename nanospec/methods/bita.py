@@ -179,7 +179,7 @@ def add_args(p):
     p.add_argument("--masks", type=int, default=3, help="mask tokens M")
     p.add_argument("--prompts", type=int, default=16, help="prompt tokens P")
     p.add_argument("--prompting", default="deep", choices=PROMPTING)
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--groups", type=int, default=32, help="mask groups per sequence")
     p.add_argument("--lr", type=float, default=3e-2)
