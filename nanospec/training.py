@@ -5,7 +5,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_write
+from .checkpoint import atomic_write, load
+from .data import distill
+from .tokenizer import Tokenizer
 
 
 def cosine_lr(step: int, steps: int, peak: float, warmup: int, floor: float = 0.1) -> float:
@@ -22,6 +24,17 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def distilled(args):
+    """What the drafter trainers start from: the frozen base model in args.out and its
+    self-distillation data, every 10th sequence held out. Returns (model, train, held)."""
+    out = Path(args.out)
+    model = load(out)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    data = distill(model, Tokenizer(out / "tokenizer.model"), args.distill_prompts, args.new_tokens)
+    return model, [d for i, d in enumerate(data) if i % 10], data[::10]
 
 
 def update(opt, loss, lr: float, clip: float | None = 1.0) -> None:

@@ -39,12 +39,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..checkpoint import fingerprint, load, load_drafter_file, save_drafter
-from ..data import distill, distill_args
+from ..checkpoint import fingerprint, load_drafter_file, save_drafter
+from ..data import distill_args
 from ..engine import Drafter
 from ..model import Block, Context
-from ..tokenizer import Tokenizer
-from ..training import Progress, adamw, cosine_lr, update
+from ..training import adamw, cosine_lr, distilled, Progress, update
 from ..tree import Tree
 
 PROMPTING = ("deep", "shallow", "none")
@@ -266,11 +265,7 @@ def accuracy(model, tune, data, args, topk: int = 5, n_batches: int = 8) -> list
 
 def train(args):
     out = Path(args.out)
-    model = load(out)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    data = distill(model, Tokenizer(out / "tokenizer.model"), args.distill_prompts, args.new_tokens)
-    held, train_data = data[::10], [d for i, d in enumerate(data) if i % 10]  # the trainers' common split
+    model, train_data, held = distilled(args)
     torch.manual_seed(args.seed)
     tune = Tuning(model.args, args.masks, args.prompts, args.prompting)
     opt = adamw(tune, args.lr, weight_decay=0.0)

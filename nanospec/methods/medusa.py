@@ -30,12 +30,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checkpoint import fingerprint, load, load_drafter_file, save_drafter
-from ..data import distill, distill_args
+from ..checkpoint import fingerprint, load_drafter_file, save_drafter
+from ..data import distill_args
 from ..engine import Drafter
 from ..model import Block
-from ..tokenizer import Tokenizer
-from ..training import Progress, adamw, cosine_lr, update
+from ..training import adamw, cosine_lr, distilled, Progress, update
 from ..tree import Tree
 
 
@@ -175,13 +174,7 @@ def accuracy(heads, h, targets, topk: int, batch: int = 4096) -> list[list[float
 
 def train(args):
     out = Path(args.out)
-    model = load(out)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    tok = Tokenizer(out / "tokenizer.model")
-    data = distill(model, tok, args.distill_prompts, args.new_tokens)
-    held = data[::10]  # every 10th sequence is held out for accuracies and the tree
-    train_data = [d for i, d in enumerate(data) if i % 10]
+    model, train_data, held = distilled(args)  # held out: for accuracies and the tree
     t0 = time.time()
     h_tr, y_tr = samples(model, train_data, args.heads)
     h_ev, y_ev = samples(model, held, args.heads)

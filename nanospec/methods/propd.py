@@ -55,11 +55,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..checkpoint import fingerprint, load, load_drafter_file, save_drafter
-from ..data import distill
+from ..checkpoint import fingerprint, load_drafter_file, save_drafter
 from ..model import RMSNorm
-from ..tokenizer import Tokenizer
-from ..training import Progress, adamw, cosine_lr, update
+from ..training import adamw, cosine_lr, distilled, Progress, update
 from ..tree import Tree, _layout
 from .medusa import Medusa, choose_tree, hidden_states, load_heads
 
@@ -360,11 +358,7 @@ def train_early(model, data, layer: int, steps: int, rank: int = 64, batch: int 
 
 def train(args):
     out = Path(args.out)
-    model = load(out)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    data = distill(model, Tokenizer(out / "tokenizer.model"), args.distill_prompts, args.new_tokens)
-    held, train_data = data[::10], [d for i, d in enumerate(data) if i % 10]  # medusa's split
+    model, train_data, held = distilled(args)
     layers = sorted({int(v) for v in args.early_layers.split(",")})
     if not all(1 <= n < model.args.n_layers for n in layers):
         raise NanospecError(f"--early-layers must lie in 1..{model.args.n_layers - 1}")

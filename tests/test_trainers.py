@@ -1,0 +1,32 @@
+"""The method trainers end to end on a tiny base model: train.py writes drafter files that load
+and decode exactly. (Training quality is the business of each method's own tests.)"""
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import check_exact, random_model
+from nanospec.checkpoint import load, save
+from nanospec.methods import load_drafter
+from nanospec.model import ModelArgs
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "weights" / "pylm" / "tokenizer.model"
+SMALL = {  # each trainer's options, cut to seconds
+    "medusa": ["--epochs", "0.05", "--batch-size", "64", "--tree-size", "4", "--early-layers", "1",
+               "--early-steps", "3", "--early-batch", "32", "--early-rank", "4"],
+    "propd": ["--early-layers", "1", "--early-steps", "3", "--early-batch", "32", "--early-rank", "4"],
+    "bita": ["--steps", "3", "--batch-size", "2", "--groups", "2", "--prompts", "2"],
+}
+
+
+def test_trainers_write_loadable_drafters(tmp_path):
+    model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
+    save(model, tmp_path, tokenizer_model=TOKENIZER)
+    for method, opts in SMALL.items():
+        res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--method", method, "--out", str(tmp_path),
+                              "--distill-prompts", "6", "--new-tokens", "8", *opts],
+                             capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert res.returncode == 0, res.stderr[-2000:]
+    base = load(tmp_path)
+    for spec in ("medusa", "propd:layer=1", "bita"):
+        check_exact(base, [1, 400, 401, 402], load_drafter(spec, base, tmp_path), 12)
