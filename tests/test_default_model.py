@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Adversary, full_logits
+from helpers import Adversary, check_exact, full_logits
 from nanospec.checkpoint import load
 from nanospec.engine import generate, shapes
+from nanospec.methods import load_drafter
 from nanospec.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +58,20 @@ def test_exact_tree_decoding_on_the_default_model(dtype):
     ar = generate(model, prompt, **kw)
     adv = generate(model, prompt, Adversary(ar.tokens, model.args.vocab_size, seed=1), **kw)
     assert adv.tokens == ar.tokens and torch.equal(adv.logits, ar.logits) and adv.steps < ar.steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", ["medusa", "propd:layer=2,k=10,replan=8", "bita"])
+def test_shipped_drafters_are_exact_and_accept(spec, dtype):
+    """Each method's shipped weights: bitwise AR in exact mode, and drafts do get accepted
+    (non-vacuous); ProPD's early head does prune rows."""
+    model = load(W, dtype)
+    d = load_drafter(spec, model, W)
+    prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
+    out = check_exact(model, prompt, d, 48, fast=False)
+    assert out.mean_accepted > 1.5
+    if spec.startswith("propd"):
+        assert d.pruned_rows > 0
 
 
 def test_decode_py_uses_it_by_default():

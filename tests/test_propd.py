@@ -16,7 +16,6 @@ from nanospec.methods import propd
 from nanospec.methods.medusa import Heads, choose_tree as medusa_tree
 from nanospec.methods.propd import (Acceptance, CostModel, EarlyHead, ProPD, expected_length, plan, pruned,
                                     load_propd, samples, train_early)
-from nanospec.tokenizer import Tokenizer
 from nanospec.model import ModelArgs
 from nanospec.tree import Tree
 
@@ -172,17 +171,6 @@ def test_early_head_training_reduces_the_loss():
 
 
 W = Path(__file__).parent.parent / "weights" / "pylm"
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_shipped_propd_on_the_default_model(dtype):
-    """Both techniques on, with the shipped early heads: bitwise AR in exact mode, and the early
-    head does prune rows (non-vacuous)."""
-    model = load(W, DTYPES[dtype])
-    d = load_propd(model, W, layer=2, k=10, replan=8)
-    prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
-    out = check_exact(model, prompt, d, 48, fast=False)
-    assert out.mean_accepted > 1.5 and d.pruned_rows > 0
 
 
 def test_early_heads_for_another_layer_are_refused():
