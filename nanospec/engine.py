@@ -22,6 +22,9 @@ from .cache import KVCache
 from .model import Block
 from .tree import Sampler, Tree, verify
 
+# Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
+# on another path than the first ones (tests/test_model.py checks blocks of 16 and more).
+MIN_BLOCK = 16
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 
 
@@ -129,7 +132,9 @@ def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None)
 
     S holds the prompt, its continuation, one step's scratch rows, reserved slots and the trash slot.
     """
-    Q = Q or max(16, *(d.max_rows for d in drafters))
+    Q = Q or max(MIN_BLOCK, *(d.max_rows for d in drafters))
+    if Q < MIN_BLOCK:
+        raise NanospecError(f"the exact-mode block must have at least {MIN_BLOCK} rows (got --block {Q})")
     S = n_slots or prompt_len + max_new_tokens + Q + max(d.reserved_slots for d in drafters) + 1
     return Q, S
 

@@ -163,6 +163,10 @@ class Context:
         """Matmul input: in exact mode, each row laid out 64-byte aligned (see `aligned`)."""
         return aligned(x) if self.exact else x
 
+    def map(self, fn, x):
+        """An elementwise fn; in exact mode each row's result is independent of its index (see `rowwise`)."""
+        return rowwise(fn, x) if self.exact else fn(x)
+
     def select(self, rows: torch.Tensor) -> "Context":
         """The context of a subset of rows (e.g. survivors of pruning), sliced rather than rebuilt."""
         pick = lambda t: None if t is None else t[:, rows]
@@ -184,6 +188,23 @@ def aligned(x):
     """
     pad = aligned_pad(x)
     return F.pad(x, (0, pad))[..., :x.shape[-1]] if pad else x
+
+
+def rowwise(fn, x):
+    """fn(x) for an elementwise fn, with every element on the same kernel path wherever its row is.
+
+    CPU kernels compute SIMD chunks and finish each contiguous run (each thread's share) with a
+    scalar loop. For silu the two paths disagree in the last bit on ~4% of inputs, so the last
+    rows of a block came out differently from AR's row 0. Rows padded to 64 elements, in calls
+    small enough to stay on one thread (PyTorch's grain is 32768 elements), take the SIMD path only.
+    """
+    if x.device.type != "cpu":  # GPU kernels apply the same scalar code to every element
+        return fn(x)
+    D = x.shape[-1]
+    Dp = D - D % -64
+    rows = F.pad(x, (0, Dp - D)).reshape(-1, Dp)
+    out = torch.cat([fn(c) for c in rows.split(max(1, 32768 // Dp))])
+    return out[:, :D].reshape(x.shape)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -285,7 +306,7 @@ class MLP(nn.Module):
 
     def forward(self, x, ctx: Context):
         x = ctx.rows(x)
-        return self.down_proj(ctx.rows(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        return self.down_proj(ctx.rows(ctx.map(F.silu, self.gate_proj(x)) * self.up_proj(x)))
 
 
 class Layer(nn.Module):
@@ -313,15 +334,16 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
-    def rope(self, pos: torch.Tensor):
+    def rope(self, pos: torch.Tensor, exact: bool = False):
         """cos, sin (B, T, 1, D) for positions (B, T)."""
         freqs = pos[..., None].float() * self.inv_freq  # (B, T, D/2), fp32 like HF
         emb = torch.cat((freqs, freqs), -1)[:, :, None]
         dt = self.embed.weight.dtype
-        return emb.cos().to(dt), emb.sin().to(dt)
+        f = rowwise if exact else lambda fn, x: fn(x)
+        return f(torch.cos, emb).to(dt), f(torch.sin, emb).to(dt)
 
     def context(self, block: Block, n_slots: int, exact: bool) -> Context:
-        ctx = Context(*self.rope(block.pos), block.slots, exact)
+        ctx = Context(*self.rope(block.pos, exact), block.slots, exact)
         prefix, extra = block.prefix[..., None], block.extra
         if exact:
             # Rows' key vectors are padded to a multiple of 32 so that every row's slice starts

@@ -85,3 +85,12 @@ def test_cache_full_stops_cleanly(device):
         out = generate(model, [1, 2, 3], drafter, max_new_tokens=40, n_slots=20, Q=16, eos_id=-1, exact=True)
         assert out.stop == "cache_full"
         assert 0 < len(out.tokens) < 40 and out.tokens == ref.tokens[:len(out.tokens)]
+
+
+def test_exact_block_below_the_minimum_is_refused():
+    """Blocks under 16 rows would put rows on MKL's small-GEMM tail path (see engine.MIN_BLOCK)."""
+    from nanospec import NanospecError
+    from nanospec.model import ModelArgs
+    model = random_model(ModelArgs(dim=24, n_layers=1, n_heads=2, vocab_size=30, hidden_dim=30))
+    with pytest.raises(NanospecError, match="at least 16 rows"):
+        generate(model, [1, 2, 3], max_new_tokens=4, exact=True, Q=8)

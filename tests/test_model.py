@@ -3,13 +3,14 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-from helpers import full_logits, random_model
+from helpers import full_logits, model_args, random_model
 from nanospec import NanospecError
 from nanospec.cache import KVCache
 from nanospec.checkpoint import load, load_args, save
 from nanospec.engine import generate
-from nanospec.model import ModelArgs
+from nanospec.model import Block, ModelArgs
 from nanospec.tree import Tree
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -134,3 +135,26 @@ def test_batch_rows_are_independent():
     both = model(blk, KVCache.for_model(model, 13, batch=2), False)
     torch.testing.assert_close(both[0], one[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both[1], one[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@given(args=model_args(), seed=st.integers(0, 2**16), T=st.integers(16, 48))
+def test_exact_rows_do_not_depend_on_their_index(device, dtype, args, seed, T):
+    """Exact mode's premise: permuting a block's rows permutes their logits, bitwise.
+
+    Each row sees only itself, so its result depends on its token and position alone. This
+    caught CPU elementwise kernels finishing a block's last elements on a scalar path. Blocks
+    have at least 16 rows, as the engine's do: MKL computes the last rows of a GEMM with 5-11
+    rows on another path.
+    """
+    model = random_model(args, seed, dtype, device)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, args.vocab_size, (1, T), generator=g)
+    pos = torch.randint(0, 500, (1, T), generator=g)
+    perm = torch.randperm(T, generator=g)
+    slots = torch.arange(T)
+
+    def logits(tok, p):
+        blk = Block(tok, p, slots, torch.zeros_like(p), slots.view(1, T, 1)).to(device)
+        return model(blk, None, exact=True)[0]
+    assert torch.equal(logits(tokens, pos)[perm], logits(tokens[:, perm], pos[:, perm]))
