@@ -1,5 +1,6 @@
 """Decode with a method, check it against AR, or benchmark methods.
 
+    python decode.py --method hidden_transfer --prompt "def fibonacci(n):"
     python decode.py --method ar --prompt "def fibonacci(n):"
     python decode.py --method ar --weights DIR --check --json
     python decode.py --bench --methods ar            # the default model's held-out prompts

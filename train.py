@@ -5,6 +5,7 @@
     python train.py --method medusa        # Medusa heads + ProPD's early heads
     python train.py --method propd         # ProPD's early heads alone
     python train.py --method bita          # BiTA's mask and prompt tokens (--prompting deep|shallow|none)
+    python train.py --method hidden_transfer  # Hidden Transfer's maps W_i (--layers 4,5,6)
     python train.py --method base --help   # a method's own options
 """
 import argparse
@@ -15,7 +16,7 @@ import torch
 from nanospec import NanospecError, cli
 from nanospec import pretrain
 from nanospec.data import distill_args
-from nanospec.methods import bita, medusa, propd
+from nanospec.methods import bita, hidden_transfer, medusa, propd
 
 ROOT = Path(__file__).parent
 
@@ -41,6 +42,7 @@ TRAINERS = {  # method -> (add_args, train)
     "medusa": (medusa_args, train_medusa),
     "propd": (propd_args, propd.train),  # the early heads alone (Medusa's must exist to decode)
     "bita": (bita.add_args, bita.train),
+    "hidden_transfer": (hidden_transfer.add_args, hidden_transfer.train),
 }
 
 

@@ -37,13 +37,16 @@ def distilled(args):
     return model, [d for i, d in enumerate(data) if i % 10], data[::10]
 
 
-def update(opt, loss, lr: float, clip: float | None = 1.0) -> None:
-    """One optimizer step at learning rate lr: backward, clip the gradient norm, step, zero."""
+def update(opt, loss, lr: float, clip: float | None = 1.0, each: bool = False) -> None:
+    """One optimizer step at learning rate lr: backward, clip the gradient norm (each: every
+    parameter's on its own), step, zero."""
     for g in opt.param_groups:
         g["lr"] = lr
     loss.backward()
+    params = [p for g in opt.param_groups for p in g["params"]]
     if clip:
-        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
+        for group in ([p] for p in params) if each else [params]:
+            torch.nn.utils.clip_grad_norm_(group, clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
 

@@ -159,3 +159,26 @@ def verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int):
         return best
 
     return walk(0, n_out)
+
+
+def group_rows(blk: Block, hosts: list[int], M: int, first_slot: int, reserved=None, chained: bool = True) -> Block:
+    """A group of M rows after each host node of a tree block (BiTA's mask tokens, Hidden
+    Transfer's pseudo states): row i of a host at position p sits at p+1+i, writes slot
+    first_slot + (group * M + i) and sees the reserved slots, the host's path and its group's
+    rows 0..i (chained=False: itself only). No tree row sees them."""
+    dev = blk.slots.device
+    H = len(hosts)
+    h = torch.tensor(hosts, device=dev)
+    i = torch.arange(M, device=dev)
+    pos = (blk.pos[0, h][:, None] + 1 + i).reshape(1, H * M)
+    slots = first_slot + torch.arange(H * M, device=dev)
+    group = slots.view(H, 1, M).expand(H, M, M)
+    sees = i[None, None] <= i[None, :, None] if chained else i[None, None] == i[None, :, None]
+    group = torch.where(sees, group, -1)
+    path = blk.extra[0, h][:, None].expand(H, M, -1)
+    parts = [path, group]
+    if reserved is not None and len(reserved):
+        parts.insert(0, reserved.to(dev).view(1, 1, -1).expand(H, M, -1))
+    extra = torch.cat(parts, -1).reshape(1, H * M, -1)
+    prefix = blk.prefix[:, :1].expand(1, H * M)
+    return Block(torch.zeros(1, H * M, dtype=torch.long, device=dev), pos, slots, prefix, extra)

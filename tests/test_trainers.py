@@ -16,6 +16,7 @@ SMALL = {  # each trainer's options, cut to seconds
                "--early-steps", "3", "--early-batch", "32", "--early-rank", "4"],
     "propd": ["--early-layers", "1", "--early-steps", "3", "--early-batch", "32", "--early-rank", "4"],
     "bita": ["--steps", "3", "--batch-size", "2", "--groups", "2", "--prompts", "2"],
+    "hidden_transfer": ["--steps", "3", "--batch-size", "2", "--layers", "1"],
 }
 
 
@@ -28,5 +29,9 @@ def test_trainers_write_loadable_drafters(tmp_path):
                              capture_output=True, text=True, cwd=ROOT, timeout=600)
         assert res.returncode == 0, res.stderr[-2000:]
     base = load(tmp_path)
-    for spec in ("medusa", "propd:layer=1", "bita"):
+    for spec in ("medusa", "propd:layer=1", "bita", "hidden_transfer"):
         check_exact(base, [1, 400, 401, 402], load_drafter(spec, base, tmp_path), 12)
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--method", "hidden_transfer", "--analyze",
+                          "--out", str(tmp_path), "--distill-prompts", "6", "--new-tokens", "8", "--early-steps", "2",
+                          "--early-rank", "4"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0 and "Figure 3" in res.stdout and "Figure 4" in res.stdout, res.stderr[-2000:]

@@ -9,7 +9,7 @@ import inspect
 
 from .. import NanospecError
 from ..engine import Drafter
-from . import bita, lookahead, medusa, propd
+from . import bita, hidden_transfer, lookahead, medusa, propd
 
 METHODS = {
     "ar": lambda model, weights: Drafter(),
@@ -17,6 +17,7 @@ METHODS = {
     "medusa": medusa.load_medusa,
     "propd": propd.load_propd,
     "bita": bita.load_bita,
+    "hidden_transfer": hidden_transfer.load_hidden_transfer,
 }
 
 

@@ -44,7 +44,7 @@ from ..data import distill_args
 from ..engine import Drafter
 from ..model import Block, Context
 from ..training import adamw, cosine_lr, distilled, Progress, update
-from ..tree import Tree
+from ..tree import Tree, group_rows
 
 PROMPTING = ("deep", "shallow", "none")
 DECODING = ("efficient", "full", "straight")
@@ -118,7 +118,7 @@ class BiTA(Drafter):
             self.groups = None
             return dec.run(blk)
         self.groups = hosts
-        masks = mask_rows(blk, hosts, M, dec.cur + n, dec.reserved)
+        masks = group_rows(blk, hosts, M, dec.cur + n, dec.reserved)
         emb = dec.model.embed(blk.tokens)[0]
         embeds = torch.cat([emb, self.tune.mask.to(emb).repeat(len(hosts), 1)])[None]
         logits = dec.run(Block.cat(blk, masks), embeds=embeds)
@@ -135,26 +135,6 @@ class BiTA(Drafter):
         else:
             g = self.groups.index(path[-1])
             self.cands = self.mask_logits[g].topk(self.k, dim=-1).indices.tolist()
-
-
-def mask_rows(blk: Block, hosts: list[int], M: int, first_slot: int, reserved) -> Block:
-    """A group of M mask rows after each host node of a tree block: mask i of a host at position p
-    sits at p+1+i and sees the prompt's reserved slots, the host's path and its group's masks 0..i."""
-    dev = blk.slots.device
-    H = len(hosts)
-    h = torch.tensor(hosts, device=dev)
-    i = torch.arange(M, device=dev)
-    pos = (blk.pos[0, h][:, None] + 1 + i).reshape(1, H * M)
-    slots = first_slot + torch.arange(H * M, device=dev)
-    group = slots.view(H, 1, M).expand(H, M, M)
-    group = torch.where(i[None, None] <= i[None, :, None], group, -1)  # mask i sees masks 0..i
-    path = blk.extra[0, h][:, None].expand(H, M, -1)
-    parts = [path, group]
-    if reserved is not None and len(reserved):
-        parts.insert(0, reserved.to(dev).view(1, 1, -1).expand(H, M, -1))
-    extra = torch.cat(parts, -1).reshape(1, H * M, -1)
-    prefix = blk.prefix[:, :1].expand(1, H * M)
-    return Block(torch.zeros(1, H * M, dtype=torch.long, device=dev), pos, slots, prefix, extra)
 
 
 # --- weights on disk ---------------------------------------------------------------------------

@@ -315,13 +315,14 @@ def add_args(p):
     p.add_argument("--early-lr", type=float, default=2e-3)
 
 
-def samples(model, data, layer: int):
-    """(layer-n state at t, the model's token t+1) for every position whose next token is generated."""
+def samples(model, data, layer: int, ahead: int = 1):
+    """(layer-n state at t, the model's token t+ahead) for every position t from the prompt's
+    last token on whose token t+ahead is in the sequence."""
     seqs = [p + c for p, c in data]
     xs, ys = [], []
     for (p, _), s, x in zip(data, seqs, hidden_states(model, seqs, layer)):
-        xs.append(x[len(p) - 1:len(s) - 1])
-        ys.append(torch.tensor(s[len(p):]))
+        xs.append(x[len(p) - 1:len(s) - ahead])
+        ys.append(torch.tensor(s[len(p) - 1 + ahead:]))
     return torch.cat(xs), torch.cat(ys)
 
 
@@ -337,10 +338,11 @@ def topk_hits(head, x, y, ks, batch: int = 4096) -> dict[int, float]:
 
 
 def train_early(model, data, layer: int, steps: int, rank: int = 64, batch: int = 1024, lr: float = 2e-3,
-                seed: int = 0) -> EarlyHead:
-    """Fit an early head after `layer` to the model's own next tokens; the model stays frozen."""
-    print(f"early head after layer {layer}: {steps} steps", flush=True)
-    x, y = samples(model, data, layer)
+                seed: int = 0, ahead: int = 1) -> EarlyHead:
+    """Fit an early head after `layer` to the model's own tokens `ahead` positions on (1: the next
+    token, ProPD's; more: Hidden Transfer's early-exit baseline); the model stays frozen."""
+    print(f"early head after layer {layer} for token t+{ahead}: {steps} steps", flush=True)
+    x, y = samples(model, data, layer, ahead)
     torch.manual_seed(seed)
     a = model.args
     head = EarlyHead(a.dim, a.vocab_size, rank, a.norm_eps).init_from(model).to(x)
