@@ -61,7 +61,7 @@ def test_exact_tree_decoding_on_the_default_model(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("spec", ["medusa", "propd:layer=2,k=10,replan=8", "bita"])
+@pytest.mark.parametrize("spec", ["medusa", "propd:layer=2,k=10,replan=8", "bita", "hidden_transfer"])
 def test_shipped_drafters_are_exact_and_accept(spec, dtype):
     """Each method's shipped weights: bitwise AR in exact mode, and drafts do get accepted
     (non-vacuous); ProPD's early head does prune rows."""

@@ -26,6 +26,11 @@ Choices where the paper is silent, and why:
   itself: Figure 7's ablation). Under `paper` and `masked` the steps never see each other, so
   training them together in one forward is training them separately: the gradient of W_i
   comes from step i alone, AdamW is per parameter and the gradient is clipped per W_i.
+- Layers (5, 6, 7) of the default model's 8, from the sweep of Figures 5-6 (80-step runs,
+  README): step 1 alone at layers 1-6 is flat from 2 to 5 (held-out top-1 0.71-0.73) and lower
+  at 1 and 6; step 2 over t_1 = 4 is flat from 5 to 7; (5, 6, 7) matches (4, 5, 6) and costs
+  least, since a pseudo row runs only the layers from its own. lr 3e-3 (1e-3 learns slower in
+  80 steps; 1e-2 is no better).
 - The tree is Medusa's (saved in medusa.safetensors' metadata) for the paper's comparison at
   the same tree; `tree_size=N` builds one from Hidden Transfer's own held-out accuracies.
 - The first step has no pseudo states yet: it is the root and its group (one AR step that
@@ -76,7 +81,8 @@ def transfer_layers(model, tr: Transfer, ctx: Context, x, hosts, rows, kv, join:
     hosts (B, H): real rows; rows[i] (H,): the step-i pseudo rows, made from the hosts.
     kv(L): layer L's key/value buffers. join: pseudo rows enter at their layer (fast mode and
     training); otherwise all rows run every layer and pseudo rows are overwritten (exact mode).
-    record: a list that receives the states after every layer (full row order).
+    record: a list that receives the states after 0, 1, ..., L layers (full row order; pseudo
+    rows from their own layer on, as made by W_i there).
     """
     R = x.shape[1]
     active, c = torch.arange(R, device=x.device), ctx
@@ -96,9 +102,11 @@ def transfer_layers(model, tr: Transfer, ctx: Context, x, hosts, rows, kv, join:
                     c = ctx.select(active)
                 else:
                     x = x.index_copy(1, rows[i], new)
-        x = layer(x, c, *kv(L))
         if record is not None:
             record.append(full(x))
+        x = layer(x, c, *kv(L))
+    if record is not None:
+        record.append(full(x))
     return full(model.norm(x))
 
 
@@ -179,7 +187,7 @@ def add_args(p):
     p.add_argument("--topk", type=int, default=10, help="ranks measured per step")
     p.add_argument("--analyze", action="store_true", help="Figures 3, 4, 7 for the trained maps; trains nothing "
                    "but the early-exit baseline")
-    p.add_argument("--early-steps", type=int, default=400, help="--analyze: early-exit head training steps")
+    p.add_argument("--early-steps", type=int, default=400, help="--analyze: early-exit head training steps (0: skip)")
     p.add_argument("--early-rank", type=int, default=64, help="--analyze: early-exit head rank")
 
 
@@ -271,10 +279,10 @@ def accuracy(model, tr, data, attention="chain", topk=10, batch_size=8):
 @torch.no_grad()
 def similarity(model, tr, data, batch_size=8):
     """Figure 4: mean cosine similarity of each step's pseudo state to the real state of the
-    token it stands for, after every layer from its own (None below it); the last row is
-    after the final norm. Returns sims[layer][step]."""
+    token it stands for, after n = t_i..L layers (None below t_i) and after the final norm.
+    Returns sims[n][step], n = 0..L, then the final norm's row."""
     L = len(model.layers)
-    total, count = torch.zeros(L + 1, tr.k), torch.zeros(tr.k)
+    total, count = torch.zeros(L + 2, tr.k), torch.zeros(tr.k)
     for tokens, pos, vis, hosts, valid, teacher, _ in ordered(data, tr.k, "chain", batch_size):
         (B, k, H), T = valid.shape, tokens.shape[1] - tr.k * valid.shape[2]
         record = []
@@ -285,7 +293,7 @@ def similarity(model, tr, data, batch_size=8):
             total[n] += (cos * valid).sum((0, 2))
         count += valid.sum((0, 2))
     sims = (total / count).tolist()
-    return [[v if n + 1 > t or n == L else None for v, t in zip(row, tr.layers)] for n, row in enumerate(sims)]
+    return [[v if n >= t else None for v, t in zip(row, tr.layers)] for n, row in enumerate(sims)]
 
 
 def analyze(args):
@@ -303,11 +311,12 @@ def analyze(args):
         heads, _ = load_heads(model, args.out)
         rows["medusa heads"] = medusa_accuracy(heads, *medusa_samples(model, held, heads.proj.__len__()), 5)
     early = []
-    for i, t in enumerate(tr.layers):
+    for i, t in enumerate(tr.layers if args.early_steps else []):
         head = propd.train_early(model, train_data, t, args.early_steps, args.early_rank, ahead=i + 2, seed=args.seed)
         hits = propd.topk_hits(head, *propd.samples(model, held, t, ahead=i + 2), ks=(1, 5))
         early.append([hits[1], hits[5] - hits[1]])
-    rows["early exit (same layers)"] = early
+    if early:
+        rows["early exit (same layers)"] = early
     print("\nFigure 3: draft accuracy, top-1 / top-5")
     print("| drafter | " + " | ".join(f"step {i + 1} (t+{i + 2})" for i in range(k)) + " |")
     print("|---|" + "---|" * k)
@@ -317,7 +326,9 @@ def analyze(args):
     print("| after layer | " + " | ".join(f"step {i + 1}" for i in range(k)) + " |")
     print("|---|" + "---|" * k)
     for n, row in enumerate(similarity(model, tr, held)):
-        name = "final norm" if n == len(model.layers) else str(n + 1)
+        name = "final norm" if n > len(model.layers) else str(n)
+        if n < tr.layers[0]:
+            continue
         print(f"| {name} | " + " | ".join("" if v is None else f"{v:.3f}" for v in row) + " |")
 
 
