@@ -16,7 +16,7 @@ from nanospec import NanospecError, cli
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.checkpoint import DTYPES, load
 from nanospec.engine import Drafter, generate, shapes
-from nanospec.methods import METHODS, check_method, load_drafter, split_specs
+from nanospec.methods import METHODS, check_method, load_drafter, model_dir, split_specs
 from nanospec.tokenizer import Tokenizer
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "pylm"
@@ -61,8 +61,12 @@ def setup(args):
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise NanospecError("sampling needs --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
-    model = load(weights, dtype, args.device)
-    return weights, model, dtype
+    own = model_dir(split_specs(args.methods) if args.bench else [args.method], weights)
+    if own != weights:
+        print(f"note: decoding {own}, the method's fine-tuned model; AR (--check, --bench) runs on it too",
+              file=sys.stderr)
+    model = load(own, dtype, args.device)
+    return own, model, dtype
 
 
 def encode(args, tok, text):

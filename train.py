@@ -5,7 +5,8 @@
     python train.py --method medusa        # Medusa heads + ProPD's early heads
     python train.py --method propd         # ProPD's early heads alone
     python train.py --method bita          # BiTA's mask and prompt tokens (--prompting deep|shallow|none)
-    python train.py --method hidden_transfer  # Hidden Transfer's maps W_i (--layers 4,5,6)
+    python train.py --method hidden_transfer  # Hidden Transfer's maps W_i (--layers 5,6,7)
+    python train.py --method sdsat         # SDSAT: fine-tunes weights/NAME into weights/NAME-sdsat
     python train.py --method base --help   # a method's own options
 """
 import argparse
@@ -16,7 +17,7 @@ import torch
 from nanospec import NanospecError, cli
 from nanospec import pretrain
 from nanospec.data import distill_args
-from nanospec.methods import bita, hidden_transfer, medusa, propd
+from nanospec.methods import bita, hidden_transfer, medusa, propd, sdsat
 
 ROOT = Path(__file__).parent
 
@@ -43,6 +44,7 @@ TRAINERS = {  # method -> (add_args, train)
     "propd": (propd_args, propd.train),  # the early heads alone (Medusa's must exist to decode)
     "bita": (bita.add_args, bita.train),
     "hidden_transfer": (hidden_transfer.add_args, hidden_transfer.train),
+    "sdsat": (sdsat.add_args, sdsat.train),
 }
 
 

@@ -10,7 +10,7 @@ import torch
 from helpers import Adversary, check_exact, full_logits
 from nanospec.checkpoint import load
 from nanospec.engine import generate, shapes
-from nanospec.methods import load_drafter
+from nanospec.methods import load_drafter, model_dir
 from nanospec.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,11 +61,11 @@ def test_exact_tree_decoding_on_the_default_model(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("spec", ["medusa", "propd:layer=2,k=10,replan=8", "bita", "hidden_transfer"])
+@pytest.mark.parametrize("spec", ["medusa", "propd:layer=2,k=10,replan=8", "bita", "hidden_transfer", "sdsat"])
 def test_shipped_drafters_are_exact_and_accept(spec, dtype):
-    """Each method's shipped weights: bitwise AR in exact mode, and drafts do get accepted
-    (non-vacuous); ProPD's early head does prune rows."""
-    model = load(W, dtype)
+    """Each method's shipped weights: bitwise AR in exact mode (SDSAT: AR of its fine-tuned
+    model), and drafts do get accepted (non-vacuous); ProPD's early head does prune rows."""
+    model = load(model_dir([spec], W), dtype)
     d = load_drafter(spec, model, W)
     prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
     out = check_exact(model, prompt, d, 48, fast=False)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from helpers import check_exact, random_model
 from nanospec.checkpoint import load, save
-from nanospec.methods import load_drafter
+from nanospec.methods import load_drafter, model_dir
 from nanospec.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,3 +35,11 @@ def test_trainers_write_loadable_drafters(tmp_path):
                           "--out", str(tmp_path), "--distill-prompts", "6", "--new-tokens", "8", "--early-steps", "2",
                           "--early-rank", "4"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert res.returncode == 0 and "Figure 3" in res.stdout and "Figure 4" in res.stdout, res.stderr[-2000:]
+    # SDSAT fine-tunes the base into a model directory of its own, decoded against its own AR
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--method", "sdsat", "--out", str(tmp_path),
+                          "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--max-files", "2",
+                          "--eval-windows", "2", "--distill-prompts", "6", "--new-tokens", "8"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    tuned = load(model_dir(["sdsat"], tmp_path))
+    check_exact(tuned, [1, 400, 401, 402], load_drafter("sdsat:k=3", tuned, tmp_path), 12)

@@ -9,7 +9,7 @@ import inspect
 
 from .. import NanospecError
 from ..engine import Drafter
-from . import bita, hidden_transfer, lookahead, medusa, propd
+from . import bita, hidden_transfer, lookahead, medusa, propd, sdsat
 
 METHODS = {
     "ar": lambda model, weights: Drafter(),
@@ -18,7 +18,9 @@ METHODS = {
     "propd": propd.load_propd,
     "bita": bita.load_bita,
     "hidden_transfer": hidden_transfer.load_hidden_transfer,
+    "sdsat": sdsat.load_sdsat,
 }
+OWN_MODEL = {"sdsat": sdsat.model_dir}  # methods that decode a fine-tuned model of their own
 
 
 def _value(v: str):
@@ -63,6 +65,17 @@ def split_specs(methods: str) -> list[str]:
 
 def check_method(spec: str) -> None:
     parse_spec(spec)
+
+
+def model_dir(specs: list[str], weights):
+    """The model directory the methods decode: the base weights, or a method's own fine-tuned
+    model (SDSAT), which is then also the AR reference. `ar` follows the others."""
+    names = {parse_spec(s)[0] for s in specs} - {"ar"}
+    dirs = {OWN_MODEL[n](weights) if n in OWN_MODEL else weights for n in names} or {weights}
+    if len(dirs) > 1:
+        raise NanospecError(f"{', '.join(sorted(names))} decode different models ({', '.join(map(str, sorted(dirs)))}); "
+                            "benchmark them in separate runs")
+    return dirs.pop()
 
 
 def load_drafter(spec: str, model, weights) -> Drafter:
