@@ -79,4 +79,4 @@ def test_bigram_baseline():
 def test_unknown_training_method_is_one_line():
     res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--method", "nope"], capture_output=True,
                          text=True, cwd=ROOT, timeout=60)
-    assert res.returncode == 2 and res.stderr.strip() == "error: unknown method 'nope'; choose from: tokenizer, base, medusa, propd, bita"
+    assert res.returncode == 2 and res.stderr.strip() == "error: unknown method 'nope'; choose from: tokenizer, base, medusa, propd, bita, hidden_transfer, sdsat"
