@@ -46,7 +46,7 @@ from .. import NanospecError
 from ..checkpoint import fingerprint, load_drafter_file, save_drafter
 from ..data import distill_args
 from ..engine import Drafter
-from ..model import Context
+from ..model import Block, Context
 from ..training import adamw, cosine_lr, distilled, Progress, update
 from ..tree import Tree, group_rows
 from .medusa import choose_tree
@@ -137,7 +137,7 @@ class HiddenTransfer(Drafter):
         if n * (1 + k) > dec.room:  # no room for pseudo rows: verify alone, draft nothing next
             self.pseudo = None
             return dec.run(blk)
-        full = type(blk).cat(blk, group_rows(blk, list(range(n)), k, dec.cur + n, chained=self.chained))
+        full = Block.cat(blk, group_rows(blk, list(range(n)), k, dec.cur + n, chained=self.chained))
         if dec.exact:
             full = full.pad(dec.Q, dec.cache.trash)
         ctx = model.context(full, dec.cache.n_slots, dec.exact)
