@@ -309,7 +309,7 @@ def analyze(args):
             "hidden transfer, pseudo states masked from each other": accuracy(model, tr, held, "masked", 5)}
     if (Path(args.out) / "medusa.safetensors").is_file():
         heads, _ = load_heads(model, args.out)
-        rows["medusa heads"] = medusa_accuracy(heads, *medusa_samples(model, held, heads.proj.__len__()), 5)
+        rows["medusa heads"] = medusa_accuracy(heads, *medusa_samples(model, held, len(heads.proj)), 5)
     early = []
     for i, t in enumerate(tr.layers if args.early_steps else []):
         head = propd.train_early(model, train_data, t, args.early_steps, args.early_rank, ahead=i + 2, seed=args.seed)
@@ -326,9 +326,9 @@ def analyze(args):
     print("| after layer | " + " | ".join(f"step {i + 1}" for i in range(k)) + " |")
     print("|---|" + "---|" * k)
     for n, row in enumerate(similarity(model, tr, held)):
-        name = "final norm" if n > len(model.layers) else str(n)
         if n < tr.layers[0]:
             continue
+        name = "final norm" if n > len(model.layers) else str(n)
         print(f"| {name} | " + " | ".join("" if v is None else f"{v:.3f}" for v in row) + " |")
 
 

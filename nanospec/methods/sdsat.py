@@ -66,7 +66,6 @@ class SDSAT(Drafter):
         self.k, self.width = k, width
         self.max_rows = 1 + k * width + k
         self.paths = [(0,) * d + (j,) for d in range(k) for j in range(width)]  # top-1s have children
-
         self.verifying = self.drafts_accepted = self.draft_only = 0  # statistics for report()
 
     def start(self, dec):
