@@ -32,7 +32,8 @@ def parse_args(argv=None):
     p.add_argument("--weights", default=None, help=f"HF Llama directory (default: {DEFAULT_WEIGHTS.relative_to(Path(__file__).parent)})")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=list(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--mode", default="fast", choices=["exact", "fast"])
+    p.add_argument("--mode", choices=["exact", "fast"],
+                   help="default: fast on cpu; exact on cuda (CUDA graphs), where bf16 fast mode can flip near-ties")
     p.add_argument("--block", type=int, help="exact mode: rows per forward (Q)")
     p.add_argument("--max-len", type=int, help="KV cache slots (S); default fits prompt + new tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -87,6 +88,7 @@ def main(argv=None):
         check_method(m)
     weights, model, dtype = setup(args)
     tok = Tokenizer(weights / "tokenizer.model") if (weights / "tokenizer.model").is_file() else None
+    args.mode = args.mode or ("exact" if args.device == "cuda" else "fast")
     exact = args.mode == "exact"
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     info = dict(mode=args.mode, device=args.device, dtype=str(dtype).removeprefix("torch."))

@@ -1,13 +1,19 @@
 """The benchmark behind `decode.py --bench`, and the AR comparison behind `--check`.
 
-Speedups are always against fast-mode AR (one row per step) measured in the same
-run; mismatches count prompts whose tokens differ from AR's in the benchmark's mode.
+Speedups are always against the fastest AR measured in the same run: fast-mode AR (one
+row per step), and in an exact-mode bench also exact-mode AR at its own smallest block
+(on a GPU it replays a CUDA graph, and can be the faster one); never against AR padded
+to a method's block. Mismatches count prompts whose tokens differ from AR's in the
+benchmark's mode (and, in exact mode, whose accepted logits differ in any bit). On a GPU
+each method's kernel time per forward is read with the torch profiler on one prompt.
 """
 import copy
 import json
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from . import NanospecError
 from .engine import Drafter, generate, shapes
@@ -57,41 +63,86 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         return generate(model, prompt, d, max_new_tokens=n, exact=exact, Q=Q, n_slots=S,
                         eos_id=eos_id, record_logits=exact, **sampling)
 
-    for d in everyone:  # warm-up: first calls pay for allocation and kernel selection; a copy,
-        run(copy.deepcopy(d), prompts[0], exact, n=min(8, max_new_tokens))  # so no state leaks
+    def own_ar(prompt, n=max_new_tokens):  # exact AR at its own smallest block: a baseline, not a reference
+        Q, S = shapes([Drafter()], len(prompt), max_new_tokens)
+        return generate(model, prompt, max_new_tokens=n, exact=True, Q=Q, n_slots=S, eos_id=eos_id, **sampling)
+
+    # Warm-up: first calls pay for allocation, kernel selection and (on a GPU) graph capture, once
+    # per cache size: one prompt of each size, on a copy of each drafter so no state leaks.
+    sizes = {shapes([Drafter()], len(p), max_new_tokens) + shapes(everyone, len(p), max_new_tokens): p
+             for p in prompts}
+    for p in sizes.values():
+        for d in everyone:
+            run(copy.deepcopy(d), p, exact, n=min(8, max_new_tokens))
+        if exact:
+            own_ar(p, n=min(8, max_new_tokens))
     # Interleaved: each prompt runs under every method in turn, so slow drifts in machine speed
     # (frequent on shared CPUs) hit every method alike.
     t0 = time.perf_counter()
-    fast_ar, ref, outs = [], [], [[] for _ in drafters]
+    base = {"fast AR": [], "exact AR": []} if exact else {"fast AR": []}
+    ref, outs = [], [[] for _ in drafters]
     for i, p in enumerate(prompts):
-        fast_ar.append(run(Drafter(), p, False))
-        ref.append(fast_ar[-1] if not exact else run(Drafter(), p, True))
+        base["fast AR"].append(run(Drafter(), p, False))
+        if exact:
+            base["exact AR"].append(own_ar(p))
+        ref.append(base["fast AR"][-1] if not exact else run(Drafter(), p, True))
         for d, o in zip(drafters, outs):
             o.append(run(d, p, exact))
+        done = time.perf_counter() - t0
         print(f"[bench] prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{d.name} {o[-1].mean_accepted:.2f}" for d, o in zip(drafters, outs)) + " tokens/step, "
-            f"{time.perf_counter() - t0:.0f}s", file=log, flush=True)
-    ar_tps = sum(len(o.tokens) for o in fast_ar) / sum(o.decode_s for o in fast_ar)
-    print(f"[bench] fast AR: {ar_tps:.1f} tok/s over {len(prompts)} prompts", file=log, flush=True)
+            f"{done:.0f}s, about {done / (i + 1) * (len(prompts) - i - 1):.0f}s left", file=log, flush=True)
+    speeds = {name: sum(len(o.tokens) for o in runs) / sum(o.decode_s for o in runs) for name, runs in base.items()}
+    baseline = max(speeds, key=speeds.get)
+    ar_tps = speeds[baseline]
+    print(f"[bench] " + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in speeds.items()) +
+          f" over {len(prompts)} prompts; speedups are against {baseline}", file=log, flush=True)
     results = []
     for d, runs in zip(drafters, outs):
         new = sum(len(o.tokens) for o in runs)
         steps = sum(o.steps for o in runs)
         tps = new / sum(o.decode_s for o in runs)
         fwd_ms = 1000 * sum(sum(o.forward_s) for o in runs) / steps
+        kernel = kernel_ms(lambda d, p: run(d, p, exact), d, prompts[0])
         results.append(dict(method=d.name, prompts=len(prompts), new_tokens=new, steps=steps,
                             mean_accepted=round(new / steps, 3), forward_ms=round(fwd_ms, 2),
-                            tokens_per_s=round(tps, 2),
-                            speedup=round(tps / ar_tps, 3),
+                            kernel_ms=None if kernel is None else round(kernel, 3), tokens_per_s=round(tps, 2),
+                            speedup=round(tps / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
                             mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(runs, ref)),
                             notes=d.report()))
     return results
 
 
+def kernel_ms(run, drafter, prompt) -> float | None:
+    """GPU kernel time per decoding forward (torch profiler, prefill excluded); None on a CPU."""
+    d = copy.deepcopy(drafter)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    start, finish = d.start, d.finish
+
+    def start_profiled(dec):  # the engine calls start after prefill and finish at the end
+        if dec.device.type == "cuda":
+            dec.sync()
+            prof.start()
+        start(dec)
+
+    def finish_profiled(dec):
+        finish(dec)
+        if dec.device.type == "cuda":
+            dec.sync()
+            prof.stop()
+
+    d.start, d.finish = start_profiled, finish_profiled
+    out = run(d, prompt)
+    if prof.profiler is None:  # never started: not on a GPU
+        return None
+    us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return us / 1000 / out.steps
+
+
 def table(results: list[dict]) -> str:
-    cols = ["method", "prompts", "new_tokens", "steps", "mean_accepted", "forward_ms", "tokens_per_s", "speedup",
-            "mismatches"]
-    rows = [cols] + [[str(r[c]) for c in cols] for r in results]
+    cols = ["method", "prompts", "new_tokens", "steps", "mean_accepted", "forward_ms", "kernel_ms", "tokens_per_s",
+            "speedup", "mismatches"]
+    rows = [cols] + [["-" if r[c] is None else str(r[c]) for c in cols] for r in results]
     w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     notes = [f"{r['method']}: {r['notes']}" for r in results if r.get("notes")]
     return "\n".join(["  ".join(v.rjust(w[i]) for i, v in enumerate(r)) for r in rows] + notes)

@@ -16,6 +16,7 @@ class KVCache:
         self.n_slots = n_slots
         self.trash = n_slots - 1
         self.n_reserved = 0
+        self.graphs = {}  # CUDA graphs captured with this cache (graphs.py): bound to its buffers
 
     @classmethod
     def for_model(cls, model, n_slots, batch=1):
@@ -27,6 +28,12 @@ class KVCache:
         """Slots available to the sequence and the scratch rows of a step."""
         return self.n_slots - 1 - self.n_reserved
 
+    def reset(self) -> None:
+        """Empty, for a new generation; captured graphs stay valid."""
+        self.k.zero_()
+        self.v.zero_()
+        self.n_reserved = 0
+
     def layer(self, i):
         return self.k[i], self.v[i]  # each (B, Hkv, S, D), views: writes land in the cache
 
@@ -35,16 +42,17 @@ class KVCache:
         if n > self.capacity - 1:
             raise ValueError(f"cannot reserve {n} of {self.n_slots} cache slots")
         self.n_reserved += n
-        return torch.arange(self.capacity, self.capacity + n, device=self.k.device)
+        return torch.arange(self.capacity, self.capacity + n)  # host tensor, like the blocks that use it
 
-    def compact(self, src: torch.Tensor, dst_start: int) -> None:
+    def compact(self, src: list[int], dst_start: int) -> None:
         """Rollback/commit: move the entries at slots src to dst_start, dst_start+1, ... in order.
 
         The accepted path of a draft tree is scattered over scratch slots; this makes
         it contiguous after the committed prefix. Every other slot keeps its content.
         """
-        dst = torch.arange(dst_start, dst_start + len(src), device=self.k.device)
-        if torch.equal(src, dst):
+        dst = list(range(dst_start, dst_start + len(src)))
+        if src == dst:  # decided on the host: no device sync
             return
+        src, dst = (torch.tensor(s, device=self.k.device) for s in (src, dst))
         self.k[:, :, :, dst] = self.k[:, :, :, src]  # the gather copies first, so overlap is safe
         self.v[:, :, :, dst] = self.v[:, :, :, src]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import NanospecError
+from . import NanospecError, graphs
 from .cache import KVCache
 from .model import Block
 from .tree import Sampler, Tree, verify
@@ -25,7 +25,8 @@ from .tree import Sampler, Tree, verify
 # Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
 # on another path than the first ones (tests/test_model.py checks blocks of 16 and more).
 MIN_BLOCK = 16
-PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
+PREFILL_CHUNK_FAST = 256
+SLOT_BUCKET = 64  # default cache sizes are rounded up to this: prompts of similar length share CUDA graphs  # fast mode has no block shape to keep; chunks only bound memory
 
 
 class Decoding:
@@ -46,19 +47,34 @@ class Decoding:
         return self.cache.capacity - self.cur
 
     def run(self, block: Block, embeds=None, hidden=False):
-        """Run the model on a block (padded to Q rows in exact mode); outputs for its rows, batch 0."""
+        """Run the model on a block (host tensors; padded to Q rows in exact mode); outputs for
+        its rows, batch 0. Exact mode on a GPU replays a CUDA graph (graphs.py)."""
         n = len(block)
-        over = block.slots[block.slots >= self.cache.capacity]  # only the drafter's reserved slots may be there
-        if len(over) and (self.reserved is None or not torch.isin(over, self.reserved.to(over.device)).all()):
+        if int(block.slots.max()) >= self.cache.trash:  # the sequence's slots, then the drafter's reserved ones
             raise NanospecError(f"a step of {n} rows does not fit the cache at {self.cur} tokens")
-        if self.exact:
-            if n > self.Q:
-                raise NanospecError(f"a step of {n} rows exceeds the exact-mode block of Q={self.Q} rows; raise --block")
-            block = block.pad(self.Q, self.cache.trash)
+        if not self.exact:
+            res = self.model(block.to(self.device), self.cache, False, embeds, hidden)
+        else:
             if embeds is not None:
                 embeds = F.pad(embeds, (0, 0, 0, self.Q - n))
-        res = self.model(block.to(self.device), self.cache, self.exact, embeds, hidden)
+            model, cache = self.model, self.cache
+            fn = lambda embeds, *b: model(Block(*b), cache, True, embeds, hidden)
+            res = self.graphed(("run", hidden), fn, embeds, *self.fixed(block))
         return tuple(r[0, :n] for r in res) if hidden else res[0, :n]
+
+    def fixed(self, block: Block) -> tuple:
+        """An exact-mode block's tensors at fixed shapes: Q rows (padding rows write and read the
+        trash slot), each row's visible slots padded to the cache's S. The same every step."""
+        if len(block) > self.Q:
+            raise NanospecError(f"a step of {len(block)} rows exceeds the exact-mode block of Q={self.Q} rows; "
+                                "raise --block")
+        b = block.pad(self.Q, self.cache.trash)
+        return b.tokens, b.pos, b.slots, b.prefix, F.pad(b.extra, (0, self.cache.n_slots - b.extra.shape[-1]), value=-1)
+
+    def graphed(self, key, fn, *args):
+        """fn(*args) on the model's device, through a CUDA graph there (exact mode: fixed shapes).
+        A method with its own layer loop passes its exact forward here, keyed by its shape."""
+        return graphs.run(self.cache.graphs, key, fn, args, self.device)
 
     def prefill(self, tokens: list[int]) -> None:
         """Commit tokens in chunks (Q rows in exact mode: the same for every method)."""
@@ -70,7 +86,7 @@ class Decoding:
 
     def commit(self, tree: Tree, path: list[int], tokens: list[int]) -> None:
         """Keep the accepted path's keys (node i sits at slot cur+i) and emit its tokens."""
-        self.cache.compact(torch.tensor(path, device=self.device) + self.cur, self.cur)
+        self.cache.compact([self.cur + i for i in path], self.cur)
         self.cur += len(path)
         self.out += tokens
         self.last = tokens[-1]
@@ -130,13 +146,29 @@ class Output:
 def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None) -> tuple[int, int]:
     """The exact-mode block Q and cache size S that fit every drafter: runs to compare share them.
 
-    S holds the prompt, its continuation, one step's scratch rows, reserved slots and the trash slot.
+    S holds the prompt, its continuation, one step's scratch rows, reserved slots and the trash slot,
+    rounded up to a multiple of SLOT_BUCKET.
     """
     Q = Q or max(MIN_BLOCK, *(d.max_rows for d in drafters))
     if Q < MIN_BLOCK:
         raise NanospecError(f"the exact-mode block must have at least {MIN_BLOCK} rows (got --block {Q})")
-    S = n_slots or prompt_len + max_new_tokens + Q + max(d.reserved_slots for d in drafters) + 1
-    return Q, S
+    S = prompt_len + max_new_tokens + Q + max(d.reserved_slots for d in drafters) + 1
+    return Q, n_slots or -(-S // SLOT_BUCKET) * SLOT_BUCKET
+
+
+def cache_for(model, n_slots: int, exact: bool) -> KVCache:
+    """A generation's KV cache. Exact mode on a GPU reuses one per (S, dtype) per model: the CUDA
+    graphs captured with a cache are bound to its buffers, so later generations replay them."""
+    w = model.embed.weight
+    if not (exact and w.is_cuda and graphs.ENABLED):
+        return KVCache.for_model(model, n_slots)
+    pool = model.__dict__.setdefault("_exact_caches", {})
+    key = (n_slots, w.dtype, w.device)
+    if key in pool:
+        pool[key].reset()
+    else:
+        pool[key] = KVCache.for_model(model, n_slots)
+    return pool[key]
 
 
 def check_prompt(prompt, vocab_size: int) -> list[int]:
@@ -162,7 +194,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     prompt = check_prompt(prompt, model.args.vocab_size)
     Q, S = shapes([drafter], len(prompt), max_new_tokens, Q, n_slots)
     eos = model.args.eos_id if eos_id is None else eos_id
-    cache = KVCache.for_model(model, S)
+    cache = cache_for(model, S, exact)
     reserved = cache.reserve(drafter.reserved_slots)
     if len(prompt) > cache.capacity:
         raise NanospecError(f"the prompt has {len(prompt)} tokens but the cache holds {cache.capacity}; "

@@ -148,6 +148,7 @@ def verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int):
     the path's draft tokens followed by the target at its last node.
     """
     targets = logits.argmax(-1).tolist() if sampler.greedy else None
+    logits = logits if sampler.greedy else logits.cpu()  # one read-back, not one per node
 
     def walk(node, n):  # the longest accepted path below node, whose target is output position n
         t = targets[node] if targets else sampler.pick(logits[node], n)

@@ -15,7 +15,7 @@ def test_compact_moves_accepted_in_order_and_nothing_else(data):
     n = data.draw(st.integers(1, S - 1))
     src = data.draw(st.lists(st.integers(0, S - 1), min_size=1, max_size=n))
     dst = data.draw(st.integers(0, S - len(src)))
-    c.compact(torch.tensor(src), dst)
+    c.compact(src, dst)
     for i, s in enumerate(src):
         assert torch.equal(c.k[:, :, :, dst + i], k0[:, :, :, s])
         assert torch.equal(c.v[:, :, :, dst + i], v0[:, :, :, s])

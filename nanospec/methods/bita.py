@@ -95,10 +95,9 @@ class BiTA(Drafter):
                 vc[:, :, slots] = tune.value[i]
         elif tune.prompting == "shallow":  # P rows, causal among themselves, keys into the reserved slots
             P = tune.P
-            extra = torch.where(torch.arange(P)[None] <= torch.arange(P)[:, None], slots.cpu()[None], -1)
+            extra = torch.where(torch.arange(P)[None] <= torch.arange(P)[:, None], slots[None], -1)
             z = torch.zeros(1, P, dtype=torch.long)
-            dec.run(Block(z, torch.arange(P)[None], slots.cpu(), z, extra[None]).to(dec.device),
-                    embeds=tune.prompt[None])
+            dec.run(Block(z, torch.arange(P)[None], slots, z, extra[None]), embeds=tune.prompt[None])
 
     def draft(self, dec):
         if self.cands is None or dec.room < self.max_rows:
@@ -112,14 +111,14 @@ class BiTA(Drafter):
 
     def forward(self, dec, tree):
         n, M = len(tree), self.tune.M
-        blk = tree.block(dec.cur, dec.device)
+        blk = tree.block(dec.cur)
         hosts = [0] if self.decoding == "straight" else list(range(n))
         if n + len(hosts) * M > dec.room:  # no room for mask groups: verify alone, draft nothing next
             self.groups = None
             return dec.run(blk)
         self.groups = hosts
         masks = group_rows(blk, hosts, M, dec.cur + n, dec.reserved)
-        emb = dec.model.embed(blk.tokens)[0]
+        emb = dec.model.embed(blk.tokens.to(dec.device))[0]
         embeds = torch.cat([emb, self.tune.mask.to(emb).repeat(len(hosts), 1)])[None]
         logits = dec.run(Block.cat(blk, masks), embeds=embeds)
         self.mask_logits = logits[n:].view(len(hosts), M, -1)

@@ -133,19 +133,26 @@ class HiddenTransfer(Drafter):
 
     def forward(self, dec, tree):
         model, n, k = dec.model, len(tree), self.tr.k
-        blk = tree.block(dec.cur, dec.device)
+        blk = tree.block(dec.cur)
         if n * (1 + k) > dec.room:  # no room for pseudo rows: verify alone, draft nothing next
             self.pseudo = None
             return dec.run(blk)
         full = Block.cat(blk, group_rows(blk, list(range(n)), k, dec.cur + n, chained=self.chained))
-        if dec.exact:
-            full = full.pad(dec.Q, dec.cache.trash)
-        ctx = model.context(full, dec.cache.n_slots, dec.exact)
         rows = [n + torch.arange(n, device=dec.device) * k + i for i in range(k)]
         hosts = torch.arange(n, device=dec.device)[None]
-        h = transfer_layers(model, self.tr, ctx, model.embed(full.tokens), hosts, rows, dec.cache.layer, not dec.exact)
+        cache, exact = dec.cache, dec.exact
+
+        def layers(full):  # (final states, logits); exact: all rows, AR's GEMM shape
+            ctx = model.context(full, cache.n_slots, exact)
+            h = transfer_layers(model, self.tr, ctx, model.embed(full.tokens), hosts, rows, cache.layer, not exact)
+            return h, model.lm_head(ctx.rows(h[0]) if exact else h[0, :n])
+
+        if exact:  # a CUDA graph per tree size on a GPU (the index tensors above depend on n alone)
+            h, logits = dec.graphed(("hidden_transfer", self.tr, n), lambda *b: layers(Block(*b)), *dec.fixed(full))
+        else:
+            h, logits = layers(full.to(dec.device))
         self.pseudo = h[0, n:n * (1 + k)].view(n, k, -1)  # normed; decoded once the last node is known
-        return model.lm_head(ctx.rows(h[0]))[:n] if dec.exact else model.lm_head(h[0, :n])  # exact: AR's GEMM shape
+        return logits[:n]
 
     def accepted(self, dec, tree, path):
         if self.pseudo is None:

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from .. import NanospecError
 from ..checkpoint import fingerprint, load_drafter_file, save_drafter
-from ..model import RMSNorm
+from ..model import Block, RMSNorm
 from ..training import adamw, cosine_lr, distilled, Progress, update
 from ..tree import Tree, _layout
 from .medusa import Medusa, choose_tree, hidden_states, load_heads
@@ -182,27 +182,38 @@ def _shape(parents: tuple[int, ...], device):
 def forward_pruned(dec, tree: Tree, early: EarlyHead, layer: int, k: int):
     """The verification forward with early pruning after `layer` layers: (logits (n, V), h (n, D),
     pruned nodes). Pruned rows' logits and states are zeros in fast mode; never read."""
-    model, n = dec.model, len(tree)
-    block = tree.block(dec.cur, dec.device)
-    if dec.exact:
-        block = block.pad(dec.Q, dec.cache.trash)
-    ctx = model.context(block, dec.cache.n_slots, dec.exact)
-    x = model.embed(block.tokens)
-    for i in range(layer):
-        x = model.layers[i](x, ctx, *dec.cache.layer(i))
-    cut = pruned(tree, x[0, :n], early, k)
-    gone = cut.nonzero()[:, 0].tolist()
-    keep = None
-    if gone and not dec.exact:
+    model, n, cache = dec.model, len(tree), dec.cache
+
+    def run(ctx, x, layers):
+        for i in layers:
+            x = model.layers[i](x, ctx, *cache.layer(i))
+        return x
+
+    def head(ctx, x):
+        h = model.norm(x[0])
+        return model.lm_head(ctx.rows(h)), h
+
+    if dec.exact:  # every row runs every layer, captured as one CUDA graph on a GPU; pruned nodes only leave verification
+        def full(*b):
+            block = Block(*b)
+            ctx = model.context(block, cache.n_slots, True)
+            x = run(ctx, model.embed(block.tokens), range(layer))
+            return *head(ctx, run(ctx, x, range(layer, len(model.layers)))), x[0]
+        logits, h, x = dec.graphed(("propd", layer), full, *dec.fixed(tree.block(dec.cur)))
+        gone = pruned(tree, x[:n], early, k).nonzero()[:, 0].tolist()
+    else:  # pruned rows are removed after layer `layer`
+        block = tree.block(dec.cur, dec.device)
+        ctx = model.context(block, cache.n_slots, False)
+        x = run(ctx, model.embed(block.tokens), range(layer))
+        cut = pruned(tree, x[0], early, k)
+        gone = cut.nonzero()[:, 0].tolist()
         keep = (~cut).nonzero()[:, 0]
-        ctx, x = ctx.select(keep), x[:, keep]
-    for i in range(layer, len(model.layers)):
-        x = model.layers[i](x, ctx, *dec.cache.layer(i))
-    h = model.norm(x[0])
-    logits = model.lm_head(ctx.rows(h))
-    if keep is not None:  # scatter the survivors back to node order
-        logits = logits.new_zeros(n, logits.shape[-1]).index_copy_(0, keep, logits)
-        h = h.new_zeros(n, h.shape[-1]).index_copy_(0, keep, h)
+        if gone:
+            ctx, x = ctx.select(keep), x[:, keep]
+        logits, h = head(ctx, run(ctx, x, range(layer, len(model.layers))))
+        if gone:  # scatter the survivors back to node order
+            logits = logits.new_zeros(n, logits.shape[-1]).index_copy_(0, keep, logits)
+            h = h.new_zeros(n, h.shape[-1]).index_copy_(0, keep, h)
     tree.drop(gone)
     return logits[:n], h[:n], gone
 

@@ -78,7 +78,7 @@ class SDSAT(Drafter):
 
     def forward(self, dec, tree):
         n, k = len(tree), self.k
-        blk = tree.block(dec.cur, dec.device)
+        blk = tree.block(dec.cur)
         if n + k > dec.room:  # no room for adaptive tokens: verify alone, draft nothing next
             self.host = None
             return dec.run(blk)
@@ -86,7 +86,7 @@ class SDSAT(Drafter):
         while tree.kids[self.host]:
             self.host = min(c[0] for c in tree.kids[self.host].values())
         rows = group_rows(blk, [self.host], k, dec.cur + n)
-        rows.tokens = torch.tensor([self.adaptive], device=dec.device)
+        rows.tokens = torch.tensor([self.adaptive])
         logits = dec.run(Block.cat(blk, rows))
         self.adaptive_logits = logits[n:]
         return logits[:n]
