@@ -25,8 +25,8 @@ from .tree import Sampler, Tree, verify
 # Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
 # on another path than the first ones (tests/test_model.py checks blocks of 16 and more).
 MIN_BLOCK = 16
-PREFILL_CHUNK_FAST = 256
-SLOT_BUCKET = 64  # default cache sizes are rounded up to this: prompts of similar length share CUDA graphs  # fast mode has no block shape to keep; chunks only bound memory
+PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
+SLOT_BUCKET = 64  # default cache sizes are rounded up to this: prompts of similar length share CUDA graphs
 
 
 class Decoding:

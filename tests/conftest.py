@@ -19,8 +19,33 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    default = "cuda" if config.getoption("--device") == "cuda" else "default"
-    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", default))
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one)")
+    on_cuda = config.getoption("--device") == "cuda"
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "cuda" if on_cuda else "default"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # xdist: share the cores instead of every worker taking all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_collection_modifyitems(config, items):
+    """`--device cuda` runs the tests whose result depends on the device (those that take the
+    `device` fixture or are marked `cuda`); the rest run the same on any machine, in the CPU suite."""
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda") and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
+    if config.getoption("--device") != "cuda":
+        return
+    keep = [i for i in items if "device" in i.fixturenames or i.get_closest_marker("cuda")]
+    dropped = [i for i in items if i not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+def pytest_report_header(config):
+    if config.getoption("--device") == "cuda":
+        return "--device cuda: device-independent tests are deselected (the CPU suite runs them)"
 
 
 @pytest.fixture(scope="session")

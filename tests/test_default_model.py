@@ -50,8 +50,8 @@ def test_transformers_gives_the_same_logits(model):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_exact_tree_decoding_on_the_default_model(dtype):
-    model = load(W, dtype)
+def test_exact_tree_decoding_on_the_default_model(dtype, device):
+    model = load(W, dtype).to(device)
     prompt = Tokenizer(W / "tokenizer.model").encode(PROMPT)
     Q, S = shapes([Adversary([], 1, max_nodes=12)], len(prompt), 24)
     kw = dict(max_new_tokens=24, exact=True, Q=Q, n_slots=S, eos_id=-1, record_logits=True)
@@ -62,10 +62,10 @@ def test_exact_tree_decoding_on_the_default_model(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spec", ["medusa", "propd:layer=2,k=10,replan=8", "bita", "hidden_transfer", "sdsat"])
-def test_shipped_drafters_are_exact_and_accept(spec, dtype):
+def test_shipped_drafters_are_exact_and_accept(spec, dtype, device):
     """Each method's shipped weights: bitwise AR in exact mode (SDSAT: AR of its fine-tuned
     model), and drafts do get accepted (non-vacuous); ProPD's early head does prune rows."""
-    model = load(model_dir([spec], W), dtype)
+    model = load(model_dir([spec], W), dtype).to(device)
     d = load_drafter(spec, model, W)
     prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
     out = check_exact(model, prompt, d, 48, fast=False)
@@ -74,9 +74,9 @@ def test_shipped_drafters_are_exact_and_accept(spec, dtype):
         assert d.pruned_rows > 0
 
 
-def test_decode_py_uses_it_by_default():
+def test_decode_py_uses_it_by_default(device):
     res = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--method", "ar", "--prompt", "def fibonacci(n):",
-                          "--max-new-tokens", "24", "--check", "--json"], capture_output=True, text=True, cwd=ROOT,
+                          "--max-new-tokens", "24", "--check", "--json", "--device", device], capture_output=True, text=True, cwd=ROOT,
                          timeout=300)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])

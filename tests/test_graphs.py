@@ -8,7 +8,7 @@ from nanospec import graphs
 from nanospec.engine import Drafter, generate, shapes
 from nanospec.model import ModelArgs
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.cuda
 ARGS = ModelArgs(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=80)
 
 

@@ -31,6 +31,8 @@ Choices where the paper is silent, and why:
   groups. Init N(0, 0.02); AdamW; cosine schedule from 3e-2, the paper's rate.
 - Near the end of the cache, when a full step no longer fits, the step is the root alone and
   the next one drafts nothing.
+- On a GPU (exact mode) the step's rows (tree and mask groups) run through the engine's CUDA
+  graph; copying the deep prompt keys into their reserved slots runs eagerly, once per generation.
 """
 from pathlib import Path
 

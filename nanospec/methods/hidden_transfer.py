@@ -35,6 +35,8 @@ Choices where the paper is silent, and why:
   the same tree; `tree_size=N` builds one from Hidden Transfer's own held-out accuracies.
 - The first step has no pseudo states yet: it is the root and its group (one AR step that
   already drafts).
+- On a GPU (exact mode) the layer loop that forges pseudo rows is one CUDA graph per tree size
+  (its index tensors depend on that size alone); fast mode runs it eagerly.
 """
 from pathlib import Path
 

@@ -34,6 +34,8 @@ Choices where the paper is silent, and why:
   matches are more relevant, shorter ones fill the budget.
 - Responses are inserted starting at the prompt's last token, so the first generated
   tokens are found as its continuation.
+- The trie lives on the host and is searched there between forwards; the forward itself is the
+  engine's (a CUDA graph in exact mode on a GPU).
 """
 import heapq
 import json

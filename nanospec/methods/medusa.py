@@ -20,6 +20,8 @@ Choices where the papers are silent, and why:
   accuracies whose parent is already in the tree (Medusa's sparse trees), up to tree_size nodes.
 - The first step of a generation has no hidden state yet for the prompt's last token, so it
   drafts nothing (one AR step).
+- On a GPU (exact mode) the forward that returns the hidden state is the engine's CUDA graph;
+  the heads run eagerly after it on the last accepted row (one small matmul per head).
 """
 import heapq
 import math

@@ -43,6 +43,9 @@ Choices where the paper is silent, and why:
 - The plan is redone when the sequence length has moved by `replan` tokens (default 32) since
   the last plan and at the start of every generation; the cost model and acceptance EMAs
   persist across generations (the decoding conditions they estimate do).
+- On a GPU (exact mode) the whole verification forward, early head included, is one CUDA graph
+  per early layer; pruning is decided on the host from its logits, after the replay. Fast mode
+  prunes mid-forward, eagerly (its row count changes, so it has no fixed shape to capture).
 """
 import functools
 import math

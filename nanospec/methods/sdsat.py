@@ -34,6 +34,8 @@ Choices where the paper is silent, and why:
   the model's own output. A first 400-step run with corpus text in both halves (the paper
   continues pretraining on code) left the adaptive tokens weak: 0.45 top-1 for token t+2 on the
   model's own text and about 0.2 further out, 1.05 tokens/step. `--data corpus` reruns it.
+- Both forwards of a loop (draft, verify) are the engine's, so on a GPU in exact mode each replays
+  a CUDA graph; choosing the nucleus tree from the draft's logits happens on the host between them.
 """
 import json
 import sys
