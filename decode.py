@@ -14,7 +14,8 @@ import torch
 
 from nanospec import NanospecError, cli
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
-from nanospec.checkpoint import DTYPES, load
+from nanospec import trace
+from nanospec.checkpoint import DTYPES, fingerprint, load
 from nanospec.engine import Drafter, generate, shapes
 from nanospec.methods import METHODS, check_method, load_drafter, model_dir, split_specs
 from nanospec.tokenizer import Tokenizer
@@ -47,6 +48,9 @@ def parse_args(argv=None):
                    "(--bench default: the weights' prompts.jsonl)")
     p.add_argument("--limit", type=int, help="only the first N of --prompts")
     p.add_argument("--methods", default="ar", help="comma-separated methods for --bench")
+    p.add_argument("--trace", help="write FILE.jsonl (nanospec-trace/1): per prompt the emitted ids and, per "
+                   "position, its logit row's top-k, log-sum-exp and sha256 (the reference: --method ar --mode exact)")
+    p.add_argument("--trace-k", type=int, default=8, help="top-k logits per position in --trace")
     return p.parse_args(argv)
 
 
@@ -57,6 +61,10 @@ def setup(args):
     if not args.weights and not weights.is_dir():
         raise NanospecError(f"the default model ({weights}) is not in this checkout yet; "
                             "pass --weights DIR with an HF Llama checkpoint")
+    if args.trace and args.bench:
+        raise NanospecError("--trace records decoding, not --bench: use --prompts FILE.jsonl --trace OUT.jsonl")
+    if args.trace_k < 2:
+        raise NanospecError("--trace-k must be at least 2 (compare reads the top-2 margin)")
     if args.max_new_tokens < 1:
         raise NanospecError("--max-new-tokens must be at least 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
@@ -111,19 +119,26 @@ def main(argv=None):
         texts = load_prompts(args.prompts)[:args.limit]
     else:
         texts = [Path(args.prompt_file).read_text() if args.prompt_file else args.prompt]
-    status = 0
+    status, entries = 0, []
+    meta = dict(method=args.method, **info, model=fingerprint(model), **sampling) if args.trace else None
     for i, text in enumerate(texts):
         if i:
             print("-" * 72)
-        status = max(status, decode_one(args, model, tok, drafter, text, info, exact, sampling))
+        status = max(status, decode_one(args, model, tok, drafter, text, info, exact, sampling, meta, entries))
+    if args.trace:
+        trace.write(args.trace, entries)
+        print(f"wrote {args.trace}: {len(entries)} prompt(s), format {trace.FORMAT}", file=sys.stderr)
     return status
 
 
-def decode_one(args, model, tok, drafter, text, info, exact, sampling) -> int:
+def decode_one(args, model, tok, drafter, text, info, exact, sampling, meta, entries) -> int:
     prompt = encode(args, tok, text)
     Q, S = shapes([drafter, Drafter()], len(prompt), args.max_new_tokens, args.block, args.max_len)
-    kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S, record_logits=args.check, **sampling)
+    kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S,
+              record_logits=args.check or meta is not None, **sampling)
     out = generate(model, prompt, drafter, **kw)
+    if meta is not None:
+        entries.append(trace.record(prompt, out.tokens, out.logits, args.trace_k, **meta))
     new_text = tok.decode(out.tokens) if tok else None
     print((text + new_text) if tok and not args.prompt_ids else out.tokens, flush=True)
     print(f"[{args.method}] {len(out.tokens)} tokens in {out.decode_s:.2f}s ({out.tokens_per_s:.1f} tok/s), "

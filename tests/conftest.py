@@ -1,8 +1,17 @@
+import io
 import os
+from pathlib import Path
 
 import pytest
 import torch
+import sentencepiece as spm
 from hypothesis import HealthCheck, settings
+
+from helpers import random_model
+from nanospec.checkpoint import save
+from nanospec.model import ModelArgs
+
+ROOT = Path(__file__).resolve().parents[1]
 
 settings.register_profile("default", deadline=None, max_examples=25,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -46,6 +55,20 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
     if config.getoption("--device") == "cuda":
         return "--device cuda: device-independent tests are deselected (the CPU suite runs them)"
+
+
+@pytest.fixture(scope="session")
+def weights(tmp_path_factory):
+    """A tiny random model with a real sentencepiece tokenizer, in HF format."""
+    d = tmp_path_factory.mktemp("tiny")
+    text = (ROOT / "nanospec" / "model.py").read_text().splitlines()
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=buf, vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, pad_id=3, minloglevel=2)
+    (d / "tok.model").write_bytes(buf.getvalue())
+    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=400, hidden_dim=48))
+    save(model, d, tokenizer_model=d / "tok.model")
+    return d
 
 
 @pytest.fixture(scope="session")

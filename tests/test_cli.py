@@ -1,33 +1,13 @@
 """decode.py end to end: JSON output, --check, --bench, and one-line errors for bad input."""
-import io
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import sentencepiece as spm
 import torch
 
-from helpers import random_model
-from nanospec.checkpoint import save
-from nanospec.model import ModelArgs
-
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def weights(tmp_path_factory):
-    """A tiny random model with a real sentencepiece tokenizer, in HF format."""
-    d = tmp_path_factory.mktemp("tiny")
-    text = (ROOT / "nanospec" / "model.py").read_text().splitlines()
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=buf, vocab_size=400,
-                                   model_type="bpe", byte_fallback=True, pad_id=3, minloglevel=2)
-    (d / "tok.model").write_bytes(buf.getvalue())
-    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=400, hidden_dim=48))
-    save(model, d, tokenizer_model=d / "tok.model")
-    return d
 
 
 def decode(*args):

@@ -1,0 +1,153 @@
+"""The oracle for other engines: decode.py --trace, nanospec.compare's verdicts, and transformers as a client."""
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import random_model
+from nanospec import NanospecError, compare, trace
+from nanospec.checkpoint import save
+from nanospec.engine import generate
+from nanospec.model import ModelArgs
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, hidden_dim=40)
+
+
+def run(module_or_script, *args):
+    target = [module_or_script] if module_or_script.endswith(".py") else ["-m", module_or_script]
+    cmd = [sys.executable, *target, *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+def test_trace_entry_describes_the_rows():
+    model = random_model(ARGS, seed=1)
+    prompt = [5, 9, 2, 33]
+    out = generate(model, prompt, max_new_tokens=10, exact=True, record_logits=True, eos_id=-1)
+    e = trace.record(prompt, out.tokens, out.logits, k=5, method="ar")
+    assert e["format"] == "nanospec-trace/1" and e["prompt_ids"] == prompt and e["output_ids"] == out.tokens
+    for tok, pos, row in zip(out.tokens, e["positions"], out.logits):
+        assert pos["top_ids"][0] == tok == int(row.argmax()) and len(pos["top_ids"]) == 5
+        assert pos["top_logits"] == sorted(pos["top_logits"], reverse=True)
+        assert pos["top_logits"][0] == float(row.max())  # fp32 values survive JSON exactly
+        assert abs(pos["lse"] - float(torch.logsumexp(row.double(), -1))) < 1e-9
+        assert pos["sha256"] == hashlib.sha256(row.numpy().tobytes()).hexdigest()
+
+
+def positions(*rows):
+    return [{"top_ids": ids, "top_logits": vals, "lse": 0.0, "sha256": f"{i}"} for i, (ids, vals) in enumerate(rows)]
+
+
+REF = {"format": trace.FORMAT, "dtype": "float32", "prompt_ids": [1, 2], "output_ids": [5, 6],
+       "positions": positions(([5, 7, 9], [1.0, 0.5, -3.0]), ([6, 8, 4], [10.0, 9.99, 3.0]))}
+
+
+@pytest.mark.parametrize("other, dtype, verdict", [
+    ([5, 6], None, "identical"),
+    ([5, 6, 7], None, "identical"),    # longer: compared where both have tokens
+    ([5, 8], "bfloat16", "near-tie"),  # gap 0.01 <= 8 * 2^-7 * 10
+    ([5, 8], "float32", "divergence"),  # gap 0.01 > 32 * 2^-23 * 10
+    ([7, 6], "bfloat16", "divergence"),  # gap 0.5 > 8 * 2^-7 * 1
+    ([5, 4], "bfloat16", "divergence"),  # far below the top
+    ([5, 11], "bfloat16", "divergence"),  # not in the reference's top-k
+])
+def test_verdicts(other, dtype, verdict):
+    (r,) = compare.compare([REF], [{"prompt_ids": [1, 2], "output_ids": other}], dtype)
+    assert r["verdict"] == verdict
+    if verdict != "identical":
+        i = r["position"]
+        assert REF["output_ids"][i] == r["reference_token"] and other[i] == r["other_token"] != r["reference_token"]
+        top = REF["positions"][i]["top_logits"]
+        assert r["margin"] == top[0] - top[1]
+        assert r["tolerance"] == compare.ULPS[r["dtype"]] * compare.EPS[r["dtype"]] * max(1.0, abs(top[0]), abs(top[-1]))
+
+
+def test_tolerance_follows_the_coarser_dtype_and_the_scale():
+    pos = REF["positions"][1]
+    assert compare.tolerance(pos, "bfloat16") == 8 * 2**-7 * 10
+    assert compare.tolerance(REF["positions"][0], "bfloat16") == 8 * 2**-7 * 3  # |-3| is the row's largest
+    assert compare.coarser("float32", "bfloat16") == "bfloat16" == compare.coarser("bfloat16", None)
+    with pytest.raises(NanospecError, match="unknown dtype"):
+        compare.coarser("float8")
+
+
+def test_bad_inputs_are_one_line_errors():
+    with pytest.raises(NanospecError, match="does not trace"):
+        compare.compare([REF], [{"prompt_ids": [3], "output_ids": [5]}])
+    with pytest.raises(NanospecError, match="sampled"):
+        compare.compare([{**REF, "temperature": 1.0}], [{"prompt_ids": [1, 2], "output_ids": [5]}])
+    with pytest.raises(NanospecError, match="different weights"):
+        compare.compare([{**REF, "model": "a"}], [{"prompt_ids": [1, 2], "output_ids": [5], "model": "b"}])
+
+
+def test_cli_exit_codes_and_json(tmp_path):
+    ref, ok, bad = tmp_path / "ref.jsonl", tmp_path / "ok.jsonl", tmp_path / "bad.jsonl"
+    trace.write(ref, [REF])
+    ok.write_text(json.dumps({"prompt_ids": [1, 2], "output_ids": [5, 8], "dtype": "bfloat16"}) + "\n")
+    bad.write_text(json.dumps({"prompt_ids": [1, 2], "output_ids": [7, 6]}) + "\n")
+    res = run("nanospec.compare", ref, ok, "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.splitlines()[-1])
+    assert out["runs"][0]["summary"] == {"prompts": 1, "identical": 0, "near-tie": 1, "divergence": 0}
+    assert "1 near-tie, 0 divergence" in res.stdout
+    res = run("nanospec.compare", ref, bad)
+    assert res.returncode == 1 and "divergence" in res.stdout
+    for args, msg in [((ref, tmp_path / "none.jsonl"), "no trace at"), ((ok, ok), "not a nanospec-trace/1 line"),
+                      ((ref,), "give REFERENCE.jsonl and OTHER.jsonl")]:
+        res = run("nanospec.compare", *args)
+        assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error:") and msg in res.stderr
+
+
+def test_decode_trace_of_a_method_is_bitwise_the_reference(weights, tmp_path):
+    """--trace from decode.py: Lookahead's exact-mode trace is AR's, row by row (sha256), and compare says so."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["def f(x):", "import os\n"]))
+    common = ["--weights", weights, "--prompts", prompts, "--max-new-tokens", 16, "--mode", "exact"]
+    for method in ["ar", "lookahead"]:
+        res = run("decode.py", *common, "--method", method, "--trace", tmp_path / f"{method}.jsonl")
+        assert res.returncode == 0, res.stderr
+    ref, la = trace.read(tmp_path / "ar.jsonl", full=True), trace.read(tmp_path / "lookahead.jsonl", full=True)
+    assert [e["positions"] for e in ref] == [e["positions"] for e in la] and len(ref) == 2
+    assert ref[0]["method"] == "ar" and ref[0]["mode"] == "exact" and ref[0]["dtype"] == "float32"
+    res = run("nanospec.compare", tmp_path / "ar.jsonl", tmp_path / "lookahead.jsonl", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.splitlines()[-1])["runs"][0]["summary"]["bitwise"] == 2
+    assert "2 identical (2 bitwise)" in res.stdout
+
+
+def test_transformers_client(weights, tmp_path):
+    """transformers' own generate (greedy, prompt lookup, assisted with a second small model) on the
+    same weights: compared with nanospec's exact AR, nothing is a divergence."""
+    pytest.importorskip("transformers")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["def f(x):\n    return", "class A:"]))
+    assistant = tmp_path / "assistant"
+    save(random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=400, hidden_dim=24), seed=7), assistant)
+    res = run("nanospec.compare", "--engine", "transformers", "--weights", weights, "--prompts", prompts,
+              "--max-new-tokens", 12, "--dtype", "float32,bfloat16", "--assistant", assistant, "--json",
+              "--save", tmp_path / "traces")
+    assert res.returncode == 0, res.stdout + res.stderr
+    runs = json.loads(res.stdout.splitlines()[-1])["runs"]
+    assert [(r["setting"], r["dtype"]) for r in runs] == [(s, d) for d in ("float32", "bfloat16")
+                                                          for s in ("greedy", "prompt_lookup", "assisted")]
+    assert all(r["summary"]["prompts"] == 2 and r["summary"]["divergence"] == 0 for r in runs)
+    saved = trace.read(tmp_path / "traces" / "transformers-greedy-float32.jsonl")
+    assert len(saved) == 2 and all(0 < len(e["output_ids"]) <= 12 for e in saved)
+
+
+def test_calibration_stays_inside_the_tolerance(weights, tmp_path):
+    """The near-tie tolerance covers how far transformers' forward moves nanospec's top-2 gaps."""
+    pytest.importorskip("transformers")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    res = run("nanospec.compare", "--engine", "transformers", "--calibrate", "--weights", weights, "--prompts", prompts,
+              "--max-new-tokens", 16, "--dtype", "float32,bfloat16", "--json")
+    assert res.returncode == 0, res.stderr
+    runs = json.loads(res.stdout.splitlines()[-1])["runs"]
+    assert [(r["dtype"], r["reference_dtype"]) for r in runs] == [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                                                  ("bfloat16", "float32")]
+    assert all(r["positions"] == 16 and 0 <= r["max"] < compare.ULPS[r["units"]] for r in runs)
