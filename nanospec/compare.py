@@ -6,7 +6,8 @@
 REFERENCE is a `decode.py --trace` file (nanospec-trace/1; AR in exact mode is the reference).
 OTHER holds one {"prompt_ids": [...], "output_ids": [...]} object per line, from any engine (a
 full trace works too, and then identical outputs are also checked for bitwise equal logits).
-Each OTHER line is matched to the reference line with the same prompt_ids. Per prompt: identical,
+Each OTHER line is matched to the reference line with the same prompt_ids. Per prompt (numbered
+by its line in OTHER, from 0): identical,
 or the first diverging position with both tokens and a verdict:
 
 - near-tie: the other engine's token b is among the reference row's top-k and its gap to the
@@ -31,6 +32,10 @@ import torch
 
 from . import NanospecError, cli
 from . import trace as traces
+from .bench import load_prompts
+from .checkpoint import DTYPES, fingerprint, load, load_args
+from .engine import generate
+from .tokenizer import Tokenizer
 
 EPS = {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 ULPS = {"float32": 32, "bfloat16": 8, "float16": 8}  # calibrated: see the module docstring
@@ -108,19 +113,17 @@ def report(results: list[dict], title: str, ulps: float | None, out=sys.stdout) 
           f"{s['divergence']} divergence (near-tie tolerance: {tol} x logit scale)", file=out)
 
 
-def hf_outputs(weights, prompts, setting, dtype, device, max_new_tokens, eos_id, assistant=None, log=sys.stderr):
+def hf_outputs(hf, prompts, setting, max_new_tokens, eos_id, assistant=None, log=sys.stderr):
     """transformers' LlamaForCausalLM.generate, greedy, in one of SETTINGS."""
-    import transformers
-    hf = transformers.LlamaForCausalLM.from_pretrained(weights, dtype=dtype).to(device).eval()
     extra = {"greedy": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10},
              "assisted": {"assistant_model": assistant}}[setting]
     outs, t0 = [], time.perf_counter()
     for k, p in enumerate(prompts):
-        ids = torch.tensor([p], device=device)
+        ids = torch.tensor([p], device=hf.device)
         with torch.no_grad():
             y = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                             eos_token_id=eos_id, pad_token_id=eos_id, **extra)
-        outs.append({"prompt_ids": p, "output_ids": y[0, len(p):].tolist(), "dtype": str(dtype).removeprefix("torch.")})
+        outs.append({"prompt_ids": p, "output_ids": y[0, len(p):].tolist(), "dtype": str(hf.dtype).removeprefix("torch.")})
         left = (time.perf_counter() - t0) / (k + 1) * (len(prompts) - k - 1)
         print(f"[transformers {setting}] prompt {k + 1}/{len(prompts)}, {left:.0f}s left", file=log, flush=True)
     return outs
@@ -128,8 +131,6 @@ def hf_outputs(weights, prompts, setting, dtype, device, max_new_tokens, eos_id,
 
 def reference(model, prompts, max_new_tokens, k=8, log=sys.stderr) -> list[dict]:
     """nanospec's exact-mode AR trace of each prompt: the reference."""
-    from .checkpoint import fingerprint
-    from .engine import generate
     meta = dict(method="ar", mode="exact", dtype=str(model.embed.weight.dtype).removeprefix("torch."),
                 device=model.embed.weight.device.type, model=fingerprint(model), temperature=0.0)
     entries, t0 = [], time.perf_counter()
@@ -155,7 +156,6 @@ def gap_shifts(hf, prompt, tokens, logits, dtype) -> torch.Tensor:
 
 def calibrate(model, hf, prompts, max_new_tokens, dtype, log=sys.stderr) -> dict:
     """The measurement behind ULPS: transformers' logits against nanospec's exact AR rows."""
-    from .engine import generate
     shifts, t0 = [], time.perf_counter()
     for i, p in enumerate(prompts):
         out = generate(model, p, max_new_tokens=max_new_tokens, exact=True, record_logits=True)
@@ -173,9 +173,6 @@ def run_transformers(args) -> list[dict]:
         import transformers
     except ImportError:
         raise NanospecError("--engine transformers needs transformers: pip install transformers") from None
-    from .bench import load_prompts
-    from .checkpoint import DTYPES, load
-    from .tokenizer import Tokenizer
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     weights = Path(args.weights)
@@ -185,6 +182,9 @@ def run_transformers(args) -> list[dict]:
     for s in settings:
         if s not in SETTINGS:
             raise NanospecError(f"unknown setting {s!r}: one of {', '.join(SETTINGS)}")
+    if args.assistant and "assisted" in settings and load_args(args.assistant).vocab_size != load_args(weights).vocab_size:
+        raise NanospecError(f"the assistant at {args.assistant} has another vocabulary than {weights}: "
+                            "assisted generation needs the same tokenizer")
     prompt_file = Path(args.prompts) if args.prompts else weights / "prompts.jsonl"
     tok = Tokenizer(weights / "tokenizer.model")
     prompts = [tok.encode(t) for t in load_prompts(prompt_file)[:args.limit]]
@@ -193,8 +193,8 @@ def run_transformers(args) -> list[dict]:
         if name not in DTYPES:
             raise NanospecError(f"unknown dtype {name!r}: one of {', '.join(DTYPES)}")
         model = load(weights, DTYPES[name], args.device)
+        hf = transformers.LlamaForCausalLM.from_pretrained(weights, dtype=DTYPES[name]).to(args.device).eval()
         if args.calibrate:  # transformers in this dtype against nanospec in it, and against fp32 nanospec
-            hf = transformers.LlamaForCausalLM.from_pretrained(weights, dtype=DTYPES[name]).to(args.device).eval()
             for ref in [model] + ([load(weights, torch.float32, args.device)] if name != "float32" else []):
                 units = coarser(name, str(ref.embed.weight.dtype).removeprefix("torch."))
                 runs.append({"engine": "transformers", "setting": "calibration", "dtype": name, "device": args.device,
@@ -212,8 +212,7 @@ def run_transformers(args) -> list[dict]:
             kw = {} if args.assistant else {"num_hidden_layers": args.assistant_layers}
             assistant = transformers.LlamaForCausalLM.from_pretrained(src, dtype=DTYPES[name], **kw).to(args.device).eval()
         for s in settings:
-            others = hf_outputs(weights, prompts, s, DTYPES[name], args.device, args.max_new_tokens,
-                                model.args.eos_id, assistant)
+            others = hf_outputs(hf, prompts, s, args.max_new_tokens, model.args.eos_id, assistant)
             if args.save:
                 Path(args.save).mkdir(parents=True, exist_ok=True)
                 traces.write(Path(args.save) / f"nanospec-ar-{name}.jsonl", refs)
