@@ -63,6 +63,8 @@ def setup(args):
                             "pass --weights DIR with an HF Llama checkpoint")
     if args.trace and args.bench:
         raise NanospecError("--trace records decoding, not --bench: use --prompts FILE.jsonl --trace OUT.jsonl")
+    if args.trace and not Path(args.trace).resolve().parent.is_dir():
+        raise NanospecError(f"--trace {args.trace}: its directory does not exist")
     if args.trace_k < 2:
         raise NanospecError("--trace-k must be at least 2 (compare reads the top-2 margin)")
     if args.max_new_tokens < 1:

@@ -70,6 +70,9 @@ def test_bench_json(weights, tmp_path):
     (["--prompt", "def " * 50, "--max-len", 20], "shorten it or raise --max-len"),
     (["--bench"], "--bench needs --prompts"),
     (["--bench", "--prompts", "/nonexistent.jsonl"], "no prompt file"),
+    (["--trace", "/nonexistent/dir/t.jsonl"], "its directory does not exist"),
+    (["--bench", "--trace", "t.jsonl"], "--trace records decoding, not --bench"),
+    (["--trace", "t.jsonl", "--trace-k", 1], "--trace-k must be at least 2"),
     (["--device", "cuda"], "no CUDA device") if not torch.cuda.is_available() else (["--top-p", "0"], "top-p"),
 ])
 def test_bad_input_gives_one_error_line(weights, args, message):
