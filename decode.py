@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from nanospec import NanospecError, cli
+from nanospec import NanospecError, cli, trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
-from nanospec import trace
 from nanospec.checkpoint import DTYPES, fingerprint, load
 from nanospec.engine import Drafter, generate, shapes
 from nanospec.methods import METHODS, check_method, load_drafter, model_dir, split_specs

@@ -113,6 +113,11 @@ def report(results: list[dict], title: str, ulps: float | None, out=sys.stdout) 
           f"{s['divergence']} divergence (near-tie tolerance: {tol} x logit scale)", file=out)
 
 
+def progress(tag: str, i: int, n: int, t0: float, log) -> None:
+    left = (time.perf_counter() - t0) / (i + 1) * (n - i - 1)
+    print(f"[{tag}] prompt {i + 1}/{n}, {left:.0f}s left", file=log, flush=True)
+
+
 def hf_outputs(hf, prompts, setting, max_new_tokens, eos_id, assistant=None, log=sys.stderr):
     """transformers' LlamaForCausalLM.generate, greedy, in one of SETTINGS."""
     extra = {"greedy": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10},
@@ -124,8 +129,7 @@ def hf_outputs(hf, prompts, setting, max_new_tokens, eos_id, assistant=None, log
             y = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                             eos_token_id=eos_id, pad_token_id=eos_id, **extra)
         outs.append({"prompt_ids": p, "output_ids": y[0, len(p):].tolist(), "dtype": str(hf.dtype).removeprefix("torch.")})
-        left = (time.perf_counter() - t0) / (k + 1) * (len(prompts) - k - 1)
-        print(f"[transformers {setting}] prompt {k + 1}/{len(prompts)}, {left:.0f}s left", file=log, flush=True)
+        progress(f"transformers {setting}", k, len(prompts), t0, log)
     return outs
 
 
@@ -137,8 +141,7 @@ def reference(model, prompts, max_new_tokens, k=8, log=sys.stderr) -> list[dict]
     for i, p in enumerate(prompts):
         out = generate(model, p, max_new_tokens=max_new_tokens, exact=True, record_logits=True)
         entries.append(traces.record(p, out.tokens, out.logits, k, **meta))
-        left = (time.perf_counter() - t0) / (i + 1) * (len(prompts) - i - 1)
-        print(f"[nanospec ar exact] prompt {i + 1}/{len(prompts)}, {left:.0f}s left", file=log, flush=True)
+        progress("nanospec ar exact", i, len(prompts), t0, log)
     return entries
 
 
@@ -160,8 +163,7 @@ def calibrate(model, hf, prompts, max_new_tokens, dtype, log=sys.stderr) -> dict
     for i, p in enumerate(prompts):
         out = generate(model, p, max_new_tokens=max_new_tokens, exact=True, record_logits=True)
         shifts.append(gap_shifts(hf, p, out.tokens, out.logits, dtype))
-        left = (time.perf_counter() - t0) / (i + 1) * (len(prompts) - i - 1)
-        print(f"[calibration] prompt {i + 1}/{len(prompts)}, {left:.0f}s left", file=log, flush=True)
+        progress("calibration", i, len(prompts), t0, log)
     shifts = torch.cat(shifts)
     return {"positions": len(shifts), "max": round(float(shifts.max()), 3),
             "p99.9": round(float(shifts.quantile(0.999)), 3), "median": round(float(shifts.median()), 3)}
@@ -211,11 +213,12 @@ def run_transformers(args) -> list[dict]:
             src = Path(args.assistant) if args.assistant else weights
             kw = {} if args.assistant else {"num_hidden_layers": args.assistant_layers}
             assistant = transformers.LlamaForCausalLM.from_pretrained(src, dtype=DTYPES[name], **kw).to(args.device).eval()
+        if args.save:
+            Path(args.save).mkdir(parents=True, exist_ok=True)
+            traces.write(Path(args.save) / f"nanospec-ar-{name}.jsonl", refs)
         for s in settings:
             others = hf_outputs(hf, prompts, s, args.max_new_tokens, model.args.eos_id, assistant)
             if args.save:
-                Path(args.save).mkdir(parents=True, exist_ok=True)
-                traces.write(Path(args.save) / f"nanospec-ar-{name}.jsonl", refs)
                 traces.write(Path(args.save) / f"transformers-{s}-{name}.jsonl", others)
             runs.append({"engine": "transformers", "setting": s, "dtype": name, "device": args.device,
                          "results": compare(refs, others, ulps=args.ulps)})

@@ -3,8 +3,8 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 import sentencepiece as spm
+import torch
 from hypothesis import HealthCheck, settings
 
 from helpers import random_model

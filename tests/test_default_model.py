@@ -76,8 +76,8 @@ def test_shipped_drafters_are_exact_and_accept(spec, dtype, device):
 
 def test_decode_py_uses_it_by_default(device):
     res = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--method", "ar", "--prompt", "def fibonacci(n):",
-                          "--max-new-tokens", "24", "--check", "--json", "--device", device], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)
+                          "--max-new-tokens", "24", "--check", "--json", "--device", device],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["identical_to_ar"] is True and out["text"] and res.stdout.startswith("def fibonacci(n):")
