@@ -5,14 +5,13 @@
     python decode.py --method ar --weights DIR --check --json
     python decode.py --bench --methods ar            # the default model's held-out prompts
 """
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from nanospec import NanospecError, cli, trace
+from nanospec import ArgumentParser, NanospecError, cli, trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.checkpoint import DTYPES, fingerprint, load
 from nanospec.engine import Drafter, generate, shapes
@@ -23,7 +22,7 @@ DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "pylm"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--method", default="ar", help=f"one of: {', '.join(METHODS)}")
     p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--prompt-file", help="read the prompt from this file")
@@ -72,15 +71,26 @@ def setup(args):
         raise NanospecError("sampling needs --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     own = model_dir(split_specs(args.methods) if args.bench else [args.method], weights)
-    if own != weights:
-        print(f"note: decoding {own}, the method's fine-tuned model; AR (--check, --bench) runs on it too",
-              file=sys.stderr)
     model = load(own, dtype, args.device)
-    return own, model, dtype
+    return own, model, dtype, own != weights
+
+
+def note_own_model(weights) -> None:
+    print(f"note: decoding {weights}, the method's fine-tuned model; AR (--check, --bench) runs on it too",
+          file=sys.stderr)
+
+
+def read_text(path) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise NanospecError(f"cannot read the prompt file {path}: {e.strerror if isinstance(e, OSError) else e}") from None
 
 
 def encode(args, tok, text):
-    if args.prompt_ids:
+    if args.prompt_ids is not None:
+        if not args.prompt_ids.strip():
+            raise NanospecError("--prompt-ids is empty: give at least one token id")
         try:
             return [int(t) for t in args.prompt_ids.split(",")]
         except ValueError:
@@ -95,7 +105,7 @@ def main(argv=None):
     methods = split_specs(args.methods) if args.bench else [args.method]
     for m in methods:  # before loading any weights
         check_method(m)
-    weights, model, dtype = setup(args)
+    weights, model, dtype, own_model = setup(args)
     tok = Tokenizer(weights / "tokenizer.model") if (weights / "tokenizer.model").is_file() else None
     args.mode = args.mode or ("exact" if args.device == "cuda" else "fast")
     exact = args.mode == "exact"
@@ -108,6 +118,8 @@ def main(argv=None):
             raise NanospecError("--bench needs --prompts FILE.jsonl (this weights directory has no prompts.jsonl)")
         prompts = [encode(args, tok, p) for p in load_prompts(prompt_file)[:args.limit]]
         drafters = [load_drafter(m, model, weights) for m in methods]
+        if own_model:
+            note_own_model(weights)
         results = bench(model, prompts, drafters, exact=exact, max_new_tokens=args.max_new_tokens,
                         sampling=sampling)
         print(table(results))
@@ -116,12 +128,15 @@ def main(argv=None):
         return 0
 
     drafter = load_drafter(args.method, model, weights)
+    if own_model:
+        note_own_model(weights)
     if args.prompts:  # several prompts in turn (one drafter: a method's state persists across them)
         texts = load_prompts(args.prompts)[:args.limit]
     else:
-        texts = [Path(args.prompt_file).read_text() if args.prompt_file else args.prompt]
+        texts = [read_text(args.prompt_file) if args.prompt_file else args.prompt]
     status, entries = 0, []
-    meta = dict(method=args.method, **info, model=fingerprint(model), **sampling) if args.trace else None
+    meta = dict(method=args.method, **info, model=fingerprint(model), eos_id=model.args.eos_id, **sampling) \
+        if args.trace else None
     for i, text in enumerate(texts):
         if i:
             print("-" * 72)
@@ -141,7 +156,7 @@ def decode_one(args, model, tok, drafter, text, info, exact, sampling, meta, ent
     if meta is not None:
         entries.append(trace.record(prompt, out.tokens, out.logits, args.trace_k, **meta))
     new_text = tok.decode(out.tokens) if tok else None
-    print((text + new_text) if tok and not args.prompt_ids else out.tokens, flush=True)
+    print((text + new_text) if tok and args.prompt_ids is None else out.tokens, flush=True)
     print(f"[{args.method}] {len(out.tokens)} tokens in {out.decode_s:.2f}s ({out.tokens_per_s:.1f} tok/s), "
           f"{out.steps} steps, {out.mean_accepted:.2f} tokens/step, stop: {out.stop}", file=sys.stderr)
     if out.stop == "cache_full":
@@ -154,7 +169,7 @@ def decode_one(args, model, tok, drafter, text, info, exact, sampling, meta, ent
         print(f"check vs AR ({what}): {'identical' if identical else 'DIFFERENT: ' + first_difference(out, ref)}",
               file=sys.stderr)
     if args.json:
-        print(json.dumps({"method": args.method, **info, "prompt": text if not args.prompt_ids else None,
+        print(json.dumps({"method": args.method, **info, "prompt": text if args.prompt_ids is None else None,
                           "text": new_text, "token_ids": out.tokens, "new_tokens": len(out.tokens),
                           "steps": out.steps, "mean_accepted": round(out.mean_accepted, 3),
                           "tokens_per_s": round(out.tokens_per_s, 2), "seconds": round(out.decode_s, 4),

@@ -9,12 +9,11 @@
     python train.py --method sdsat         # SDSAT: fine-tunes weights/NAME into weights/NAME-sdsat
     python train.py --method base --help   # a method's own options
 """
-import argparse
 from pathlib import Path
 
 import torch
 
-from nanospec import NanospecError, cli
+from nanospec import ArgumentParser, NanospecError, cli
 from nanospec import pretrain
 from nanospec.data import distill_args
 from nanospec.methods import bita, hidden_transfer, medusa, propd, sdsat
@@ -49,7 +48,7 @@ TRAINERS = {  # method -> (add_args, train)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--method", required=True, help=f"one of: {', '.join(TRAINERS)}")
     p.add_argument("--name", default="pylm", help="model name: writes weights/NAME/")
     p.add_argument("--out", help="output directory (default weights/NAME)")

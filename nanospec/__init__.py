@@ -1,4 +1,5 @@
 """nanospec: exact, minimal implementations of lossless multi-token decoding for Llama models."""
+import argparse
 import sys
 
 
@@ -13,3 +14,13 @@ def cli(main) -> None:
     except NanospecError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors end like every other bad input: one `error:` line, exit code 2."""
+
+    def __init__(self, **kw):
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+    def error(self, message):
+        raise NanospecError(f"{message} (see --help)")

@@ -53,7 +53,7 @@ def first_difference(out, ref) -> str:
 
 
 def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=False,
-          max_new_tokens=128, eos_id=None, sampling=None, log=sys.stderr) -> list[dict]:
+          max_new_tokens=128, eos_id=None, sampling=None) -> list[dict]:
     """Run every drafter over every prompt; one result dict per drafter."""
     sampling = sampling or {}
     everyone = [Drafter()] + drafters
@@ -91,12 +91,12 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         done = time.perf_counter() - t0
         print(f"[bench] prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{d.name} {o[-1].mean_accepted:.2f}" for d, o in zip(drafters, outs)) + " tokens/step, "
-            f"{done:.0f}s, about {done / (i + 1) * (len(prompts) - i - 1):.0f}s left", file=log, flush=True)
+            f"{done:.0f}s, about {done / (i + 1) * (len(prompts) - i - 1):.0f}s left", file=sys.stderr, flush=True)
     speeds = {name: sum(len(o.tokens) for o in runs) / sum(o.decode_s for o in runs) for name, runs in base.items()}
     baseline = max(speeds, key=speeds.get)
     ar_tps = speeds[baseline]
     print(f"[bench] " + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in speeds.items()) +
-          f" over {len(prompts)} prompts; speedups are against {baseline}", file=log, flush=True)
+          f" over {len(prompts)} prompts; speedups are against {baseline}", file=sys.stderr, flush=True)
     results = []
     for d, runs in zip(drafters, outs):
         new = sum(len(o.tokens) for o in runs)

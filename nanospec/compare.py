@@ -7,11 +7,12 @@ REFERENCE is a `decode.py --trace` file (nanospec-trace/1; AR in exact mode is t
 OTHER holds one {"prompt_ids": [...], "output_ids": [...]} object per line, from any engine (a
 full trace works too, and then identical outputs are also checked for bitwise equal logits).
 Each OTHER line is matched to the reference line with the same prompt_ids. Per prompt (numbered
-by its line in OTHER, from 0): identical,
-or the first diverging position with both tokens and a verdict:
+by its line in OTHER, from 0), one verdict:
 
-- near-tie: the other engine's token b is among the reference row's top-k and its gap to the
-  reference token a, logit[a] - logit[b], is within the tolerance
+- identical: the same ids wherever both have one, and OTHER is at least as long as the reference
+  or stops at an EOS. With two full traces, `bitwise` also says whether every row's sha256 matches.
+- near-tie: at the first differing position, the other engine's token b is among the reference
+  row's top-k and its gap to the reference token a, logit[a] - logit[b], is within
       tol = ulps * eps(dtype) * max(1, max |top-k logit|)
   where eps is the dtype's machine epsilon (bfloat16 2^-7, float16 2^-10, float32 2^-23), dtype
   the coarser of the two engines' (the reference's, and OTHER's "dtype" field or --dtype) and
@@ -19,10 +20,15 @@ or the first diverging position with both tokens and a verdict:
   --calibrate` measures what they must cover: how far another engine's forward moves the
   reference's top-2 gaps, in these units (README: at most a few units on the default model).
 - divergence: any larger gap, or b outside the reference's top-k: no rounding explains it.
+- short: OTHER agrees with the reference but stops before it without an EOS (an engine that
+  gives up early); the position where it stops and the reference's next token are reported.
+- empty: OTHER emitted nothing.
+- not-bitwise (only with --bitwise, two full traces): identical ids, but some row's sha256
+  differs; the first such position and the largest |difference| of the traced values are reported.
 
-Exit code 0 only when no prompt is a divergence (2 on bad input).
+Exit code 0 only when no prompt fails: divergence, empty, short (unless --allow-short) and
+not-bitwise fail (2 on bad input).
 """
-import argparse
 import json
 import sys
 import time
@@ -30,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from . import NanospecError, cli
+from . import ArgumentParser, NanospecError, cli
 from . import trace as traces
 from .bench import load_prompts
 from .checkpoint import DTYPES, fingerprint, load, load_args
@@ -55,16 +61,27 @@ def tolerance(pos: dict, dtype: str, ulps: float | None = None) -> float:
     return (ulps or ULPS[dtype]) * EPS[dtype] * max(1.0, *(abs(v) for v in pos["top_logits"]))
 
 
-def compare_one(ref: dict, other: dict, dtype: str, ulps: float | None = None) -> dict:
-    """One prompt: identical, near-tie or divergence at the first differing position."""
+def compare_one(ref: dict, other: dict, dtype: str, ulps: float | None = None, bitwise: bool = False) -> dict:
+    """One prompt's verdict (see the module docstring)."""
     a_ids, b_ids = ref["output_ids"], other["output_ids"]
     n = min(len(a_ids), len(b_ids))
     res = {"compared": n, "reference_len": len(a_ids), "other_len": len(b_ids)}
+    if not b_ids:
+        return {**res, "verdict": "empty"}
     i = next((i for i in range(n) if a_ids[i] != b_ids[i]), None)
     if i is None:
+        eos = other.get("eos_id", ref.get("eos_id"))
+        if len(b_ids) < len(a_ids) and b_ids[-1] != eos:
+            return {**res, "verdict": "short", "position": len(b_ids), "reference_next": a_ids[len(b_ids)]}
         res["verdict"] = "identical"
         if "positions" in other:
-            res["bitwise"] = all(p["sha256"] == q.get("sha256") for p, q in zip(ref["positions"][:n], other["positions"]))
+            rows = list(zip(ref["positions"][:n], other["positions"]))
+            j = next((j for j, (p, q) in enumerate(rows) if p["sha256"] != q.get("sha256")), None)
+            res["bitwise"] = j is None
+            if j is not None:
+                res.update(position=j, max_abs_diff=traced_difference(*rows[j]))
+                if bitwise:
+                    res["verdict"] = "not-bitwise"
         return res
     pos, a, b = ref["positions"][i], a_ids[i], b_ids[i]
     top = dict(zip(pos["top_ids"], pos["top_logits"]))
@@ -75,11 +92,24 @@ def compare_one(ref: dict, other: dict, dtype: str, ulps: float | None = None) -
     return res
 
 
-def compare(refs: list[dict], others: list[dict], dtype: str | None = None, ulps: float | None = None) -> list[dict]:
+def traced_difference(p: dict, q: dict) -> float:
+    """The largest |difference| between two positions' traced values: the logits of the ids both
+    list in their top-k, and the log-sum-exp."""
+    a, b = dict(zip(p["top_ids"], p["top_logits"])), dict(zip(q.get("top_ids", []), q.get("top_logits", [])))
+    diffs = [abs(a[t] - b[t]) for t in a.keys() & b.keys()]
+    if "lse" in q:
+        diffs.append(abs(p["lse"] - q["lse"]))
+    return max(diffs, default=float("nan"))
+
+
+def compare(refs: list[dict], others: list[dict], dtype: str | None = None, ulps: float | None = None,
+            bitwise: bool = False) -> list[dict]:
     index = {tuple(r["prompt_ids"]): r for r in refs}
     fps = {r.get("model") for r in refs} | {o.get("model") for o in others}
     if len(fps - {None}) > 1:
         raise NanospecError("the two traces come from different weights (their \"model\" fingerprints differ)")
+    if bitwise and not all("positions" in o for o in others):
+        raise NanospecError("--bitwise needs a full trace (decode.py --trace) on both sides")
     results = []
     for k, o in enumerate(others):
         ref = index.get(tuple(o["prompt_ids"]))
@@ -89,36 +119,54 @@ def compare(refs: list[dict], others: list[dict], dtype: str | None = None, ulps
         if ref.get("temperature", 0.0):
             raise NanospecError("the reference was sampled (temperature > 0): compare needs a greedy trace")
         d = coarser(ref.get("dtype", "float32"), o.get("dtype"), dtype)
-        results.append({"prompt": k, "dtype": d, **compare_one(ref, o, d, ulps)})
+        results.append({"prompt": k, "dtype": d, **compare_one(ref, o, d, ulps, bitwise)})
     return results
 
 
+VERDICTS = ("identical", "near-tie", "divergence", "short", "empty", "not-bitwise")
+
+
 def summary(results: list[dict]) -> dict:
-    count = {v: sum(r["verdict"] == v for r in results) for v in ("identical", "near-tie", "divergence")}
+    count = {v: sum(r["verdict"] == v for r in results) for v in VERDICTS}
     bitwise = [r["bitwise"] for r in results if "bitwise" in r]
     return {"prompts": len(results), **count, **({"bitwise": sum(bitwise)} if bitwise else {})}
 
 
-def report(results: list[dict], title: str, ulps: float | None, out=sys.stdout) -> None:
+def failed(s: dict, allow_short: bool = False) -> bool:
+    """Whether a run's summary fails it: a divergence, an empty output, a short one (unless
+    allowed) or, under --bitwise, a row that differs in any bit."""
+    return bool(s["divergence"] or s["empty"] or s["not-bitwise"] or (s["short"] and not allow_short))
+
+
+def report(results: list[dict], title: str, ulps: float | None) -> None:
     for r in results:
-        if r["verdict"] != "identical":
+        v, head = r["verdict"], f"  prompt {r['prompt']}:"
+        if v in ("near-tie", "divergence"):
             gap = "not in the reference's top-k" if r["gap"] is None else f"gap {r['gap']:.4g}"
-            print(f"  prompt {r['prompt']}: position {r['position']}: reference {r['reference_token']} "
-                  f"(top-2 margin {r['margin']:.4g}), other {r['other_token']} ({gap}): {r['verdict']} "
-                  f"(tolerance {r['tolerance']:.3g})", file=out)
+            print(f"{head} position {r['position']}: reference {r['reference_token']} (top-2 margin {r['margin']:.4g}), "
+                  f"other {r['other_token']} ({gap}): {v} (tolerance {r['tolerance']:.3g})")
+        elif v == "short":
+            print(f"{head} short: stops at position {r['position']} without an EOS; the reference emits "
+                  f"{r['reference_next']} there ({r['reference_len']} tokens in all)")
+        elif v == "empty":
+            print(f"{head} empty: no output ids")
+        elif r.get("bitwise") is False:
+            print(f"{head} {v}: position {r['position']} is the first row whose sha256 differs; largest "
+                  f"|difference| of its traced values {r['max_abs_diff']:.4g}")
     s = summary(results)
     bit = f" ({s['bitwise']} bitwise)" if "bitwise" in s else ""
     tol = ", ".join(f"{ulps or ULPS[d]:g} x eps({d})" for d in sorted({r["dtype"] for r in results}))
+    more = "".join(f", {s[v]} {v}" for v in ("short", "empty", "not-bitwise") if s[v])
     print(f"{title}: {s['prompts']} prompts: {s['identical']} identical{bit}, {s['near-tie']} near-tie, "
-          f"{s['divergence']} divergence (near-tie tolerance: {tol} x logit scale)", file=out)
+          f"{s['divergence']} divergence{more} (near-tie tolerance: {tol} x logit scale)")
 
 
-def progress(tag: str, i: int, n: int, t0: float, log) -> None:
+def progress(tag: str, i: int, n: int, t0: float) -> None:
     left = (time.perf_counter() - t0) / (i + 1) * (n - i - 1)
-    print(f"[{tag}] prompt {i + 1}/{n}, {left:.0f}s left", file=log, flush=True)
+    print(f"[{tag}] prompt {i + 1}/{n}, {left:.0f}s left", file=sys.stderr, flush=True)
 
 
-def hf_outputs(hf, prompts, setting, max_new_tokens, eos_id, assistant=None, log=sys.stderr):
+def hf_outputs(hf, prompts, setting, max_new_tokens, eos_id, assistant=None):
     """transformers' LlamaForCausalLM.generate, greedy, in one of SETTINGS."""
     extra = {"greedy": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10},
              "assisted": {"assistant_model": assistant}}[setting]
@@ -128,20 +176,22 @@ def hf_outputs(hf, prompts, setting, max_new_tokens, eos_id, assistant=None, log
         with torch.no_grad():
             y = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                             eos_token_id=eos_id, pad_token_id=eos_id, **extra)
-        outs.append({"prompt_ids": p, "output_ids": y[0, len(p):].tolist(), "dtype": str(hf.dtype).removeprefix("torch.")})
-        progress(f"transformers {setting}", k, len(prompts), t0, log)
+        outs.append({"prompt_ids": p, "output_ids": y[0, len(p):].tolist(), "dtype": str(hf.dtype).removeprefix("torch."),
+                     "eos_id": eos_id})
+        progress(f"transformers {setting}", k, len(prompts), t0)
     return outs
 
 
-def reference(model, prompts, max_new_tokens, k=8, log=sys.stderr) -> list[dict]:
+def reference(model, prompts, max_new_tokens, k=8) -> list[dict]:
     """nanospec's exact-mode AR trace of each prompt: the reference."""
     meta = dict(method="ar", mode="exact", dtype=str(model.embed.weight.dtype).removeprefix("torch."),
-                device=model.embed.weight.device.type, model=fingerprint(model), temperature=0.0)
+                device=model.embed.weight.device.type, model=fingerprint(model), eos_id=model.args.eos_id,
+                temperature=0.0)
     entries, t0 = [], time.perf_counter()
     for i, p in enumerate(prompts):
         out = generate(model, p, max_new_tokens=max_new_tokens, exact=True, record_logits=True)
         entries.append(traces.record(p, out.tokens, out.logits, k, **meta))
-        progress("nanospec ar exact", i, len(prompts), t0, log)
+        progress("nanospec ar exact", i, len(prompts), t0)
     return entries
 
 
@@ -157,13 +207,13 @@ def gap_shifts(hf, prompt, tokens, logits, dtype) -> torch.Tensor:
     return (gap(logits) - gap(other)).abs() / (EPS[dtype] * top.values.abs().amax(-1).clamp(min=1))
 
 
-def calibrate(model, hf, prompts, max_new_tokens, dtype, log=sys.stderr) -> dict:
+def calibrate(model, hf, prompts, max_new_tokens, dtype) -> dict:
     """The measurement behind ULPS: transformers' logits against nanospec's exact AR rows."""
     shifts, t0 = [], time.perf_counter()
     for i, p in enumerate(prompts):
         out = generate(model, p, max_new_tokens=max_new_tokens, exact=True, record_logits=True)
         shifts.append(gap_shifts(hf, p, out.tokens, out.logits, dtype))
-        progress("calibration", i, len(prompts), t0, log)
+        progress("calibration", i, len(prompts), t0)
     shifts = torch.cat(shifts)
     return {"positions": len(shifts), "max": round(float(shifts.max()), 3),
             "p99.9": round(float(shifts.quantile(0.999)), 3), "median": round(float(shifts.median()), 3)}
@@ -221,12 +271,12 @@ def run_transformers(args) -> list[dict]:
             if args.save:
                 traces.write(Path(args.save) / f"transformers-{s}-{name}.jsonl", others)
             runs.append({"engine": "transformers", "setting": s, "dtype": name, "device": args.device,
-                         "results": compare(refs, others, ulps=args.ulps)})
+                         "results": compare(refs, others, ulps=args.ulps)})  # not full traces: no --bitwise
     return runs
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("reference", nargs="?", help="a decode.py --trace file")
     p.add_argument("other", nargs="?", help="JSONL of {prompt_ids, output_ids} from the engine under test")
     p.add_argument("--dtype", help="the other engine's dtype (default: its \"dtype\" field, else the reference's); "
@@ -247,18 +297,24 @@ def main(argv=None) -> int:
     p.add_argument("--assistant-layers", type=int, default=2)
     p.add_argument("--calibrate", action="store_true", help="--engine: measure how far the engine's logits move "
                    "the reference's top-2 gaps (what the near-tie tolerance must cover) instead of comparing outputs")
+    p.add_argument("--allow-short", action="store_true", help="an output that stops early (no EOS) does not fail")
+    p.add_argument("--bitwise", action="store_true", help="identical ids are not enough: every traced row's "
+                   "sha256 must match (both sides full traces)")
     p.add_argument("--save", help="--engine: write the reference and the engine's outputs under this directory")
     args = p.parse_args(argv)
     if args.engine:
         if args.reference or args.other:
             raise NanospecError("--engine runs the engine itself: give no trace files")
+        if args.bitwise:
+            raise NanospecError("--bitwise compares two full traces (decode.py --trace), not an --engine run")
         args.dtype = args.dtype or "float32,bfloat16"
         runs = run_transformers(args)
     else:
         if not (args.reference and args.other):
             raise NanospecError("give REFERENCE.jsonl and OTHER.jsonl, or --engine transformers")
         runs = [{"engine": args.other, "dtype": args.dtype,
-                 "results": compare(traces.read(args.reference, full=True), traces.read(args.other), args.dtype, args.ulps)}]
+                 "results": compare(traces.read(args.reference, full=True), traces.read(args.other), args.dtype,
+                                    args.ulps, args.bitwise)}]
     if args.engine and args.calibrate:
         if args.json:
             print(json.dumps({"runs": runs}))
@@ -269,7 +325,7 @@ def main(argv=None) -> int:
         report(r["results"], title, args.ulps)
     if args.json:
         print(json.dumps({"ulps": args.ulps, "runs": runs}))
-    return 1 if any(r["summary"]["divergence"] for r in runs) else 0
+    return 1 if any(failed(r["summary"], args.allow_short) for r in runs) else 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ docstring, cut at the line boundary after the docstring, so the model writes the
     python -m nanospec.data --prompts weights/pylm/prompts.jsonl   # regenerate the prompt set
     python -m nanospec.data --responses .cache/warmup.jsonl -n 1000  # training-split functions
 """
-import argparse
 import ast
 import hashlib
 import json
@@ -24,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import cli
+from . import ArgumentParser, cli
 from .checkpoint import atomic_write
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -148,7 +147,7 @@ def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64) -
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Corpus statistics; write the held-out prompt set.")
+    p = ArgumentParser(description="Corpus statistics; write the held-out prompt set.")
     p.add_argument("--prompts", help="write the evaluation prompts here (JSONL)")
     p.add_argument("-n", type=int, default=64)
     p.add_argument("--responses", help="write -n training-split functions as {\"prompt\", \"response\"} JSONL")

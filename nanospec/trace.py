@@ -3,7 +3,7 @@
 `decode.py --trace FILE.jsonl` writes one JSON object per prompt (schema `nanospec-trace/1`):
 
     {"format": "nanospec-trace/1", "method": "ar", "mode": "exact", "dtype": "float32",
-     "device": "cpu", "model": "<fingerprint of the weights>", "temperature": 0.0,
+     "device": "cpu", "model": "<fingerprint of the weights>", "eos_id": 2, "temperature": 0.0,
      "prompt_ids": [...], "output_ids": [...],
      "positions": [{"top_ids": [...], "top_logits": [...], "lse": 12.3, "sha256": "..."}, ...]}
 

@@ -1,9 +1,13 @@
-"""Shared test helpers: random tiny models and an adversarial drafter."""
+"""Shared test helpers: random tiny models, an adversarial drafter, truth-peeking trained
+drafters, planted faults, and in-process command lines."""
+import contextlib
+import io
 import random
 
 import torch
 from hypothesis import strategies as st
 
+from nanospec import cli
 from nanospec.cache import KVCache
 from nanospec.engine import Drafter, generate, shapes
 from nanospec.model import Block, Llama, ModelArgs
@@ -31,16 +35,115 @@ def full_logits(model, ids, exact):
     return model(Tree.chain(ids[0], ids[1:]).block(0, model.embed.weight.device), cache, exact)[0]
 
 
-def check_exact(model, prompt, drafter, n: int, sampling=None, fast: bool = True):
+def check_exact(model, prompt, drafter, n: int, sampling=None, fast: bool = True, peeking: float = 0.0,
+                seed: int = 0, tight: bool = False):
     """Decode with the drafter and with AR at shared shapes: the same tokens and bitwise the same
-    logits in exact mode, and (fast=True) the same tokens in fast mode. Returns the exact output."""
+    logits in exact mode, and (fast=True) the same tokens in fast mode. Returns the exact output.
+
+    peeking > 0: the drafter's own candidates carry AR's tokens (see `peek`), so its forward
+    runs on accepted drafts. tight: a cache just large enough for the prompt and the n new
+    tokens, so the last steps run with almost no room (the engine must trim the trees)."""
     Q, S = shapes([drafter], len(prompt), n)
+    if tight:
+        S = len(prompt) + n + drafter.reserved_slots + 1
     kw = dict(max_new_tokens=n, Q=Q, n_slots=S, eos_id=-1, record_logits=True, **(sampling or {}))
-    ar, out = generate(model, prompt, exact=True, **kw), generate(model, prompt, drafter, exact=True, **kw)
+    ar = generate(model, prompt, exact=True, **kw)
+    if peeking:
+        peek(drafter, ar.tokens, peeking, seed)
+    out = generate(model, prompt, drafter, exact=True, **kw)
     assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    assert len(out.tokens) == n
     if fast:
         assert generate(model, prompt, drafter, **kw).tokens == generate(model, prompt, **kw).tokens
     return out
+
+
+def peek(drafter, truth: list[int], p: float = 0.9, seed: int = 0):
+    """A truth-peeking variant of a trained drafter: each time the method has computed its next
+    candidates (cands[d]: ranked tokens for output position len(out) + d), the true token takes
+    rank 0 of the first depth, and of each deeper depth with probability p (there mostly rank 0,
+    sometimes another rank). The rest stays the method's own, so its own forward (heads, mask rows,
+    pseudo states, adaptive tokens, pruning, layer loops) runs on trees that do get accepted, in
+    part: every drafting step accepts at least one draft."""
+    rng = random.Random(seed)
+    accepted = type(drafter).accepted
+
+    def peeking(dec, tree, path):
+        accepted(drafter, dec, tree, path)
+        n = len(dec.out)
+        for d, c in enumerate(drafter.cands or []):
+            if c and n + d < len(truth) and (d == 0 or rng.random() < p):
+                c[0 if d == 0 or rng.random() < 0.8 else rng.randrange(len(c))] = truth[n + d]
+    drafter.accepted = peeking
+    early = getattr(drafter, "early", None)
+    if early is not None:  # ProPD: an early head that prunes at random but keeps the true path
+        draft = type(drafter).draft
+
+        def drafting(dec):
+            tree = draft(drafter, dec)
+            drafter.early = KeepTruth(tree, truth[len(dec.out):], early, rng)
+            return tree
+        drafter.draft = drafting
+    return drafter
+
+
+class KeepTruth(torch.nn.Module):
+    """ProPD's early head for one tree: random logits per parent row (so pruning removes random
+    branches), except that a node on the true path ranks its true child first."""
+
+    def __init__(self, tree: Tree, truth: list[int], like: torch.nn.Module, rng):
+        super().__init__()
+        par = sorted(set(tree.parents[1:])) or [0]
+        V = like.up.out_features
+        w = like.up.weight
+        g = torch.Generator().manual_seed(rng.randrange(2**31))
+        self.logits = torch.randn(len(par), V, generator=g).to(w)
+        for r, node in enumerate(par):
+            path = tree.path_to(node)
+            d = len(path) - 1
+            if d < len(truth) and [tree.tokens[i] for i in path[1:]] == truth[:d]:
+                self.logits[r, truth[d]] = 1e4
+
+    def forward(self, x):
+        assert x.shape[0] == self.logits.shape[0]
+        return self.logits
+
+
+class Corrupt(Drafter):
+    """AR with a planted fault: at step `at` the verification forward's root row is wrong. ulp=False:
+    the runner-up token wins (a changed output token); ulp=True: the smallest logit moves by one
+    ulp (the same tokens, different bits). Detectors must catch both."""
+    name = "corrupt"
+
+    def __init__(self, at: int = 3, ulp: bool = False):
+        self.at, self.ulp = at, ulp
+
+    def start(self, dec):
+        self.step = 0
+
+    def forward(self, dec, tree):
+        logits = super().forward(dec, tree).clone()
+        self.step += 1
+        if self.step == self.at:
+            row = logits[0]
+            if self.ulp:
+                j = row.argmin()
+                row[j] = torch.nextafter(row[j], row[j] + 1)
+            else:
+                row[row.argsort()[-2]] = row.max() + 1
+        return logits
+
+
+def call(main, *argv) -> tuple[int, str, str]:
+    """An entry script's main(argv) run in-process as its command line runs it (through nanospec.cli):
+    (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli(lambda: main([str(a) for a in argv]))
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
 
 
 @st.composite

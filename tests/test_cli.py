@@ -1,5 +1,6 @@
-"""decode.py end to end: JSON output, --check, --bench, and one-line errors for bad input."""
+"""decode.py end to end: JSON output, --check, --bench, and one-line errors (exit code 2) for bad input."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -7,23 +8,25 @@ from pathlib import Path
 import pytest
 import torch
 
+import decode
+from helpers import call, random_model
+from nanospec.checkpoint import save
+from nanospec.model import ModelArgs
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def decode(*args):
-    return subprocess.run([sys.executable, str(ROOT / "decode.py"), *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+PYLM = ROOT / "weights" / "pylm"
 
 
 def last_json(res):
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    code, out, err = res
+    assert code == 0, err
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_check_json(weights, mode):
-    out = last_json(decode("--weights", weights, "--prompt", "def f(x):", "--max-new-tokens", 12,
-                           "--mode", mode, "--check", "--json"))
+    out = last_json(call(decode.main, "--weights", weights, "--prompt", "def f(x):", "--max-new-tokens", 12,
+                         "--mode", mode, "--check", "--json"))
     keys = {"method", "mode", "device", "dtype", "prompt", "text", "token_ids", "new_tokens", "steps",
             "mean_accepted", "tokens_per_s", "seconds", "identical_to_ar"}
     assert keys <= out.keys()
@@ -32,10 +35,8 @@ def test_check_json(weights, mode):
 
 
 def test_sampling_and_no_check(weights):
-    a = last_json(decode("--weights", weights, "--max-new-tokens", 8, "--temperature", 1.0, "--top-p", 0.9,
-                         "--seed", 4, "--json"))
-    b = last_json(decode("--weights", weights, "--max-new-tokens", 8, "--temperature", 1.0, "--top-p", 0.9,
-                         "--seed", 4, "--json"))
+    args = ("--weights", weights, "--max-new-tokens", 8, "--temperature", 1.0, "--top-p", 0.9, "--seed", 4, "--json")
+    a, b = last_json(call(decode.main, *args)), last_json(call(decode.main, *args))
     assert a["identical_to_ar"] is None and a["token_ids"] == b["token_ids"]
 
 
@@ -45,60 +46,145 @@ def test_checkpoint_written_by_transformers(tmp_path, weights):
                                    num_key_value_heads=2, intermediate_size=40)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     (tmp_path / "tokenizer.model").write_bytes((weights / "tokenizer.model").read_bytes())
-    out = last_json(decode("--method", "ar", "--weights", tmp_path, "--check", "--json", "--mode", "exact",
-                           "--max-new-tokens", 6))
+    out = last_json(call(decode.main, "--method", "ar", "--weights", tmp_path, "--check", "--json", "--mode", "exact",
+                         "--max-new-tokens", 6))
     assert out["identical_to_ar"] is True
 
 
 def test_bench_json(weights, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]) + "\n")
-    out = last_json(decode("--weights", weights, "--bench", "--prompts", prompts, "--methods", "ar",
-                           "--max-new-tokens", 8, "--json"))
+    out = last_json(call(decode.main, "--weights", weights, "--bench", "--prompts", prompts, "--methods", "ar",
+                         "--max-new-tokens", 8, "--json"))
     assert {"device", "dtype", "mode", "results"} <= out.keys()
     (r,) = out["results"]
     assert r["method"] == "ar" and r["prompts"] == 2 and r["mismatches"] == 0 and r["speedup"] > 0
     assert {"new_tokens", "steps", "mean_accepted", "forward_ms", "tokens_per_s"} <= r.keys() and r["forward_ms"] > 0
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--method", "nope"], "unknown method 'nope'"),
-    (["--bench", "--methods", "ar,nope"], "unknown method 'nope'"),
-    (["--weights", "/nonexistent/dir"], "no weights directory"),
-    (["--prompt-ids", "1,2,99999"], "out of range"),
-    (["--prompt-ids", "1,x"], "comma-separated integers"),
-    (["--prompt", "def " * 50, "--max-len", 20], "shorten it or raise --max-len"),
-    (["--bench"], "--bench needs --prompts"),
-    (["--bench", "--prompts", "/nonexistent.jsonl"], "no prompt file"),
-    (["--trace", "/nonexistent/dir/t.jsonl"], "its directory does not exist"),
-    (["--bench", "--trace", "t.jsonl"], "--trace records decoding, not --bench"),
-    (["--trace", "t.jsonl", "--trace-k", 1], "--trace-k must be at least 2"),
-    (["--device", "cuda"], "no CUDA device") if not torch.cuda.is_available() else (["--top-p", "0"], "top-p"),
-])
-def test_bad_input_gives_one_error_line(weights, args, message):
-    res = decode(*(["--weights", weights] if "--weights" not in args else []), *args)
-    assert res.returncode != 0
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
-
-
-def test_malformed_config(weights, tmp_path):
-    (tmp_path / "config.json").write_text("{\"hidden_size\": 8")
-    res = decode("--weights", tmp_path)
-    assert res.returncode == 2 and "not valid JSON" in res.stderr and len(res.stderr.strip().splitlines()) == 1
-
-
 def test_prompts_file_decodes_each_with_one_drafter(weights, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n", "x = 1"]) + "\n")
-    res = decode("--weights", weights, "--prompts", prompts, "--limit", 2, "--max-new-tokens", 6, "--json",
-                 "--method", "lookahead:strategy=parallel,decoding_length=4", "--check", "--mode", "exact")
-    assert res.returncode == 0, res.stderr
-    outs = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    code, out, err = call(decode.main, "--weights", weights, "--prompts", prompts, "--limit", 2, "--max-new-tokens", 6,
+                          "--json", "--method", "lookahead:strategy=parallel,decoding_length=4", "--check",
+                          "--mode", "exact")
+    assert code == 0, err
+    outs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [o["prompt"] for o in outs] == ["def f(x):", "import os\n"]
     assert all(o["identical_to_ar"] is True for o in outs)
 
 
-def test_bad_method_option_is_one_line(weights):
-    res = decode("--weights", weights, "--method", "lookahead:depth=3")
-    assert res.returncode == 2 and res.stderr.strip().startswith("error: lookahead has no option 'depth'")
+def test_the_script_itself_reports_bad_input_in_one_line(weights):
+    """The command line as a user runs it (a subprocess): no traceback, one line, exit code 2."""
+    res = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--weights", str(weights), "--method", "nope"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "error: unknown method 'nope'; choose from: ar, lookahead, medusa, propd, bita, hidden_transfer, sdsat"]
+
+
+# --- bad input: one `error:` line on stderr, exit code 2, for each case ---------------------------------
+
+def assert_one_error(res, message):
+    code, out, err = res
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (code, err)
+
+
+@pytest.fixture
+def bad_prompts(tmp_path):
+    (tmp_path / "not-json.jsonl").write_text('{"prompt": "x"}\nnot json\n')
+    (tmp_path / "no-field.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "nope"], "unknown method 'nope'"),
+    (["--bench", "--methods", "ar,nope"], "unknown method 'nope'"),
+    (["--method", "lookahead:depth=3"], "lookahead has no option 'depth'"),
+    (["--method", "lookahead:depth"], "is not key=value"),
+    (["--weights", "/nonexistent/dir"], "no weights directory"),
+    (["--prompt-ids", "1,2,99999"], "out of range"),
+    (["--prompt-ids=-1,2"], "token id -1 is out of range"),
+    (["--prompt-ids", ""], "--prompt-ids is empty"),
+    (["--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--prompt", "def " * 50, "--max-len", 20], "shorten it or raise --max-len"),
+    (["--prompt-file", "/nonexistent.txt"], "cannot read the prompt file"),
+    (["--prompt-file", "{tmp}/latin1.txt"], "cannot read the prompt file"),
+    (["--bench"], "--bench needs --prompts"),
+    (["--bench", "--prompts", "/nonexistent.jsonl"], "no prompt file"),
+    (["--bench", "--prompts", "{tmp}/not-json.jsonl"], "not-json.jsonl:2 is not a JSON object"),
+    (["--prompts", "{tmp}/no-field.jsonl"], "no-field.jsonl:1 is not a JSON object with a \"prompt\" field"),
+    (["--prompts", "{tmp}/blank.jsonl"], "holds no prompts"),
+    (["--trace", "/nonexistent/dir/t.jsonl"], "its directory does not exist"),
+    (["--bench", "--trace", "t.jsonl"], "--trace records decoding, not --bench"),
+    (["--trace", "t.jsonl", "--trace-k", 1], "--trace-k must be at least 2"),
+    (["--mode", "exact", "--block", 8], "at least 16 rows"),
+    (["--max-new-tokens", 0], "--max-new-tokens must be at least 1"),
+    (["--top-p", "0"], "0 < --top-p <= 1"),
+    (["--top-p", "1.5"], "0 < --top-p <= 1"),
+    (["--temperature", "-1"], "--temperature >= 0"),
+    (["--top-k", "-2"], "--top-k >= 0"),
+    (["--dtype", "float8"], "invalid choice: 'float8'"),
+    (["--max-new-tokens", "many"], "invalid int value"),
+    (["--device", "cuda"], "no CUDA device") if not torch.cuda.is_available() else (["--device", "tpu"], "invalid choice"),
+])
+def test_bad_input_gives_one_error_line(weights, bad_prompts, args, message):
+    args = [str(a).replace("{tmp}", str(bad_prompts)) for a in args]
+    assert_one_error(call(decode.main, *(["--weights", weights] if "--weights" not in args else []), *args), message)
+
+
+@pytest.mark.parametrize("missing, message", [
+    ("config.json", "has no config.json"),
+    ("model.safetensors", "has no model.safetensors"),
+    ("tokenizer.model", "no tokenizer.model: pass --prompt-ids"),
+])
+def test_incomplete_weights_directory(weights, tmp_path, missing, message):
+    d = tmp_path / "w"
+    shutil.copytree(weights, d)
+    (d / missing).unlink()
+    assert_one_error(call(decode.main, "--weights", d, "--prompt", "def f(x):"), message)
+
+
+def test_malformed_config(tmp_path):
+    (tmp_path / "config.json").write_text("{\"hidden_size\": 8")
+    assert_one_error(call(decode.main, "--weights", tmp_path), "not valid JSON")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert_one_error(call(decode.main, "--weights", tmp_path), "lacks the key")
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory):
+    """The shipped drafters next to base weights they were not trained for (and an SDSAT record of
+    another model beside them)."""
+    d = tmp_path_factory.mktemp("foreign") / "w"
+    save(random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=8192, hidden_dim=48)), d,
+         tokenizer_model=PYLM / "tokenizer.model")
+    for f in PYLM.glob("*.safetensors"):
+        if f.name != "model.safetensors":
+            shutil.copy(f, d / f.name)
+    shutil.copytree(d, d.with_name("w-sdsat"))
+    shutil.copy(ROOT / "weights" / "pylm-sdsat" / "sdsat.json", d.with_name("w-sdsat") / "sdsat.json")
+    return d
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("medusa", "medusa.safetensors was trained for another base model"),
+    ("propd", "medusa.safetensors was trained for another base model"),
+    ("propd:prune=true", "was trained for another base model"),
+    ("bita", "bita.safetensors was trained for another base model"),
+    ("bita:prompting=shallow", "bita-shallow.safetensors was trained for another base model"),
+    ("bita:prompting=none", "bita-none.safetensors was trained for another base model"),
+    ("hidden_transfer", "hidden_transfer.safetensors was trained for another base model"),
+    ("sdsat", "holds another model than the one loaded"),
+])
+def test_drafter_for_other_weights_is_refused(foreign, spec, message):
+    assert_one_error(call(decode.main, "--weights", foreign, "--method", spec, "--prompt", "def f(x):"), message)
+
+
+def test_missing_drafter_weights_say_how_to_train_them(weights):
+    assert_one_error(call(decode.main, "--weights", weights, "--method", "medusa"),
+                     "no medusa.safetensors in")
+    assert_one_error(call(decode.main, "--weights", weights, "--method", "sdsat"),
+                     "fine-tune one with python train.py --method sdsat")

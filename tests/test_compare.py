@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import random_model
+import decode
+from helpers import call, random_model
 from nanospec import NanospecError, compare, trace
 from nanospec.checkpoint import save
 from nanospec.engine import generate
@@ -49,6 +50,8 @@ REF = {"format": trace.FORMAT, "dtype": "float32", "prompt_ids": [1, 2], "output
 @pytest.mark.parametrize("other, dtype, verdict", [
     ([5, 6], None, "identical"),
     ([5, 6, 7], None, "identical"),    # longer: compared where both have tokens
+    ([5], None, "short"),              # stops early without an EOS
+    ([], None, "empty"),
     ([5, 8], "bfloat16", "near-tie"),  # gap 0.01 <= 8 * 2^-7 * 10
     ([5, 8], "float32", "divergence"),  # gap 0.01 > 32 * 2^-23 * 10
     ([7, 6], "bfloat16", "divergence"),  # gap 0.5 > 8 * 2^-7 * 1
@@ -58,7 +61,7 @@ REF = {"format": trace.FORMAT, "dtype": "float32", "prompt_ids": [1, 2], "output
 def test_verdicts(other, dtype, verdict):
     (r,) = compare.compare([REF], [{"prompt_ids": [1, 2], "output_ids": other}], dtype)
     assert r["verdict"] == verdict
-    if verdict != "identical":
+    if verdict in ("near-tie", "divergence"):
         i = r["position"]
         assert REF["output_ids"][i] == r["reference_token"] and other[i] == r["other_token"] != r["reference_token"]
         top = REF["positions"][i]["top_logits"]
@@ -89,17 +92,20 @@ def test_cli_exit_codes_and_json(tmp_path):
     trace.write(ref, [REF])
     ok.write_text(json.dumps({"prompt_ids": [1, 2], "output_ids": [5, 8], "dtype": "bfloat16"}) + "\n")
     bad.write_text(json.dumps({"prompt_ids": [1, 2], "output_ids": [7, 6]}) + "\n")
-    res = run("nanospec.compare", ref, ok, "--json")
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout.splitlines()[-1])
-    assert out["runs"][0]["summary"] == {"prompts": 1, "identical": 0, "near-tie": 1, "divergence": 0}
-    assert "1 near-tie, 0 divergence" in res.stdout
-    res = run("nanospec.compare", ref, bad)
+    code, out, err = call(compare.main, ref, ok, "--json")
+    assert code == 0, err
+    summary = json.loads(out.splitlines()[-1])["runs"][0]["summary"]
+    assert summary == {"prompts": 1, "identical": 0, "near-tie": 1, "divergence": 0, "short": 0, "empty": 0,
+                       "not-bitwise": 0}
+    assert "1 near-tie, 0 divergence" in out
+    res = run("nanospec.compare", ref, bad)  # the module's own command line, once
     assert res.returncode == 1 and "divergence" in res.stdout
     for args, msg in [((ref, tmp_path / "none.jsonl"), "no trace at"), ((ok, ok), "not a nanospec-trace/1 line"),
-                      ((ref,), "give REFERENCE.jsonl and OTHER.jsonl")]:
-        res = run("nanospec.compare", *args)
-        assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error:") and msg in res.stderr
+                      ((ref,), "give REFERENCE.jsonl and OTHER.jsonl"), ((ref, ok, "--ulps", "x"), "invalid float"),
+                      (("--engine", "transformers", "--bitwise"), "--bitwise compares two full traces")]:
+        code, _, err = call(compare.main, *args)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and msg in err, err
 
 
 def test_decode_trace_of_a_method_is_bitwise_the_reference(weights, tmp_path):
@@ -108,15 +114,15 @@ def test_decode_trace_of_a_method_is_bitwise_the_reference(weights, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["def f(x):", "import os\n"]))
     common = ["--weights", weights, "--prompts", prompts, "--max-new-tokens", 16, "--mode", "exact"]
     for method in ["ar", "lookahead"]:
-        res = run("decode.py", *common, "--method", method, "--trace", tmp_path / f"{method}.jsonl")
-        assert res.returncode == 0, res.stderr
+        code, _, err = call(decode.main, *common, "--method", method, "--trace", tmp_path / f"{method}.jsonl")
+        assert code == 0, err
     ref, la = trace.read(tmp_path / "ar.jsonl", full=True), trace.read(tmp_path / "lookahead.jsonl", full=True)
     assert [e["positions"] for e in ref] == [e["positions"] for e in la] and len(ref) == 2
     assert ref[0]["method"] == "ar" and ref[0]["mode"] == "exact" and ref[0]["dtype"] == "float32"
-    res = run("nanospec.compare", tmp_path / "ar.jsonl", tmp_path / "lookahead.jsonl", "--json")
-    assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout.splitlines()[-1])["runs"][0]["summary"]["bitwise"] == 2
-    assert "2 identical (2 bitwise)" in res.stdout
+    code, out, err = call(compare.main, tmp_path / "ar.jsonl", tmp_path / "lookahead.jsonl", "--json", "--bitwise")
+    assert code == 0, err
+    assert json.loads(out.splitlines()[-1])["runs"][0]["summary"]["bitwise"] == 2
+    assert "2 identical (2 bitwise)" in out
 
 
 def test_transformers_client(weights, tmp_path):

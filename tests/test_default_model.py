@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import Adversary, check_exact, full_logits
+from nanospec.bench import load_prompts
 from nanospec.checkpoint import load
 from nanospec.engine import generate, shapes
 from nanospec.methods import load_drafter, model_dir
@@ -60,8 +61,22 @@ def test_exact_tree_decoding_on_the_default_model(dtype, device):
     assert adv.tokens == ar.tokens and torch.equal(adv.logits, ar.logits) and adv.steps < ar.steps
 
 
+SHIPPED = ["lookahead", "medusa", "propd:layer=2,k=10,replan=8", "bita", "bita:prompting=shallow",
+           "bita:prompting=none", "hidden_transfer", "sdsat"]
+
+
+def test_every_shipped_drafter_is_tested():
+    """SHIPPED names every drafter file under weights/ (and Lookahead, which has none)."""
+    files = {f.name for f in W.glob("*.safetensors")} - {"model.safetensors"}
+    named = {"bita": "bita.safetensors", "bita:prompting=shallow": "bita-shallow.safetensors",
+             "bita:prompting=none": "bita-none.safetensors", "medusa": "medusa.safetensors",
+             "propd:layer=2,k=10,replan=8": "propd.safetensors", "hidden_transfer": "hidden_transfer.safetensors"}
+    assert files == set(named.values()) and set(named) < set(SHIPPED)
+    assert (ROOT / "weights" / "pylm-sdsat" / "sdsat.json").is_file() and "sdsat" in SHIPPED
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("spec", ["medusa", "propd:layer=2,k=10,replan=8", "bita", "hidden_transfer", "sdsat"])
+@pytest.mark.parametrize("spec", SHIPPED)
 def test_shipped_drafters_are_exact_and_accept(spec, dtype, device):
     """Each method's shipped weights: bitwise AR in exact mode (SDSAT: AR of its fine-tuned
     model), and drafts do get accepted (non-vacuous); ProPD's early head does prune rows."""
@@ -69,9 +84,26 @@ def test_shipped_drafters_are_exact_and_accept(spec, dtype, device):
     d = load_drafter(spec, model, W)
     prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
     out = check_exact(model, prompt, d, 48, fast=False)
-    assert out.mean_accepted > 1.5
+    assert out.mean_accepted > (1.2 if "prompting" in spec else 1.5)  # BiTA's weaker ablations accept less
     if spec.startswith("propd"):
         assert d.pruned_rows > 0
+
+
+@pytest.mark.parametrize("spec", SHIPPED)
+def test_shipped_drafters_in_fast_mode_give_ar_tokens(spec, device):
+    """Fast mode (the CPU default and the benchmark's): AR's tokens on held-out prompts, fp32."""
+    model = load(model_dir([spec], W)).to(device)
+    d = load_drafter(spec, model, W)
+    tok = Tokenizer(W / "tokenizer.model")
+    steps = 0
+    for text in load_prompts(W / "prompts.jsonl")[:2]:
+        prompt = tok.encode(text)
+        Q, S = shapes([d], len(prompt), 32)
+        kw = dict(max_new_tokens=32, Q=Q, n_slots=S)
+        out, ar = generate(model, prompt, d, **kw), generate(model, prompt, **kw)
+        assert out.tokens == ar.tokens
+        steps += out.steps
+    assert steps < 2 * 32  # drafts were accepted somewhere
 
 
 def test_decode_py_uses_it_by_default(device):

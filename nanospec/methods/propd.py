@@ -98,6 +98,21 @@ class CostModel:
         return None if fit is None else fit[0] + fit[1] * size
 
 
+class FixedCost(CostModel):
+    """A cost model that does not learn: T(size) = b0 + b1 * size, so plans do not depend on
+    wall-clock timings (tests; reproducible runs)."""
+
+    def __init__(self, b0: float, b1: float):
+        super().__init__()
+        self.line = (b0, b1)
+
+    def update(self, size: int, seconds: float, batch: int = 1) -> None:
+        pass
+
+    def fit(self, batch: int = 1) -> tuple[float, float]:
+        return self.line
+
+
 class Acceptance:
     """P[i][k]: EMA of "head i's true token was in its top-(k+1)"."""
 
@@ -229,7 +244,8 @@ class ProPD(Medusa):
     name = "propd"
 
     def __init__(self, heads, paths, acc, early: EarlyHead | None = None, layer: int = 2, k: int = 10,
-                 dynamic: bool = True, sizes=SIZES, replan: int = 32, alpha: float = 0.3, lam: float = 0.01):
+                 dynamic: bool = True, sizes=SIZES, replan: int = 32, alpha: float = 0.3, lam: float = 0.01,
+                 cost: CostModel | None = None):
         super().__init__(heads, paths)
         self.early, self.layer, self.k = early, layer, k
         self.dynamic, self.sizes, self.replan = dynamic, sorted(sizes), replan
@@ -239,7 +255,7 @@ class ProPD(Medusa):
             self.topk = [len(acc[0])] * len(acc)
         self.accept = Acceptance(len(acc), len(acc[0]), alpha=0.05,
                                  prior=[[sum(row[:r + 1]) for r in range(len(row))] for row in acc])
-        self.cost = CostModel(alpha, lam)
+        self.cost = cost or CostModel(alpha, lam)
         self.rows = self.pruned_rows = 0
         self.sizes_used = Counter()  # planned size -> steps
 

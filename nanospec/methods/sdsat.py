@@ -76,7 +76,7 @@ class SDSAT(Drafter):
     def draft(self, dec):
         if self.cands is None:
             return Tree.chain(dec.last)  # draft step 1
-        return Tree.from_choices(dec.last, self.cands, self.paths)
+        return Tree.from_choices(dec.last, self.cands, self.paths[:max(0, dec.room - 1)])
 
     def forward(self, dec, tree):
         n, k = len(tree), self.k

@@ -1,0 +1,68 @@
+"""Every method at the engine's edges: a cache just large enough for the prompt and the new
+tokens, so the last steps have room for a few rows only and every "no room" path runs, in exact
+mode (bitwise AR) and fast mode (AR's tokens), with drafts that do get accepted."""
+import pytest
+import torch
+
+from helpers import check_exact, random_model
+from nanospec.engine import generate, shapes
+from nanospec.methods.bita import BiTA, Tuning
+from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
+from nanospec.methods.lookahead import Lookahead
+from nanospec.methods.medusa import Heads, Medusa, choose_tree
+from nanospec.methods.propd import EarlyHead, FixedCost, ProPD
+from nanospec.methods.sdsat import SDSAT
+from nanospec.model import ModelArgs
+
+ARGS = ModelArgs(dim=30, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=6, vocab_size=53, hidden_dim=37)
+ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
+
+
+def drafter(name, model):
+    """A method with random (noisy) trained parts, on the model's device and dtype."""
+    a = model.args
+
+    def noisy(module, seed, scale):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(torch.randn_like(p) * scale)
+        return module.to(model.embed.weight)
+    heads = lambda: noisy(Heads(a.dim, a.vocab_size, 3).init_from(model.lm_head), 1, 0.1)
+    return {
+        "medusa": lambda: Medusa(heads(), choose_tree(ACC, 12)),
+        "propd": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC, noisy(EarlyHead(a.dim, a.vocab_size, 4, 1e-5), 2, 1.0),
+                               layer=1, k=3, dynamic=False),
+        "propd-dynamic": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC, None, dynamic=True, sizes=(1, 4, 12),
+                                       replan=4, cost=FixedCost(1e-2, 1e-5)),
+        "bita-deep": lambda: BiTA(noisy(Tuning(a, 3, 4, "deep"), 3, 1.0), "efficient", 2),
+        "bita-shallow-full": lambda: BiTA(noisy(Tuning(a, 2, 3, "shallow"), 3, 1.0), "full", 2),
+        "bita-straight": lambda: BiTA(noisy(Tuning(a, 3, 4, "none"), 3, 1.0), "straight", 1),
+        "hidden_transfer": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 4, 0.3), choose_tree(ACC[:2], 8)),
+        "sdsat": lambda: SDSAT([7], k=4, width=2),
+    }[name]()
+
+
+@pytest.mark.parametrize("name", ["medusa", "propd", "propd-dynamic", "bita-deep", "bita-shallow-full",
+                                  "bita-straight", "hidden_transfer", "sdsat"])
+def test_trained_methods_in_a_near_full_cache(name, device):
+    model = random_model(ARGS, seed=11, device=device)
+    d = drafter(name, model)
+    prompt = [3, 9, 4, 1, 7, 12, 5]
+    out = check_exact(model, prompt, d, 96, fast=True, peeking=0.9, seed=5, tight=True)
+    assert out.mean_accepted >= 1.5 and out.stop == "max_new_tokens"
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_lookahead_in_a_near_full_cache(exact, device):
+    model = random_model(ARGS, seed=11, device=device)
+    prompt = [3, 9, 4, 1, 7, 12, 5] * 3
+    d = Lookahead(decoding_length=12, branch_length=6)
+    Q, _ = shapes([d], len(prompt), 40)
+    kw = dict(max_new_tokens=40, exact=exact, Q=Q, n_slots=len(prompt) + 40 + 1, eos_id=-1, record_logits=True)
+    ar = generate(model, prompt, **kw)
+    d.warm_up([prompt[-1:] + ar.tokens])  # the trie knows the continuation: long drafts to the very end
+    out = generate(model, prompt, d, **kw)
+    assert out.tokens == ar.tokens and out.stop == "max_new_tokens" and out.mean_accepted > 3
+    if exact:
+        assert torch.equal(out.logits, ar.logits)
