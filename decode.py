@@ -46,6 +46,7 @@ def parse_args(argv=None):
                    "(--bench default: the weights' prompts.jsonl)")
     p.add_argument("--limit", type=int, help="only the first N of --prompts")
     p.add_argument("--methods", default="ar", help="comma-separated methods for --bench")
+    p.add_argument("--profile", action="store_true", help="--bench: also print each method's top host-side costs")
     p.add_argument("--trace", help="write FILE.jsonl (nanospec-trace/1): per prompt the emitted ids and, per "
                    "position, its logit row's top-k, log-sum-exp and sha256 (the reference: --method ar --mode exact)")
     p.add_argument("--trace-k", type=int, default=8, help="top-k logits per position in --trace")
@@ -121,7 +122,7 @@ def main(argv=None):
         if own_model:
             note_own_model(weights)
         results = bench(model, prompts, drafters, exact=exact, max_new_tokens=args.max_new_tokens,
-                        sampling=sampling)
+                        sampling=sampling, profile=args.profile)
         print(table(results))
         if args.json:
             print(json.dumps({**info, "max_new_tokens": args.max_new_tokens, "results": results}))

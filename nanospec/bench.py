@@ -8,7 +8,9 @@ benchmark's mode (and, in exact mode, whose accepted logits differ in any bit). 
 each method's kernel time per forward is read with the torch profiler on one prompt.
 """
 import copy
+import cProfile
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -53,8 +55,10 @@ def first_difference(out, ref) -> str:
 
 
 def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=False,
-          max_new_tokens=128, eos_id=None, sampling=None) -> list[dict]:
-    """Run every drafter over every prompt; one result dict per drafter."""
+          max_new_tokens=128, eos_id=None, sampling=None, profile=False) -> list[dict]:
+    """Run every drafter over every prompt; one result dict per drafter. Per step: step_ms (wall
+    time), forward_ms (the step's device program, synchronised on a GPU) and host_ms, the rest:
+    drafting, tree building, read-back, commit. profile: print each method's top host-side costs."""
     sampling = sampling or {}
     everyone = [Drafter()] + drafters
 
@@ -102,11 +106,15 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         new = sum(len(o.tokens) for o in runs)
         steps = sum(o.steps for o in runs)
         tps = new / sum(o.decode_s for o in runs)
-        fwd_ms = 1000 * sum(sum(o.forward_s) for o in runs) / steps
+        step_ms = 1000 * sum(o.decode_s for o in runs) / steps
+        fwd_ms = 1000 * sum(o.forward_s for o in runs) / steps
         kernel = kernel_ms(lambda d, p: run(d, p, exact), d, prompts[0])
+        if profile:
+            print(host_profile(lambda d, p: run(d, p, exact), d, prompts[0]), file=sys.stderr, flush=True)
         results.append(dict(method=d.name, prompts=len(prompts), new_tokens=new, steps=steps,
-                            mean_accepted=round(new / steps, 3), forward_ms=round(fwd_ms, 2),
-                            kernel_ms=None if kernel is None else round(kernel, 3), tokens_per_s=round(tps, 2),
+                            mean_accepted=round(new / steps, 3), step_ms=round(step_ms, 3), forward_ms=round(fwd_ms, 3),
+                            host_ms=round(step_ms - fwd_ms, 3), kernel_ms=None if kernel is None else round(kernel, 3),
+                            tokens_per_s=round(tps, 2),
                             speedup=round(tps / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
                             mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(runs, ref)),
                             notes=d.report()))
@@ -139,9 +147,36 @@ def kernel_ms(run, drafter, prompt) -> float | None:
     return us / 1000 / out.steps
 
 
+FORWARD_FILES = ("nanospec/model.py", "nanospec/forward.py", "nanospec/graphs.py")
+
+
+def host_profile(run, drafter, prompt, top: int = 12) -> str:
+    """Where a step's host time goes (cProfile over one prompt): the functions with the most time of
+    their own, counting only calls made from outside the device program (the model's layers,
+    Forward and the drafter's forward, which forward_ms already covers)."""
+    d = copy.deepcopy(drafter)
+    prof = cProfile.Profile()
+    prof.enable()
+    out = run(d, prompt)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    inside = lambda fn: fn[0].endswith(FORWARD_FILES) or fn[2] in ("forward", "propose", "run")
+    own = {}
+    for fn, (cc, nc, tt, ct, callers) in stats.items():
+        t = 0 if inside(fn) else sum(c[2] for caller, c in callers.items() if not inside(caller))
+        if t > 0:
+            own[fn] = t
+    lines = [f"[profile] {drafter.name}: {out.steps} steps; host time by function (own time, calls from outside "
+             "the forward), ms per step:"]
+    for fn, t in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        where = fn[2] if fn[0] == "~" else f"{Path(fn[0]).name}:{fn[1]}({fn[2]})"
+        lines.append(f"  {1000 * t / out.steps:8.3f}  {where}")
+    return "\n".join(lines)
+
+
 def table(results: list[dict]) -> str:
-    cols = ["method", "prompts", "new_tokens", "steps", "mean_accepted", "forward_ms", "kernel_ms", "tokens_per_s",
-            "speedup", "mismatches"]
+    cols = ["method", "prompts", "new_tokens", "steps", "mean_accepted", "step_ms", "forward_ms", "host_ms",
+            "kernel_ms", "tokens_per_s", "speedup", "mismatches"]
     rows = [cols] + [["-" if r[c] is None else str(r[c]) for c in cols] for r in results]
     w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     notes = [f"{r['method']}: {r['notes']}" for r in results if r.get("notes")]

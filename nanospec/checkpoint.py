@@ -149,3 +149,12 @@ def load_drafter_file(path: Path, model, train_cmd: str) -> tuple[dict, dict]:
                             f"{meta.get('base_fingerprint')}, these weights {fp}): retrain with `{train_cmd}`")
     w = model.embed.weight
     return {k: v.to(device=w.device, dtype=w.dtype) for k, v in tensors.items()}, meta
+
+
+def load_trained(model, path: Path, train_cmd: str, build):
+    """A drafter's trained module: build(meta) makes it, the file's tensors fill it, on the model's
+    device and dtype. Returns (module, metadata); refuses a file trained for another base model."""
+    tensors, meta = load_drafter_file(path, model, train_cmd)
+    module = build(meta)
+    module.load_state_dict(tensors)
+    return module.to(model.embed.weight).eval(), meta

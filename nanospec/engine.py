@@ -1,15 +1,22 @@
 """The decoding loop: prefill, then draft -> verify -> commit until a stop.
 
-A method is a Drafter. Each step the engine asks it for a draft tree rooted at the
-last emitted token (draft), lets it run the verification forward (forward: by
-default the tree's rows alone; methods add their own rows or loop over the layers
-themselves), accepts the longest path AR agrees with (tree.verify), moves that
-path's keys into place (commit, via KVCache.compact) and tells the drafter what
-was accepted (accepted). Plain AR is the base Drafter: a tree of the root alone.
+A method is a Drafter, and reads as its paper:
+- draft(dec) proposes a tree rooted at the last emitted token, usually from dec.cands: the
+  ranked candidates per depth that the last accepted node drafted in the previous step.
+- rows(dec, tree) lays the step out as rows: the tree's, then the method's own (mask tokens,
+  pseudo states, adaptive tokens); size(n) says how many an n-node tree needs.
+- forward(f, nodes) is the verification forward on a Forward f (forward.py); it returns an Out:
+  the nodes' logits, and per node the drafts that node would make if it ended the accepted path.
+- propose(drafts) turns the last accepted node's drafts into logits per depth (K, V).
+- accepted(dec, tree, path) is told what was accepted (Lookahead's trie, ProPD's statistics).
+The core does the rest: it trims a tree to the cache's room, pads exact-mode blocks, verifies on
+the device and takes the next candidates' top-k there (greedy), all as one program that is one
+CUDA graph in exact mode on a GPU, and reads back the accepted path and the candidates: one
+host-device synchronisation per step. Plain AR is the base Drafter: a tree of the root alone.
 
-In exact mode every forward runs exactly Q rows (padded) on a cache of S slots,
-so AR and every method must use the same Q and S to compare bitwise: generate()
-takes both, and shapes() gives values that fit a set of drafters.
+In exact mode every forward runs exactly Q rows (padded) on a cache of S slots, so AR and every
+method must use the same Q and S to compare bitwise: generate() takes both, and shapes() gives
+values that fit a set of drafters.
 """
 import time
 from dataclasses import dataclass, field
@@ -19,8 +26,9 @@ import torch.nn.functional as F
 
 from . import NanospecError, graphs
 from .cache import KVCache
+from .forward import Forward, Out
 from .model import Block
-from .tree import Sampler, Tree, verify
+from .tree import Sampler, Tree, accept, layout, verify
 
 # Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
 # on another path than the first ones (tests/test_model.py checks blocks of 16 and more).
@@ -29,52 +37,187 @@ PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bo
 SLOT_BUCKET = 64  # default cache sizes are rounded up to this: prompts of similar length share CUDA graphs
 
 
+@dataclass
+class Nodes:
+    """A step's tree as the forward sees it, on the device (padded to Q nodes in exact mode)."""
+    tokens: torch.Tensor  # (N,) -1 for padding
+    lay: object           # tree.Layout
+    real: torch.Tensor    # (N,) bool
+    n: int                # real nodes
+
+
+class Drafter:
+    """Plain autoregressive decoding; every method subclasses this (see the module docstring)."""
+    name = "ar"
+    max_rows = 1        # the most rows one step's forward runs (sizes the exact-mode block)
+    reserved_slots = 0  # cache slots for method-owned keys
+    topk: list[int] = []  # candidates kept per draft depth
+
+    def start(self, dec: "Decoding") -> None:
+        """Called once after prefill, before the first step."""
+
+    def draft(self, dec: "Decoding") -> Tree:
+        return Tree.chain(dec.last)
+
+    def size(self, n: int) -> int:
+        """Rows a step over a tree of n nodes runs."""
+        return n
+
+    def rows(self, dec: "Decoding", tree: Tree) -> Block:
+        return tree.block(dec.cur, dec.device)
+
+    def shape_key(self, nodes: Nodes):
+        """What the forward's computation depends on besides its inputs' shapes (nodes.n, the tree size
+        when the method's rows depend on it): exact mode captures a CUDA graph per key."""
+        return None
+
+    def forward(self, f: Forward, nodes) -> Out:
+        return Out(f.logits(f.norm(f.layers(f.embed())), len(nodes.real)))
+
+    def propose(self, drafts: torch.Tensor) -> torch.Tensor:
+        """Logits per draft depth (K, V) from the last accepted node's drafts (K', D)."""
+        return drafts
+
+    def accepted(self, dec: "Decoding", tree: Tree, path: list[int]) -> None:
+        """Called after commit with the accepted path (node indices, root first)."""
+
+    def finish(self, dec: "Decoding") -> None:
+        """Called once when the generation stops."""
+
+    def report(self) -> str:
+        """A line of method statistics for the benchmark (e.g. ProPD's pruning rate)."""
+        return ""
+
+
 class Decoding:
     """The state of one generation, handed to the drafter at every step (batch of one)."""
 
-    def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None):
+    def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None,
+                 sampler: Sampler | None = None):
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
         self.reserved = reserved   # the drafter's own cache slots (e.g. BiTA's prompt keys)
         self.device = model.embed.weight.device
+        self.sampler = sampler or Sampler()
         self.prompt = prompt
         self.out: list[int] = []   # tokens emitted so far
         self.last = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
         self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
+        self.cands = None          # (D, R) on the device: ranked candidates per depth from the last step
+        self.cand_lists = None     # the same, on the host
+        self.forward_s = 0.0       # time in forwards (synchronised), for the benchmark's host time
 
     @property
     def room(self) -> int:
         """Rows the next forward may write: slots cur..capacity-1."""
         return self.cache.capacity - self.cur
 
-    def run(self, block: Block, embeds=None, hidden=False):
-        """Run the model on a block (host tensors; padded to Q rows in exact mode); outputs for
-        its rows, batch 0. Exact mode on a GPU replays a CUDA graph (graphs.py)."""
-        n = len(block)
-        if int(block.slots.max()) >= self.cache.trash:  # the sequence's slots, then the drafter's reserved ones
-            raise NanospecError(f"a step of {n} rows does not fit the cache at {self.cur} tokens")
-        if not self.exact:
-            res = self.model(block.to(self.device), self.cache, False, embeds, hidden)
-        else:
-            if embeds is not None:
-                embeds = F.pad(embeds, (0, 0, 0, self.Q - n))
-            model, cache = self.model, self.cache
-            fn = lambda embeds, *b: model(Block(*b), cache, True, embeds, hidden)
-            res = self.graphed(("run", hidden), fn, embeds, *self.fixed(block))
-        return tuple(r[0, :n] for r in res) if hidden else res[0, :n]
+    def fit(self, drafter: Drafter, tree: Tree) -> tuple[Drafter, Tree]:
+        """The tree trimmed to the cache's room; with no room even for the root's own rows, the step
+        is plain AR (the method drafts nothing next)."""
+        m = len(tree)
+        while m > 1 and drafter.size(m) > self.room:
+            m -= 1
+        if drafter.size(m) > self.room:
+            return Drafter(), tree.prefix(1)
+        return drafter, tree.prefix(m)
 
-    def fixed(self, block: Block) -> tuple:
-        """An exact-mode block's tensors at fixed shapes: Q rows (padding rows write and read the
-        trash slot), each row's visible slots padded to the cache's S. The same every step."""
+    def program(self, drafter: Drafter, block: Block, nodes: Nodes, greedy: bool):
+        """The step's device program: the method's forward, then (greedy) verification and the next
+        candidates' top-k. Exact mode: fixed shapes, one CUDA graph per method and shape key."""
+        model, cache, exact = self.model, self.cache, self.exact
+        R = max(drafter.topk, default=1)
+
+        def run(tokens, pos, slots, prefix, extra, node_tokens, parent, depth, index, anc, real):
+            f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact)
+            lay = type(nodes.lay)(parent, depth, index, anc)
+            out = drafter.forward(f, Nodes(node_tokens, lay, real, nodes.n))
+            if not greedy:
+                return out.logits, out.drafts, out.depths, out.alive
+            path, emitted = accept(node_tokens, lay, out.logits, out.alive)
+            head = [path, emitted]
+            if out.drafts is not None:
+                last = path.max().view(1)  # the path's deepest node (indices grow along a path); no host sync
+                cands = drafter.propose(out.drafts[last][0]).topk(R, dim=-1).indices  # (K, R)
+                k = out.depths[last] if out.depths is not None else torch.full_like(last, len(cands))
+                head += [k, cands.flatten()]
+            return torch.cat(head), out.logits
+        lay = nodes.lay
+        args = (*(block.tokens, block.pos, block.slots, block.prefix, block.extra),
+                nodes.tokens, lay.parent, lay.depth, lay.index, lay.anc, nodes.real)
+        key = ("step", id(drafter), drafter.shape_key(nodes) if exact else None, greedy)  # the graph keeps drafter alive
+        return graphs.run(cache.graphs, key, run, args, self.device)
+
+    def prepare(self, drafter: Drafter, tree: Tree) -> tuple[Block, Nodes]:
+        """A step's rows and nodes on the device; exact mode pads both to Q."""
+        n = len(tree)
+        block = drafter.rows(self, tree)
+        lay = layout(tree.parents, self.device)
+        tokens = tree.tokens if torch.is_tensor(tree.tokens) else torch.tensor(tree.tokens)
+        tokens, real = tokens.to(self.device), torch.ones(n, dtype=torch.bool, device=self.device)
+        if self.exact:
+            block, lay = self.fixed(block), lay.pad(self.Q)
+            tokens, real = F.pad(tokens, (0, self.Q - n), value=-1), F.pad(real, (0, self.Q - n))
+        return block, Nodes(tokens, lay, real, n)
+
+    def step(self, drafter: Drafter, tree: Tree, record: bool):
+        """Verify a tree: the method's forward, greedy verification on the device and its next
+        candidates, with one read-back (sampling verifies on the host).
+        Returns (the tree as verified, path, emitted tokens, the path's logits if record)."""
+        drafter, tree = self.fit(drafter, tree)
+        n = len(tree)
+        block, nodes = self.prepare(drafter, tree)
+        greedy = self.sampler.greedy
+        self.sync()
+        t0 = time.perf_counter()
+        res = self.program(drafter, block, nodes, greedy)
+        self.sync()
+        self.forward_s += time.perf_counter() - t0
+        E = nodes.lay.anc.shape[1]
+        if greedy:
+            packed, logits = res
+            head = packed.tolist()  # the step's one read-back
+            path = [i for i in head[:E] if i >= 0]
+            emitted = head[E:E + len(path)]
+            cands = packed[2 * E + 1:].view(-1, max(drafter.topk, default=1)) if len(head) > 2 * E else None
+            depth = head[2 * E] if cands is not None else 0
+        else:
+            logits, drafts, depths, alive = res
+            path, emitted = verify(tree, logits[:n], self.sampler, len(self.out), None if alive is None else alive[:n])
+            cands, depth = None, 0
+            if drafts is not None:
+                cands = drafter.propose(drafts[path[-1]]).topk(max(drafter.topk), dim=-1).indices
+                depth = int(depths[path[-1]]) if depths is not None else len(cands)
+        self.cands = cands[:depth] if cands is not None and depth > 0 else None
+        self.cand_lists = self.cands.tolist() if self.cands is not None else None
+        return tree, path, emitted, logits[path].float().cpu() if record else None
+
+    def fixed(self, block: Block) -> Block:
+        """An exact-mode block at fixed shapes: Q rows (padding rows write and read the trash slot),
+        each row's visible slots padded to the cache's S. The same every step."""
         if len(block) > self.Q:
             raise NanospecError(f"a step of {len(block)} rows exceeds the exact-mode block of Q={self.Q} rows; "
                                 "raise --block")
         b = block.pad(self.Q, self.cache.trash)
-        return b.tokens, b.pos, b.slots, b.prefix, F.pad(b.extra, (0, self.cache.n_slots - b.extra.shape[-1]), value=-1)
+        b.extra = F.pad(b.extra, (0, self.cache.n_slots - b.extra.shape[-1]), value=-1)
+        return b
 
-    def graphed(self, key, fn, *args):
-        """fn(*args) on the model's device, through a CUDA graph there (exact mode: fixed shapes).
-        A method with its own layer loop passes its exact forward here, keyed by its shape."""
-        return graphs.run(self.cache.graphs, key, fn, args, self.device)
+    def run(self, block: Block, embeds=None) -> torch.Tensor:
+        """A forward without verification (prefill, BiTA's shallow prompt rows): logits of the
+        block's rows. Exact mode pads to Q rows and replays a CUDA graph on a GPU."""
+        n = len(block)
+        if int(block.slots.max()) >= self.cache.trash:  # the sequence's slots, then the drafter's reserved ones
+            raise NanospecError(f"a step of {n} rows does not fit the cache at {self.cur} tokens")
+        model, cache, exact = self.model, self.cache, self.exact
+        block = self.fixed(block) if exact else block.to(self.device)
+        if embeds is not None and exact:
+            embeds = F.pad(embeds, (0, 0, 0, self.Q - n))
+
+        def run(embeds, *b):
+            f = Forward.on_cache(model, Block(*b), cache, exact)
+            x = f.embed() if embeds is None else embeds
+            return f.logits(f.norm(f.layers(x)), len(f.block))
+        args = (embeds, block.tokens, block.pos, block.slots, block.prefix, block.extra)
+        return graphs.run(cache.graphs, ("run",), run, args, self.device)[:n]
 
     def prefill(self, tokens: list[int]) -> None:
         """Commit tokens in chunks (Q rows in exact mode: the same for every method)."""
@@ -84,7 +227,7 @@ class Decoding:
             self.run(Tree.chain(part[0], part[1:]).block(self.cur))
             self.cur += len(part)
 
-    def commit(self, tree: Tree, path: list[int], tokens: list[int]) -> None:
+    def commit(self, path: list[int], tokens: list[int]) -> None:
         """Keep the accepted path's keys (node i sits at slot cur+i) and emit its tokens."""
         self.cache.compact([self.cur + i for i in path], self.cur)
         self.cur += len(path)
@@ -96,40 +239,13 @@ class Decoding:
             torch.cuda.synchronize(self.device)
 
 
-class Drafter:
-    """Plain autoregressive decoding; every method subclasses this."""
-    name = "ar"
-    max_rows = 1        # the most rows one step's forward runs (sizes the exact-mode block)
-    reserved_slots = 0  # cache slots for method-owned keys
-
-    def start(self, dec: Decoding) -> None:
-        """Called once after prefill, before the first step."""
-
-    def draft(self, dec: Decoding) -> Tree:
-        return Tree.chain(dec.last)
-
-    def forward(self, dec: Decoding, tree: Tree) -> torch.Tensor:
-        """The verification forward; returns the tree rows' logits (n, V)."""
-        return dec.run(tree.block(dec.cur))
-
-    def accepted(self, dec: Decoding, tree: Tree, path: list[int]) -> None:
-        """Called after commit with the accepted path (node indices, root first)."""
-
-    def finish(self, dec: Decoding) -> None:
-        """Called once when the generation stops."""
-
-    def report(self) -> str:
-        """A line of method statistics for the benchmark (e.g. ProPD's pruning rate)."""
-        return ""
-
-
 @dataclass
 class Output:
     tokens: list[int]
     stop: str                   # "eos", "max_new_tokens" or "cache_full"
     steps: int = 0
     accepted: list[int] = field(default_factory=list)  # tokens emitted per step
-    forward_s: list[float] = field(default_factory=list)
+    forward_s: float = 0.0      # time in the steps' forwards (device-synchronised)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     logits: torch.Tensor | None = None  # (new tokens, V) fp32: the logits each token came from
@@ -200,7 +316,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         raise NanospecError(f"the prompt has {len(prompt)} tokens but the cache holds {cache.capacity}; "
                             "shorten it or raise --max-len")
     sampler = Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1)
-    dec = Decoding(model, cache, exact, Q, prompt, reserved)
+    dec = Decoding(model, cache, exact, Q, prompt, reserved, sampler)
     res, logits = Output([], "max_new_tokens"), []
 
     t0 = time.perf_counter()
@@ -212,16 +328,10 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         if dec.room < 1:
             res.stop = "cache_full"
             break
-        tree = drafter.draft(dec)
-        assert tree.tokens[0] == dec.last, "a draft tree must be rooted at the last emitted token"
-        tf = time.perf_counter()
-        tree_logits = drafter.forward(dec, tree)
-        dec.sync()
-        res.forward_s.append(time.perf_counter() - tf)
-        path, toks = verify(tree, tree_logits, sampler, len(dec.out))
+        tree, path, toks, rows = dec.step(drafter, drafter.draft(dec), record_logits)
         if record_logits:
-            logits.append(tree_logits[path].float().cpu())
-        dec.commit(tree, path, toks)
+            logits.append(rows)
+        dec.commit(path, toks)
         drafter.accepted(dec, tree, path)
         res.steps += 1
         res.accepted.append(len(toks))
@@ -230,7 +340,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
             break
     drafter.finish(dec)
     dec.sync()
-    res.prefill_s, res.decode_s = t1 - t0, time.perf_counter() - t1
+    res.prefill_s, res.decode_s, res.forward_s = t1 - t0, time.perf_counter() - t1, dec.forward_s
     n = min(len(dec.out), max_new_tokens)
     if eos in dec.out[:n]:
         n, res.stop = dec.out.index(eos) + 1, "eos"

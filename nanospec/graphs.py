@@ -14,12 +14,19 @@ A graph is bound to the addresses of its static inputs, its outputs and the KV c
 writes, so graphs live on the cache they were captured with (KVCache.graphs), and the
 engine keeps one cache per (S, dtype) per model alive across generations (engine.cache_for).
 Set NANOSPEC_CUDA_GRAPHS=0 to run exact mode eagerly on CUDA.
+
+Without a GPU, SIMULATE (tests) stands in for capture on the CPU: each program is traced once
+into its tensor ops (make_fx), with any op that needs the host to read a device value refused,
+and replayed without running its Python again. A program that would break under a real graph,
+by syncing or by reading state its key does not name, fails there too.
 """
 import os
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ENABLED = os.environ.get("NANOSPEC_CUDA_GRAPHS", "1") != "0"
+SIMULATE = False
 
 
 def _clone(out):
@@ -52,12 +59,47 @@ class Graph:
         return _clone(self.out)  # the next replay overwrites self.out
 
 
+class NoSync(TorchDispatchMode):
+    """Refuses the ops that make the host wait for a device value (illegal inside a CUDA graph)."""
+    SYNCS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::equal", "aten::is_nonzero"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        bool_index = func is torch.ops.aten.index.Tensor and any(
+            i is not None and i.dtype == torch.bool for i in args[1])
+        if func._schema.name in self.SYNCS or bool_index:
+            raise RuntimeError(f"{func._schema.name} reads a device value on the host: not allowed in a CUDA graph")
+        return func(*args, **(kwargs or {}))
+
+
+class Traced:
+    """The CPU stand-in for a Graph (SIMULATE): fn traced once into its ops, then replayed."""
+
+    def __init__(self, fn, args, device):
+        from torch.fx.experimental.proxy_tensor import make_fx
+        self.args = [None if a is None else a.to(device, copy=True) for a in args]
+        try:
+            with NoSync():
+                self.gm = make_fx(fn)(*self.args)
+        except RuntimeError as e:
+            if "get value out of a tracing tensor" not in str(e):
+                raise
+            raise RuntimeError("the program reads a device value on the host (.item(), int(), a tensor "
+                               "index): not allowed in a CUDA graph") from None
+
+    def __call__(self, args):
+        for static, a in zip(self.args, args):
+            if static is not None:
+                static.copy_(a)
+        return _clone(self.gm(*self.args))
+
+
 def run(graphs: dict, key, fn, args, device):
     """fn(*args) with args moved to device; on a GPU through a graph captured for `key` (and
     the args' shapes), kept in `graphs`. Host tensors are copied straight into the graph's inputs."""
-    if device.type != "cuda" or not ENABLED:
+    cuda = device.type == "cuda" and ENABLED
+    if not (cuda or SIMULATE):
         return fn(*(None if a is None else a.to(device) for a in args))
     key = (key, *(None if a is None else (tuple(a.shape), a.dtype) for a in args))
     if key not in graphs:
-        graphs[key] = Graph(fn, args, device)
+        graphs[key] = (Graph if cuda else Traced)(fn, args, device)
     return graphs[key](args)

@@ -382,3 +382,21 @@ class Llama(nn.Module):
         h = self.norm(x)
         logits = self.lm_head(ctx.rows(h))
         return (logits, h) if hidden else logits
+
+
+@torch.no_grad()
+def hidden_states(model: Llama, seqs: list[list[int]], layer: int | None = None, batch: int = 16) -> list[torch.Tensor]:
+    """The model's states at every position of every sequence (training data for drafters): the
+    final normed ones, or with `layer` the residual stream after that many layers."""
+    out = []
+    for i in range(0, len(seqs), batch):
+        part = seqs[i:i + batch]
+        T = max(map(len, part))
+        blk = Block.causal(torch.tensor([s + [0] * (T - len(s)) for s in part], device=model.embed.weight.device))
+        ctx = model.context(blk, T, False)  # right padding: causal, so harmless
+        x = model.embed(blk.tokens)
+        for L in model.layers[:layer]:
+            x = L(x, ctx, None, None)
+        h = model.norm(x) if layer is None else x
+        out += [h[j, :len(s)] for j, s in enumerate(part)]
+    return out

@@ -51,6 +51,26 @@ def update(opt, loss, lr: float, clip: float | None = 1.0, each: bool = False) -
     opt.zero_grad(set_to_none=True)
 
 
+class RankAccuracy:
+    """acc[d][r]: how often depth d's rank-r candidate is the target, over held-out positions
+    (label -100: nothing to predict there). Every drafter's trainer reports it, and the trees
+    are chosen from it (tree.choose_tree)."""
+
+    def __init__(self, depths: int, topk: int):
+        self.hits, self.count, self.topk = torch.zeros(depths, topk), torch.zeros(depths), topk
+
+    @torch.no_grad()
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """logits (..., depths, V), labels (..., depths)."""
+        top = logits.topk(self.topk, dim=-1).indices
+        ok = labels != -100
+        self.hits += ((top == labels[..., None]) & ok[..., None]).flatten(0, -3).sum(0).float()
+        self.count += ok.flatten(0, -2).sum(0).float()
+
+    def result(self) -> list[list[float]]:
+        return (self.hits / self.count.clamp(min=1)[:, None]).tolist()
+
+
 def hardware(device) -> str:
     """A line naming what a job ran on, for the records trainers write."""
     if device.type == "cuda":

@@ -1,14 +1,19 @@
-"""Draft trees: build, flatten to rows, verify.
+"""Draft trees: build, lay out as rows, choose a shape, verify.
 
-A tree's node 0 is the root: the last emitted token, whose key/value is not in
-the cache yet. Every other node is a draft token; parents[i] < i. Plain AR
-decoding is the tree with the root alone. A tree of n nodes becomes n rows at
-cache slots cur..cur+n-1, node i at position cur + depth(i), each seeing the
-committed prefix 0..cur-1 and then its ancestors by depth and itself -- the
-canonical key order.
+A tree's node 0 is the root: the last emitted token, whose key/value is not in the cache yet.
+Every other node is a draft token; parents[i] < i. Plain AR decoding is the tree with the root
+alone. A tree of n nodes becomes n rows at cache slots cur..cur+n-1, node i at position
+cur + depth(i), each seeing the committed prefix 0..cur-1 and then its ancestors by depth and
+itself: the canonical key order.
+
+A tree's shape is laid out once (`layout`, cached) and its tokens may live on the device: a
+Template (Medusa's sparse tree of candidate ranks) fills a fixed shape from the candidates the
+last step drafted without leaving the device. Greedy verification runs on the device too
+(`accept`), so a step needs one read-back: the accepted path.
 """
 import functools
-import itertools
+import heapq
+from dataclasses import dataclass
 
 import torch
 
@@ -16,71 +21,39 @@ from .model import Block
 
 
 class Tree:
-    def __init__(self, tokens: list[int], parents: list[int]):
+    def __init__(self, tokens, parents):
+        """tokens: a list of ids or a 1-d tensor (left where it is); parents[i] < i, parents[0] = -1."""
         assert len(tokens) == len(parents) and parents[0] == -1
-        assert all(0 <= p < i for i, p in enumerate(parents) if i), "parents must precede children"
-        self.tokens, self.parents = list(tokens), list(parents)
-        self.depth = [0] * len(tokens)
-        # node -> {token: children carrying it}; more than one only in trees of unmerged
-        # branches (Lookahead's parallel drafts), where verify tries each
-        self.kids: list[dict[int, list[int]]] = [{} for _ in tokens]
-        for i in range(1, len(tokens)):
-            p = parents[i]
-            self.depth[i] = self.depth[p] + 1
-            self.kids[p].setdefault(tokens[i], []).append(i)
+        self.tokens, self.parents = tokens, tuple(parents)
 
     def __len__(self):
-        return len(self.tokens)
+        return len(self.parents)
 
-    # --- builders -------------------------------------------------------------------------
     @classmethod
-    def chain(cls, root: int, drafts: list[int] = ()) -> "Tree":
-        return cls([root, *drafts], list(range(-1, len(drafts))))
+    def chain(cls, root: int, drafts=()) -> "Tree":
+        return cls([root, *drafts], range(-1, len(drafts)))
 
     @classmethod
     def from_branches(cls, root: int, branches: list[list[int]]) -> "Tree":
         """Merge token sequences that continue the root into one tree; shared prefixes share nodes."""
-        t = cls([root], [-1])
+        tokens, parents, index = [root], [-1], {}
         for branch in branches:
             node = 0
             for tok in branch:
-                if tok not in t.kids[node]:
-                    t.tokens.append(tok)
-                    t.parents.append(node)
-                    t.depth.append(t.depth[node] + 1)
-                    t.kids.append({})
-                    t.kids[node][tok] = [len(t.tokens) - 1]
-                node = t.kids[node][tok][0]
-        return t
-
-    @classmethod
-    def parallel(cls, root: int, branches: list[list[int]]) -> "Tree":
-        """Branches side by side, shared prefixes not merged (Lookahead's parallel multi-branch draft)."""
-        tokens, parents = [root], [-1]
-        for branch in branches:
-            for d, tok in enumerate(branch):
-                parents.append(0 if d == 0 else len(tokens) - 1)
-                tokens.append(tok)
+                if (node, tok) not in index:
+                    index[node, tok] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(node)
+                node = index[node, tok]
         return cls(tokens, parents)
 
-    @classmethod
-    def from_choices(cls, root: int, cands: list[list[int]], paths=None) -> "Tree":
-        """cands[d] are ranked candidates for depth d+1; paths are rank tuples like (0, 2).
+    def token_list(self) -> list[int]:
+        return self.tokens.tolist() if torch.is_tensor(self.tokens) else list(self.tokens)
 
-        A path (r0, r1, ...) is the branch cands[0][r0], cands[1][r1], ...: Medusa's sparse
-        tree. paths=None takes every combination: the product tree.
-        """
-        if paths is None:
-            paths = [p for d in range(1, len(cands) + 1)
-                     for p in itertools.product(*(range(len(c)) for c in cands[:d]))]
-        return cls.from_branches(root, [[cands[d][r] for d, r in enumerate(p)] for p in paths])
+    def prefix(self, m: int) -> "Tree":
+        """The first m nodes: still a tree, since parents come first (the engine trims to the room left)."""
+        return self if m == len(self) else Tree(self.tokens[:m], self.parents[:m])
 
-    def drop(self, nodes) -> None:
-        """Make nodes (and so their descendants) unreachable for verify; indices and slots stay."""
-        for i in nodes:
-            self.kids[self.parents[i]][self.tokens[i]].remove(i)
-
-    # --- flattening -----------------------------------------------------------------------
     def path_to(self, i: int) -> list[int]:
         path = []
         while i >= 0:
@@ -90,23 +63,121 @@ class Tree:
 
     def block(self, cur: int, device=None) -> Block:
         """Rows for this tree at committed length cur: node i writes slot cur+i."""
+        lay = layout(self.parents, device)
+        tokens = self.tokens if torch.is_tensor(self.tokens) else torch.tensor(self.tokens)
         n = len(self)
-        extra, depth = _layout(tuple(self.parents))
-        return Block(torch.tensor([self.tokens]), depth + cur, torch.arange(cur, cur + n),
-                     torch.full((1, n), cur, dtype=torch.long), torch.where(extra < 0, -1, extra + cur)).to(device)
+        return Block(tokens.to(lay.anc.device).view(1, n), (lay.depth + cur)[None], lay.index + cur,
+                     torch.full((1, n), cur, device=lay.anc.device),
+                     torch.where(lay.anc < 0, -1, lay.anc + cur)[None])
 
 
-@functools.lru_cache(maxsize=256)
-def _layout(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ancestor table (1, n, E): node i's path from the root, -1 padded; depths (1, n)) of a tree
-    shape. Cached: a method with a static tree (Medusa, ProPD) builds its visibility only once."""
+@dataclass(frozen=True)
+class Layout:
+    """A tree shape as tensors: each node's parent, depth, index and ancestors (its path from the
+    root, -1 padded: anc (n, E))."""
+    parent: torch.Tensor
+    depth: torch.Tensor
+    index: torch.Tensor
+    anc: torch.Tensor
+
+    def pad(self, N: int) -> "Layout":
+        """N nodes with paths of up to N (fixed shapes for exact mode): the extra nodes are padding
+        (parent 0, no ancestors); verification tells them apart by their token -1."""
+        n, E = self.anc.shape
+        z = self.parent.new_zeros(N - n)
+        anc = torch.nn.functional.pad(self.anc, (0, N - E, 0, N - n), value=-1)
+        return Layout(torch.cat([self.parent, z]), torch.cat([self.depth, z]), torch.arange(N, device=z.device), anc)
+
+
+@functools.lru_cache(maxsize=512)
+def layout(parents: tuple[int, ...], device=None) -> Layout:
+    """The layout of a tree shape, built once per shape and device (Medusa's static trees: once)."""
     n = len(parents)
     paths = [[]] * n
     for i, p in enumerate(parents):
         paths[i] = (paths[p] if p >= 0 else []) + [i]
     E = max(map(len, paths))
-    extra = torch.tensor([[p + [-1] * (E - len(p)) for p in paths]])
-    return extra, torch.tensor([[len(p) - 1 for p in paths]])
+    anc = torch.tensor([p + [-1] * (E - len(p)) for p in paths])
+    lay = Layout(torch.tensor(parents), torch.tensor([len(p) - 1 for p in paths]), torch.arange(n), anc)
+    return Layout(*(t.to(device) for t in (lay.parent, lay.depth, lay.index, lay.anc))) if device else lay
+
+
+# --- shapes from candidate ranks -------------------------------------------------------------------
+
+def choose_tree(acc: list[list[float]], size: int) -> list[tuple[int, ...]]:
+    """Rank paths (r_1, ..., r_d), parents first: the `size` most probable under acc[d][r], the
+    chance that depth d+1's rank-r candidate is right (Medusa's sparse tree; ProPD's expansion)."""
+    K, R = len(acc), len(acc[0])
+    heap = [(-acc[0][r], (r,)) for r in range(R)]
+    heapq.heapify(heap)
+    paths = []
+    while heap and len(paths) < size:
+        p, path = heapq.heappop(heap)
+        paths.append(path)
+        if len(path) < K:
+            for r in range(R):
+                heapq.heappush(heap, (p * acc[len(path)][r], path + (r,)))
+    return paths
+
+
+class Template:
+    """A fixed tree shape over ranked candidates: path (r_1, ..., r_d) is the branch cands[0][r_1],
+    ..., cands[d-1][r_d]. Laid out once; each step only gathers the tokens, on the device."""
+
+    def __init__(self, paths):
+        self.paths = [tuple(p) for p in paths]
+        index = {(): 0}
+        for p in self.paths:
+            assert p[:-1] in index, "paths must be prefix-closed, parents first"
+            index[p] = len(index)
+        self.parents = (-1, *(index[p[:-1]] for p in self.paths))
+        self.depths = torch.tensor([len(p) - 1 for p in self.paths], dtype=torch.long)
+        self.ranks = torch.tensor([p[-1] for p in self.paths], dtype=torch.long)
+        self.depth = max(map(len, self.paths), default=0)
+        self.topk = [1 + max(p[d] for p in self.paths if len(p) > d) for d in range(self.depth)]
+
+    def __len__(self):
+        return len(self.parents)
+
+    @functools.lru_cache(maxsize=64)
+    def cut(self, depth: int) -> "Template":
+        """The paths at most `depth` deep (when fewer depths were drafted)."""
+        return self if depth >= self.depth else Template([p for p in self.paths if len(p) <= depth])
+
+    def tree(self, root: int, cands: torch.Tensor) -> Tree:
+        """The tree for candidates cands (D, R): ranked tokens per depth, on any device."""
+        t = self.cut(len(cands))
+        flat = (t.depths * cands.shape[1] + t.ranks).to(cands.device)
+        tokens = torch.cat([cands.new_tensor([root]), cands.flatten()[flat]])
+        return Tree(tokens, t.parents)
+
+
+def product_paths(widths: list[int]) -> list[tuple[int, ...]]:
+    """Every combination of ranks, depth by depth: the full tree over widths[d] candidates per depth."""
+    paths = [()]
+    out = []
+    for w in widths:
+        paths = [p + (r,) for p in paths for r in range(w)]
+        out += paths
+    return sorted(out, key=len)
+
+
+# --- verification ----------------------------------------------------------------------------------
+
+def accept(tokens, lay: Layout, logits, alive=None):
+    """Greedy verification on the device: the longest path AR agrees with. A node is accepted when
+    its token is its parent's argmax and its parent is accepted; the deepest accepted node wins (the
+    first, among unmerged duplicate branches). Returns (path (E,) node indices, root first, -1
+    padded; emitted (E,) the tokens that path emits: its drafts, then the target at its end)."""
+    target = logits.argmax(-1)  # (N,)
+    ok = tokens == target[lay.parent]
+    ok[0] = True
+    if alive is not None:
+        ok = ok & alive
+    good = (ok[lay.anc.clamp(min=0)] | (lay.anc < 0)).all(-1) & (tokens >= 0)  # padding nodes hold token -1
+    last = torch.argmax(good * (lay.depth + 1)).view(1)  # a tensor index, not an int: no host sync
+    path = lay.anc[last][0]
+    return path, torch.where(path >= 0, target[path.clamp(min=0)], -1)
 
 
 class Sampler:
@@ -139,24 +210,30 @@ class Sampler:
         return int(ids[min(int(j), int((probs > 0).sum()) - 1)])
 
 
-def verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int):
-    """Accept the longest path that AR would produce.
+def verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int, alive=None):
+    """Verification on the host, walking the tree (sampling; `accept` is the greedy device version).
 
-    logits (n, V) are the tree rows' logits; n_out is the number of tokens emitted so far.
-    At each node on the path the target token is what AR would emit there; descend while
-    a child carries it (trying each, when unmerged branches put several there). Returns (path of node indices from the root, emitted tokens):
-    the path's draft tokens followed by the target at its last node.
+    logits (n, V) are the tree rows' logits; n_out is the number of tokens emitted so far. At
+    each node on the path the target is what AR would emit there (sampled with that position's
+    uniform); descend while a child carries it, trying each where unmerged branches put several.
+    Returns (path of node indices from the root, emitted tokens: the path's drafts, then the target).
     """
-    targets = logits.argmax(-1).tolist() if sampler.greedy else None
-    logits = logits if sampler.greedy else logits.cpu()  # one read-back, not one per node
+    tokens, n = tree.token_list(), len(tree)
+    alive = [True] * n if alive is None else alive.tolist()
+    kids = [[] for _ in range(n)]
+    for i in range(1, n):
+        if alive[i]:
+            kids[tree.parents[i]].append(i)
+    logits = logits.cpu()
 
-    def walk(node, n):  # the longest accepted path below node, whose target is output position n
-        t = targets[node] if targets else sampler.pick(logits[node], n)
+    def walk(node, pos):  # the longest accepted path below node, whose target is output position pos
+        t = sampler.pick(logits[node], pos)
         best = ([node], [t])
-        for child in tree.kids[node].get(t, ()):  # several only for unmerged duplicate branches
-            path, out = walk(child, n + 1)
-            if len(path) + 1 > len(best[0]):
-                best = ([node, *path], [t, *out])
+        for child in kids[node]:
+            if tokens[child] == t:
+                path, out = walk(child, pos + 1)
+                if len(path) + 1 > len(best[0]):
+                    best = ([node, *path], [t, *out])
         return best
 
     return walk(0, n_out)
@@ -164,9 +241,9 @@ def verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int):
 
 def group_rows(blk: Block, hosts: list[int], M: int, first_slot: int, reserved=None, chained: bool = True) -> Block:
     """A group of M rows after each host node of a tree block (BiTA's mask tokens, Hidden
-    Transfer's pseudo states): row i of a host at position p sits at p+1+i, writes slot
-    first_slot + (group * M + i) and sees the reserved slots, the host's path and its group's
-    rows 0..i (chained=False: itself only). No tree row sees them."""
+    Transfer's pseudo states, SDSAT's adaptive tokens): row i of a host at position p sits at
+    p+1+i, writes slot first_slot + (group * M + i) and sees the reserved slots, the host's path
+    and its group's rows 0..i (chained=False: itself only). No tree row sees them."""
     dev = blk.slots.device
     H = len(hosts)
     h = torch.tensor(hosts, device=dev)

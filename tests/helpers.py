@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from nanospec import cli
 from nanospec.cache import KVCache
-from nanospec.engine import Drafter, generate, shapes
+from nanospec.engine import Decoding, Drafter, generate, shapes
 from nanospec.model import Block, Llama, ModelArgs
 from nanospec.tree import Tree
 
@@ -33,6 +33,18 @@ def full_logits(model, ids, exact):
     """Logits for every position of ids, as one chain block."""
     cache = KVCache.for_model(model, len(ids) + 1)
     return model(Tree.chain(ids[0], ids[1:]).block(0, model.embed.weight.device), cache, exact)[0]
+
+
+def one_forward(model, drafter, tree, prompt, exact, plain=False):
+    """The drafter's verification forward over one tree after prompt, unverified: (logits of the
+    tree's nodes, drafts per node). plain=True: the tree's rows alone, through AR's forward."""
+    cache = KVCache.for_model(model, 128)
+    dec = Decoding(model, cache, exact, 112, prompt, cache.reserve(drafter.reserved_slots))
+    dec.prefill(prompt[:-1])
+    drafter.start(dec)
+    d = Drafter() if plain else drafter
+    logits, drafts, _, _ = dec.program(d, *dec.prepare(d, tree), greedy=False)
+    return logits[:len(tree)], None if drafts is None else drafts[:len(tree)]
 
 
 def check_exact(model, prompt, drafter, n: int, sampling=None, fast: bool = True, peeking: float = 0.0,
@@ -59,60 +71,64 @@ def check_exact(model, prompt, drafter, n: int, sampling=None, fast: bool = True
 
 
 def peek(drafter, truth: list[int], p: float = 0.9, seed: int = 0):
-    """A truth-peeking variant of a trained drafter: each time the method has computed its next
-    candidates (cands[d]: ranked tokens for output position len(out) + d), the true token takes
-    rank 0 of the first depth, and of each deeper depth with probability p (there mostly rank 0,
-    sometimes another rank). The rest stays the method's own, so its own forward (heads, mask rows,
-    pseudo states, adaptive tokens, pruning, layer loops) runs on trees that do get accepted, in
-    part: every drafting step accepts at least one draft."""
+    """A truth-peeking variant of a trained drafter: before it drafts, the candidates its last
+    accepted node proposed (dec.cands[d]: ranked tokens for output position len(out) + d) get the
+    true token at rank 0 of the first depth, and of each deeper depth with probability p (there
+    mostly rank 0, sometimes another rank). The rest stays the method's own, so its own forward
+    (heads, mask rows, pseudo states, adaptive tokens, pruning, layer loops) runs on trees that do
+    get accepted, in part: every drafting step accepts at least one draft."""
     rng = random.Random(seed)
-    accepted = type(drafter).accepted
-
-    def peeking(dec, tree, path):
-        accepted(drafter, dec, tree, path)
-        n = len(dec.out)
-        for d, c in enumerate(drafter.cands or []):
-            if c and n + d < len(truth) and (d == 0 or rng.random() < p):
-                c[0 if d == 0 or rng.random() < 0.8 else rng.randrange(len(c))] = truth[n + d]
-    drafter.accepted = peeking
+    draft = type(drafter).draft
     early = getattr(drafter, "early", None)
     if early is not None:  # ProPD: an early head that prunes at random but keeps the true path
-        draft = type(drafter).draft
+        drafter.early = KeepTruth(early.up.out_features, early.up.weight, rng)
 
-        def drafting(dec):
-            tree = draft(drafter, dec)
-            drafter.early = KeepTruth(tree, truth[len(dec.out):], early, rng)
-            return tree
-        drafter.draft = drafting
+    def drafting(dec):
+        n = len(dec.out)
+        if dec.cands is not None:
+            c = dec.cands.clone()
+            for d in range(len(c)):
+                if n + d < len(truth) and (d == 0 or rng.random() < p):
+                    c[d, 0 if d == 0 or rng.random() < 0.8 else rng.randrange(c.shape[1])] = truth[n + d]
+            dec.cands, dec.cand_lists = c, c.tolist()
+        tree = draft(drafter, dec)
+        if early is not None:
+            drafter.early.aim(tree, truth[n:])
+        return tree
+    drafter.draft = drafting
     return drafter
 
 
 class KeepTruth(torch.nn.Module):
-    """ProPD's early head for one tree: random logits per parent row (so pruning removes random
-    branches), except that a node on the true path ranks its true child first."""
+    """ProPD's early head, aimed at each step's tree: random logits per row (so pruning removes
+    random branches), except that a node on the true path ranks its true child first. One table,
+    updated in place, so a CUDA graph captured with it reads each step's values."""
 
-    def __init__(self, tree: Tree, truth: list[int], like: torch.nn.Module, rng):
+    def __init__(self, V: int, like: torch.Tensor, rng, rows: int = 256):
         super().__init__()
-        par = sorted(set(tree.parents[1:])) or [0]
-        V = like.up.out_features
-        w = like.up.weight
-        g = torch.Generator().manual_seed(rng.randrange(2**31))
-        self.logits = torch.randn(len(par), V, generator=g).to(w)
-        for r, node in enumerate(par):
+        self.rng = rng
+        self.table = torch.zeros(rows, V, dtype=like.dtype, device=like.device)
+
+    def aim(self, tree: Tree, truth: list[int]):
+        g = torch.Generator().manual_seed(self.rng.randrange(2**31))
+        table = torch.randn(self.table.shape, generator=g)
+        tokens = tree.token_list()
+        for node in range(len(tree)):
             path = tree.path_to(node)
             d = len(path) - 1
-            if d < len(truth) and [tree.tokens[i] for i in path[1:]] == truth[:d]:
-                self.logits[r, truth[d]] = 1e4
+            if d < len(truth) and [tokens[i] for i in path[1:]] == truth[:d]:
+                table[node, truth[d]] = 1e4
+        self.table.copy_(table)
 
     def forward(self, x):
-        assert x.shape[0] == self.logits.shape[0]
-        return self.logits
+        return self.table[:x.shape[0]]
 
 
 class Corrupt(Drafter):
     """AR with a planted fault: at step `at` the verification forward's root row is wrong. ulp=False:
     the runner-up token wins (a changed output token); ulp=True: the smallest logit moves by one
-    ulp (the same tokens, different bits). Detectors must catch both."""
+    ulp (the same tokens, different bits). Detectors must catch both. (Eager only: a CUDA graph
+    would replay the first step's choice.)"""
     name = "corrupt"
 
     def __init__(self, at: int = 3, ulp: bool = False):
@@ -121,17 +137,20 @@ class Corrupt(Drafter):
     def start(self, dec):
         self.step = 0
 
-    def forward(self, dec, tree):
-        logits = super().forward(dec, tree).clone()
+    def draft(self, dec):
         self.step += 1
+        return super().draft(dec)
+
+    def forward(self, f, nodes):
+        out = super().forward(f, nodes)
         if self.step == self.at:
-            row = logits[0]
+            row = out.logits[0]
             if self.ulp:
                 j = row.argmin()
                 row[j] = torch.nextafter(row[j], row[j] + 1)
             else:
                 row[row.argsort()[-2]] = row.max() + 1
-        return logits
+        return out
 
 
 def call(main, *argv) -> tuple[int, str, str]:
@@ -189,15 +208,15 @@ class Adversary(Drafter):
             keep = r.randint(0, len(true))
             branches.append(true[:keep] + [r.randrange(self.V) for _ in range(r.randint(0, 3))])
         tree = Tree.from_branches(dec.last, branches)
-        while len(tree) > min(self.max_nodes, dec.room - self.extra_rows):
-            branches.pop()
-            tree = Tree.from_branches(dec.last, branches)
-        return tree
+        return tree.prefix(min(len(tree), self.max_nodes))  # the engine trims it to the cache's room
 
-    def forward(self, dec, tree):
+    def size(self, n):
+        return n + self.extra_rows
+
+    def rows(self, dec, tree):
         n, e = len(tree), self.extra_rows
         block = tree.block(dec.cur)
-        if e and dec.room >= n + e:
+        if e:
             r, cur = self.rng, dec.cur
             seen = [[cur + r.randrange(n) for _ in range(3)] + [cur + n + i] for i in range(e)]
             if self.reserved_slots:
@@ -205,4 +224,4 @@ class Adversary(Drafter):
             rows = Block(torch.randint(0, self.V, (1, e)), torch.full((1, e), cur + r.randrange(4)),
                          torch.arange(cur + n, cur + n + e), torch.full((1, e), cur), torch.tensor([seen]))
             block = Block.cat(block, rows)
-        return dec.run(block)[:n]
+        return block.to(dec.device)

@@ -7,14 +7,14 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import check_exact, model_args, random_model
+from helpers import check_exact, model_args, one_forward, random_model
 from nanospec import NanospecError
 from nanospec.cache import KVCache
 from nanospec.checkpoint import load
 from nanospec.engine import Decoding
 from nanospec.methods.bita import BiTA, Tuning, batches, load_bita, pack, sar_logits, sar_loss
 from nanospec.model import ModelArgs
-from nanospec.tree import Tree
+from nanospec.tree import Template, Tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 W = Path(__file__).resolve().parents[1] / "weights" / "pylm"
@@ -38,31 +38,23 @@ def test_bita_equals_ar(device, dtype, args, seed, plen, data, P, prompting, dec
     # straightforward decoding with one mask drafts every other step at best (its mask is used up), so M >= 2 there
     M = data.draw(st.integers(2 if decoding == "straight" else 1, 3))
     model = random_model(args, seed, DTYPES[dtype], device)
-    d = BiTA(random_tuning(args, seed, M, P, prompting, DTYPES[dtype], device), decoding, k)
+    d = BiTA(random_tuning(args, seed, M, P, prompting, DTYPES[dtype], device), model.lm_head, decoding, k)
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     out = check_exact(model, prompt, d, 20, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
     assert out.mean_accepted >= 1.5  # the mask rows' candidates carry the truth: drafts are accepted
 
 
-def step_logits(model, d, tree, prompt, exact, with_masks=True):
-    cache = KVCache.for_model(model, 96)
-    dec = Decoding(model, cache, exact, 64, prompt, cache.reserve(d.reserved_slots))
-    dec.prefill(prompt[:-1])
-    d.start(dec)
-    return d.forward(dec, tree) if with_masks else dec.run(tree.block(dec.cur))
-
-
 @pytest.mark.parametrize("prompting", ["deep", "shallow"])
 def test_tree_rows_never_see_prompt_or_mask_rows(prompting):
     """Figure 3: ordinary rows' outputs are bitwise those of the tree alone, in exact mode."""
     model = random_model(TINY, 1)
-    d = BiTA(random_tuning(TINY, 1, 3, 4, prompting, torch.float32, "cpu"), "efficient", 2)
-    tree = Tree.from_choices(5, [[1, 2], [3, 4], [6, 7]], [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1)])
+    d = BiTA(random_tuning(TINY, 1, 3, 4, prompting, torch.float32, "cpu"), model.lm_head, "efficient", 2)
+    tree = Template([(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1)]).tree(5, torch.tensor([[1, 2], [3, 4], [6, 7]]))
     prompt = [3, 9, 4, 1]
-    with_masks = step_logits(model, d, tree, prompt, exact=True)
-    alone = step_logits(model, d, tree, prompt, exact=True, with_masks=False)
-    assert d.mask_logits.shape[:2] == (len(tree), 3) and torch.equal(with_masks, alone)
+    with_masks, masks = one_forward(model, d, tree, prompt, exact=True)
+    alone, _ = one_forward(model, d, tree, prompt, exact=True, plain=True)
+    assert masks.shape[:2] == (len(tree), 3) and torch.equal(with_masks, alone)
 
 
 @pytest.mark.parametrize("prompting", ["deep", "shallow", "none"])
@@ -75,38 +67,40 @@ def test_training_forward_matches_decoding(prompting):
     packed = sar_logits(model, tune, tokens, kind, pos, vis)[0].view(4, 3, -1)
     splits = (pos[0, kind[0] >= 1].view(4, 3)[:, 0] - 1).tolist()
     for g, k in enumerate(splits):
-        d = BiTA(tune, "straight", 1)
-        step_logits(model, d, Tree.chain(seq[k]), seq[:k + 1], exact=False)
-        torch.testing.assert_close(d.mask_logits[0], packed[g], atol=1e-4, rtol=1e-4)
+        d = BiTA(tune, model.lm_head, "straight", 1)
+        masks = one_forward(model, d, Tree.chain(seq[k]), seq[:k + 1], exact=False)[1]
+        torch.testing.assert_close(model.lm_head(masks[0]), packed[g], atol=1e-4, rtol=1e-4)
         assert lab[0, 3 * g].item() == seq[k + 2]  # mask 0 of a group at k predicts token k+2
 
 
 def test_draft_tree_shapes():
-    cands = [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+    cands = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
     tune = Tuning(TINY, 3, 2, "deep")
 
     class Dec:
-        last, room = 5, 1000
-    eff, full, straight = (BiTA(tune, v, 3) for v in ("efficient", "full", "straight"))
-    for d in (eff, full, straight):
-        d.cands = cands
+        last = 5
+    Dec.cands = cands
+    eff, full, straight = (BiTA(tune, None, v, 3) for v in ("efficient", "full", "straight"))
     t = eff.draft(Dec)
-    assert len(t) == 1 + 9 == eff.nodes
-    assert [len(t.kids[i]) for i in range(len(t))] == [3, 3, 0, 0, 3, 0, 0, 0, 0, 0]  # only top-1s have children
-    assert len(full.draft(Dec)) == 1 + 3 + 9 + 27 == full.nodes
-    assert straight.draft(Dec).tokens == [5, 10, 20, 30]
+    assert len(t) == 1 + 9 == len(eff.template)
+    kids = [sum(p == i for p in t.parents) for i in range(len(t))]
+    assert kids == [3, 3, 0, 0, 3, 0, 0, 0, 0, 0]  # only top-1s have children
+    assert len(full.draft(Dec)) == 1 + 3 + 9 + 27
+    assert straight.draft(Dec).tokens.tolist() == [5, 10, 20, 30]
     assert eff.max_rows == 10 + 10 * 3 and straight.max_rows == 4 + 3
+    assert eff.size(4) == 4 + 4 * 3 and straight.size(4) == 4 + 3
 
 
 def test_straightforward_drops_used_masks():
-    """After c accepted drafts, the root group's masks c.. give the next drafts (Figure 4)."""
-    d = BiTA(Tuning(TINY, 3, 2, "none"), "straight", 1)
-    d.groups = [0]
-    d.mask_logits = torch.eye(37)[[7, 8, 9]][None]  # root group: masks predict 7, 8, 9
-    d.accepted(None, None, [0, 1])  # one draft accepted
-    assert d.cands == [[8], [9]]
-    d.accepted(None, None, [0, 1, 2, 3])
-    assert d.cands is None  # all used up: the next step drafts nothing
+    """After c accepted drafts, the root group's masks c.. give the next drafts (Figure 4): a node
+    at depth c of the root's chain carries masks c.. as its drafts, and M - c of them are real."""
+    model = random_model(TINY, 4)
+    d = BiTA(random_tuning(TINY, 4, 3, 2, "none", torch.float32, "cpu"), model.lm_head, "straight", 1)
+    tree = Tree.chain(5, [6, 7, 8])
+    _, drafts = one_forward(model, d, tree, [3, 9, 4, 1], exact=False)
+    _, root = one_forward(model, d, Tree.chain(5), [3, 9, 4, 1], exact=False)
+    for c in range(4):
+        torch.testing.assert_close(drafts[c, :3 - c], root[0, c:], atol=1e-5, rtol=1e-5)
 
 
 def test_a_few_training_steps_reduce_the_sar_loss():
@@ -133,6 +127,6 @@ def test_a_few_training_steps_reduce_the_sar_loss():
 
 def test_bad_options_are_refused():
     model = load(W)
-    for kw in (dict(decoding="fast"), dict(prompting="wide"), dict(k=0)):
+    for kw in (dict(decoding="fast"), dict(prompting="wide"), dict(k=0)):  # one error line each
         with pytest.raises(NanospecError):
             load_bita(model, W, **kw)

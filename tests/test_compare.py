@@ -133,11 +133,11 @@ def test_transformers_client(weights, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["def f(x):\n    return", "class A:"]))
     assistant = tmp_path / "assistant"
     save(random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=400, hidden_dim=24), seed=7), assistant)
-    res = run("nanospec.compare", "--engine", "transformers", "--weights", weights, "--prompts", prompts,
-              "--max-new-tokens", 12, "--dtype", "float32,bfloat16", "--assistant", assistant, "--json",
-              "--save", tmp_path / "traces")
-    assert res.returncode == 0, res.stdout + res.stderr
-    runs = json.loads(res.stdout.splitlines()[-1])["runs"]
+    code, out, err = call(compare.main, "--engine", "transformers", "--weights", weights, "--prompts", prompts,
+                          "--max-new-tokens", 12, "--dtype", "float32,bfloat16", "--assistant", assistant, "--json",
+                          "--save", tmp_path / "traces")
+    assert code == 0, out + err
+    runs = json.loads(out.splitlines()[-1])["runs"]
     assert [(r["setting"], r["dtype"]) for r in runs] == [(s, d) for d in ("float32", "bfloat16")
                                                           for s in ("greedy", "prompt_lookup", "assisted")]
     assert all(r["summary"]["prompts"] == 2 and r["summary"]["divergence"] == 0 for r in runs)
@@ -150,10 +150,10 @@ def test_calibration_stays_inside_the_tolerance(weights, tmp_path):
     pytest.importorskip("transformers")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
-    res = run("nanospec.compare", "--engine", "transformers", "--calibrate", "--weights", weights, "--prompts", prompts,
-              "--max-new-tokens", 16, "--dtype", "float32,bfloat16", "--json")
-    assert res.returncode == 0, res.stderr
-    runs = json.loads(res.stdout.splitlines()[-1])["runs"]
+    code, out, err = call(compare.main, "--engine", "transformers", "--calibrate", "--weights", weights,
+                          "--prompts", prompts, "--max-new-tokens", 16, "--dtype", "float32,bfloat16", "--json")
+    assert code == 0, err
+    runs = json.loads(out.splitlines()[-1])["runs"]
     assert [(r["dtype"], r["reference_dtype"]) for r in runs] == [("float32", "float32"), ("bfloat16", "bfloat16"),
                                                                   ("bfloat16", "float32")]
     assert all(r["positions"] == 16 and 0 <= r["max"] < compare.ULPS[r["units"]] for r in runs)

@@ -9,8 +9,10 @@ from nanospec.engine import generate, shapes
 from nanospec.methods.bita import BiTA, Tuning
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
 from nanospec.methods.lookahead import Lookahead
-from nanospec.methods.medusa import Heads, Medusa, choose_tree
-from nanospec.methods.propd import EarlyHead, FixedCost, ProPD
+from nanospec.methods.medusa import Heads, Medusa
+from nanospec.tree import choose_tree
+from nanospec.methods.propd import EarlyHead, ProPD
+from nanospec.planner import FixedCost
 from nanospec.methods.sdsat import SDSAT
 from nanospec.model import ModelArgs
 
@@ -35,11 +37,12 @@ def drafter(name, model):
                                layer=1, k=3, dynamic=False),
         "propd-dynamic": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC, None, dynamic=True, sizes=(1, 4, 12),
                                        replan=4, cost=FixedCost(1e-2, 1e-5)),
-        "bita-deep": lambda: BiTA(noisy(Tuning(a, 3, 4, "deep"), 3, 1.0), "efficient", 2),
-        "bita-shallow-full": lambda: BiTA(noisy(Tuning(a, 2, 3, "shallow"), 3, 1.0), "full", 2),
-        "bita-straight": lambda: BiTA(noisy(Tuning(a, 3, 4, "none"), 3, 1.0), "straight", 1),
-        "hidden_transfer": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 4, 0.3), choose_tree(ACC[:2], 8)),
-        "sdsat": lambda: SDSAT([7], k=4, width=2),
+        "bita-deep": lambda: BiTA(noisy(Tuning(a, 3, 4, "deep"), 3, 1.0), model.lm_head, "efficient", 2),
+        "bita-shallow-full": lambda: BiTA(noisy(Tuning(a, 2, 3, "shallow"), 3, 1.0), model.lm_head, "full", 2),
+        "bita-straight": lambda: BiTA(noisy(Tuning(a, 3, 4, "none"), 3, 1.0), model.lm_head, "straight", 1),
+        "hidden_transfer": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 4, 0.3), choose_tree(ACC[:2], 8),
+                                                  model.lm_head),
+        "sdsat": lambda: SDSAT([7], model.lm_head, k=4, width=2),
     }[name]()
 
 

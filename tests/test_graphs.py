@@ -1,12 +1,19 @@
-"""CUDA graphs, exact mode's fast path on a GPU: a replay gives the eager forward's logits bitwise,
-graphs are captured once and reused across generations, and a step's forward never syncs."""
+"""CUDA graphs, exact mode's fast path on a GPU: a replay gives the eager step's logits bitwise,
+graphs are captured once and reused, and a step's device program never syncs.
+
+Without a GPU the same properties are checked through graphs.SIMULATE: every exact-mode program
+is traced once into its tensor ops (host syncs refused) and replayed without its Python, as a
+captured graph would be. A method whose forward reads state its graph key does not name, or
+syncs, fails there."""
 import pytest
 import torch
 
-from helpers import Adversary, random_model
+from helpers import Adversary, peek, random_model
 from nanospec import graphs
-from nanospec.engine import Drafter, generate, shapes
+from nanospec.engine import Decoding, generate, shapes
+from nanospec.methods.lookahead import Lookahead
 from nanospec.model import ModelArgs
+from test_edges import ARGS as EDGE_ARGS, drafter
 
 cuda = pytest.mark.cuda
 ARGS = ModelArgs(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=80)
@@ -41,35 +48,90 @@ def test_graphs_are_captured_once_per_shape():
     assert len(model._exact_caches) == 1 and len(cache.graphs) == n
 
 
-class NoSync(Drafter):
-    """AR whose verification forward fails on any host-device sync."""
-
-    def forward(self, dec, tree):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return dec.run(tree.block(dec.cur))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-
 @cuda
-def test_exact_forward_does_not_sync():
+def test_exact_step_does_not_sync(monkeypatch):
     model = random_model(ARGS, 0, torch.float32, "cuda")
     prompt = list(range(1, 20))
     ar = run(model, prompt)  # captures the graphs (capturing syncs)
-    assert run(model, prompt, NoSync()).tokens == ar.tokens
+    program = Decoding.program
+
+    def strict(self, *a, **k):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return program(self, *a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.setattr(Decoding, "program", strict)
+    assert run(model, prompt).tokens == ar.tokens
 
 
-def test_exact_blocks_have_fixed_shapes():
-    """What a graph needs, checked on any device: every exact forward's inputs have the same shapes."""
-    model = random_model(ARGS, 0, torch.float32, "cpu")
-    seen = set()
+# --- the same, simulated on the CPU --------------------------------------------------------------
 
-    class Spy(Adversary):
-        def forward(self, dec, tree):
-            seen.add(tuple(tuple(t.shape) for t in dec.fixed(tree.block(dec.cur))))
-            return super().forward(dec, tree)
+@pytest.fixture
+def simulate(monkeypatch):
+    monkeypatch.setattr(graphs, "SIMULATE", True)
 
-    ar = run(model, list(range(1, 30)))
-    run(model, list(range(1, 30)), Spy(ar.tokens, ARGS.vocab_size, seed=2, extra_rows=3))
-    assert len(seen) == 1
+
+@pytest.mark.parametrize("name", ["medusa", "propd", "propd-dynamic", "bita-deep", "bita-straight",
+                                  "hidden_transfer", "sdsat", "lookahead", "adversary"])
+def test_every_method_replays_as_a_graph(name, monkeypatch):
+    """Each method's exact step, traced once per graph key and replayed: AR's logits bitwise, with
+    drafts accepted; no op inside reads a device value on the host."""
+    model = random_model(EDGE_ARGS, seed=11)
+    prompt = [3, 9, 4, 1, 7, 12, 5] * 2
+    Q, S = shapes([drafter("bita-deep", model)], len(prompt), 24)
+    kw = dict(max_new_tokens=24, exact=True, Q=Q, n_slots=S, eos_id=-1, record_logits=True)
+    ar = generate(model, prompt, **kw)
+    if name == "lookahead":
+        d = Lookahead(decoding_length=8)
+        d.warm_up([prompt[-1:] + ar.tokens])
+    elif name == "adversary":
+        d = Adversary(ar.tokens, EDGE_ARGS.vocab_size, seed=3, extra_rows=3, reserved=2)
+    else:
+        d = peek(drafter(name, model), ar.tokens, 0.9, seed=2)
+    monkeypatch.setattr(graphs, "SIMULATE", True)
+    keys = set()
+    real = graphs.run
+
+    def spy(table, key, fn, args, device):
+        keys.add(key)
+        return real(table, key, fn, args, device)
+    monkeypatch.setattr(graphs, "run", spy)
+    out = generate(model, prompt, d, **kw)
+    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    assert out.mean_accepted > 1.5
+    steps = [k for k in keys if k[0] == "step"]
+    if name in ("medusa", "propd", "propd-dynamic", "lookahead", "adversary"):
+        assert len(steps) == 1  # one graph for every tree: shapes fixed, the tree is data
+
+
+def test_a_program_that_syncs_is_refused(simulate):
+    class Syncing(Adversary):
+        def forward(self, f, nodes):
+            out = super().forward(f, nodes)
+            if int(out.logits[0].argmax()) >= 0:  # a host read: illegal in a CUDA graph
+                return out
+    model = random_model(ARGS, 0)
+    with pytest.raises(RuntimeError, match="not allowed in a CUDA graph"):
+        run(model, list(range(1, 10)), Syncing([], ARGS.vocab_size))
+
+
+def test_a_forward_reading_unkeyed_state_is_caught(simulate):
+    """A forward whose result depends on Python state its key does not name replays stale values:
+    the simulation reproduces what a real graph would do, so exactness tests catch it."""
+    class Stale(Adversary):
+        def start(self, dec):
+            super().start(dec)
+            self.k = 0
+
+        def draft(self, dec):
+            self.k += 1
+            return super().draft(dec)
+
+        def forward(self, f, nodes):
+            out = super().forward(f, nodes)
+            out.logits[0, self.k % 7] += 1e4  # makes token k % 7 win: the key would need k
+            return out
+    model = random_model(ARGS, 0)
+    eager = [t % 7 for t in range(1, 9)]
+    assert run(model, list(range(1, 10)), Stale([], ARGS.vocab_size), n=8).tokens != eager

@@ -6,15 +6,12 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import check_exact, model_args, random_model
+from helpers import check_exact, model_args, one_forward, random_model
 from nanospec import NanospecError
-from nanospec.cache import KVCache
-from nanospec.engine import Decoding
 from nanospec.methods.hidden_transfer import (HiddenTransfer, Transfer, batches, kl_loss, pack,
                                               pseudo_states)
-from nanospec.methods.medusa import choose_tree
 from nanospec.model import ModelArgs
-from nanospec.tree import Tree
+from nanospec.tree import Template, Tree, choose_tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TINY = ModelArgs(dim=24, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
@@ -39,42 +36,33 @@ def test_hidden_transfer_equals_ar(device, dtype, args, n_layers, seed, plen, da
     layers = sorted(data.draw(st.sets(st.integers(1, n_layers - 1), min_size=1, max_size=3)))
     model = random_model(args, seed, DTYPES[dtype], device)
     tr = random_transfer(args.dim, layers, seed, dtype=DTYPES[dtype], device=device)
-    d = HiddenTransfer(tr, choose_tree(ACC[:len(layers)], tree_size), chained)
+    d = HiddenTransfer(tr, choose_tree(ACC[:len(layers)], tree_size), model.lm_head, chained)
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     out = check_exact(model, prompt, d, 20, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
     assert out.mean_accepted >= 1.5  # the pseudo states' candidates carry the truth: the layer loop runs on accepted drafts
 
 
-def step(model, d, tree, prompt, exact, with_pseudo=True):
-    cache = KVCache.for_model(model, 128)
-    dec = Decoding(model, cache, exact, 112, prompt)
-    dec.prefill(prompt[:-1])
-    d.start(dec)
-    return d.forward(dec, tree) if with_pseudo else dec.run(tree.block(dec.cur))
-
-
 def test_real_rows_never_see_pseudo_rows():
     """Tree rows' logits are bitwise those of the tree alone, in exact mode."""
     model = random_model(TINY, 1)
-    d = HiddenTransfer(random_transfer(TINY.dim, [1, 2], 1), choose_tree(ACC[:2], 6))
-    tree = Tree.from_choices(5, [[1, 2], [3, 4]], [(0,), (1,), (0, 0), (0, 1), (1, 0)])
+    d = HiddenTransfer(random_transfer(TINY.dim, [1, 2], 1), choose_tree(ACC[:2], 6), model.lm_head)
+    tree = Template([(0,), (1,), (0, 0), (0, 1), (1, 0)]).tree(5, torch.tensor([[1, 2], [3, 4]]))
     prompt = [3, 9, 4, 1, 7]
-    with_pseudo = step(model, d, tree, prompt, exact=True)
-    alone = step(model, d, tree, prompt, exact=True, with_pseudo=False)
-    assert d.pseudo.shape[:2] == (len(tree), 2) and torch.equal(with_pseudo, alone)
+    with_pseudo, pseudo = one_forward(model, d, tree, prompt, exact=True)
+    alone, _ = one_forward(model, d, tree, prompt, exact=True, plain=True)
+    assert pseudo.shape[:2] == (len(tree), 2) and torch.equal(with_pseudo, alone)
 
 
 def test_pseudo_rows_join_at_their_layer():
     """Fast mode adds pseudo rows at layer t_i; exact mode runs placeholders from layer 0 and
     overwrites them. Both compute the same pseudo states (up to rounding)."""
     model = random_model(TINY, 2)
-    d = HiddenTransfer(random_transfer(TINY.dim, [1, 2], 2), choose_tree(ACC[:2], 6))
-    tree = Tree.from_choices(5, [[1, 2], [3, 4]], [(0,), (1,), (0, 0), (0, 1)])
-    step(model, d, tree, [3, 9, 4, 1, 7], exact=True)
-    exact = model.lm_head(d.pseudo)
-    step(model, d, tree, [3, 9, 4, 1, 7], exact=False)
-    torch.testing.assert_close(model.lm_head(d.pseudo), exact, atol=1e-4, rtol=1e-4)
+    d = HiddenTransfer(random_transfer(TINY.dim, [1, 2], 2), choose_tree(ACC[:2], 6), model.lm_head)
+    tree = Template([(0,), (1,), (0, 0), (0, 1)]).tree(5, torch.tensor([[1, 2], [3, 4]]))
+    exact = model.lm_head(one_forward(model, d, tree, [3, 9, 4, 1, 7], exact=True)[1])
+    fast = model.lm_head(one_forward(model, d, tree, [3, 9, 4, 1, 7], exact=False)[1])
+    torch.testing.assert_close(fast, exact, atol=1e-4, rtol=1e-4)
 
 
 def test_training_attention_matches_section_3_3():
@@ -108,9 +96,9 @@ def test_training_forward_matches_decoding():
     T, H = len(seq), hosts.shape[1]
     packed = model.lm_head(h[0, T:]).view(2, H, -1)
     for n, j in enumerate(hosts[0].tolist()):
-        d = HiddenTransfer(tr, choose_tree(ACC[:2], 4))
-        step(model, d, Tree.chain(seq[j]), seq[:j + 1], exact=False)
-        torch.testing.assert_close(model.lm_head(d.pseudo[0]), packed[:, n], atol=1e-4, rtol=1e-4)
+        d = HiddenTransfer(tr, choose_tree(ACC[:2], 4), model.lm_head)
+        pseudo = one_forward(model, d, Tree.chain(seq[j]), seq[:j + 1], exact=False)[1]
+        torch.testing.assert_close(model.lm_head(pseudo[0]), packed[:, n], atol=1e-4, rtol=1e-4)
 
 
 def test_a_few_training_steps_reduce_the_loss():
@@ -150,4 +138,4 @@ def test_bad_configurations_are_refused():
     with pytest.raises(NanospecError, match=r"in 1\.\.2"):
         Transfer(8, [1, 3]).check(3)
     with pytest.raises(NanospecError, match="deep"):
-        HiddenTransfer(Transfer(8, [1]), [(0,), (0, 0)])
+        HiddenTransfer(Transfer(8, [1]), [(0,), (0, 0)], None)

@@ -9,7 +9,8 @@ from helpers import check_exact, model_args, random_model
 from nanospec import NanospecError
 from nanospec.checkpoint import fingerprint, save, save_drafter
 from nanospec.engine import generate, generate_batch
-from nanospec.methods.medusa import Heads, Medusa, choose_tree, load_medusa, loss_fn, samples
+from nanospec.methods.medusa import Heads, Medusa, load_medusa, loss_fn, samples
+from nanospec.tree import choose_tree
 from nanospec.model import ModelArgs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -91,4 +92,4 @@ def test_weights_for_another_base_model_are_refused(tmp_path):
         load_medusa(model, tmp_path)
     save_drafter(tmp_path / "medusa.safetensors", heads, {"base_fingerprint": fingerprint(model), "heads": 2,
                                                           "acc": [[0.5], [0.5]], "tree": [[0], [0, 0]]})
-    assert load_medusa(model, tmp_path).paths == [(0,), (0, 0)]
+    assert load_medusa(model, tmp_path).template.paths == [(0,), (0, 0)]

@@ -1,14 +1,13 @@
 """train.py --method base on a tiny config: loss goes down, resume is exact, the bigram baseline is sane."""
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import train
+from helpers import call
 from nanospec import pretrain
 from nanospec.checkpoint import load
 
@@ -19,11 +18,10 @@ TINY = ["--method", "base", "--tokenizer", str(ROOT / "weights" / "pylm" / "toke
 
 
 def test_tiny_training_run_reduces_loss(tmp_path):
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "--steps", "40", "--eval-every", "10",
-                          "--out", str(tmp_path / "m"), "--cache", str(tmp_path / "c")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert "step 40/40 | loss" in res.stdout and "eta" in res.stdout and "held-out" in res.stdout
+    code, out, err = call(train.main, *TINY, "--steps", 40, "--eval-every", 10, "--out", tmp_path / "m",
+                          "--cache", tmp_path / "c")
+    assert code == 0, err
+    assert "step 40/40 | loss" in out and "eta" in out and "held-out" in out
     report = json.loads((tmp_path / "m" / "training.json").read_text())
     hist = report["history"]
     assert [h["step"] for h in hist] == [10, 20, 30, 40]
@@ -60,10 +58,8 @@ def test_resume_after_interruption_is_exact(tmp_path, monkeypatch):
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "--resume", "--out", str(tmp_path / "m"),
-                          "--cache", str(tmp_path / "none")], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert res.returncode == 2 and res.stderr.startswith("error: --resume: no checkpoint")
-    assert len(res.stderr.strip().splitlines()) == 1
+    code, _, err = call(train.main, *TINY, "--resume", "--out", tmp_path / "m", "--cache", tmp_path / "none")
+    assert code == 2 and err.startswith("error: --resume: no checkpoint") and len(err.strip().splitlines()) == 1
 
 
 def test_bigram_baseline():
@@ -77,6 +73,8 @@ def test_bigram_baseline():
 
 
 def test_unknown_training_method_is_one_line():
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--method", "nope"], capture_output=True,
-                         text=True, cwd=ROOT, timeout=60)
-    assert res.returncode == 2 and res.stderr.strip() == "error: unknown method 'nope'; choose from: tokenizer, base, medusa, propd, bita, hidden_transfer, sdsat"
+    code, _, err = call(train.main, "--method", "nope")
+    assert code == 2 and err.strip() == ("error: unknown method 'nope'; choose from: tokenizer, base, medusa, propd, "
+                                         "bita, hidden_transfer, sdsat")
+    code, _, err = call(train.main, "--method", "medusa", "--heads", "three")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "invalid int value" in err

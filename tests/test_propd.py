@@ -13,11 +13,13 @@ from nanospec import NanospecError
 from nanospec.checkpoint import load
 from nanospec.engine import generate
 from nanospec.methods import propd
-from nanospec.methods.medusa import Heads, choose_tree as medusa_tree
-from nanospec.methods.propd import (Acceptance, CostModel, EarlyHead, FixedCost, ProPD, expected_length, plan,
-                                    pruned, load_propd, samples, train_early)
+from nanospec.methods.medusa import Heads
+from nanospec.tree import choose_tree as medusa_tree
+from nanospec.engine import Nodes
+from nanospec.methods.propd import EarlyHead, ProPD, pruned, load_propd, samples, train_early
+from nanospec.planner import Acceptance, CostModel, FixedCost, expected_length, plan
 from nanospec.model import ModelArgs
-from nanospec.tree import Tree
+from nanospec.tree import Tree, layout
 
 
 def test_regression_recovers_known_coefficients():
@@ -80,6 +82,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ACC = [[0.5, 0.3, 0.2]] * 3
 
 
+def nodes_of(tree):
+    return Nodes(torch.tensor(tree.tokens), layout(tree.parents), torch.ones(len(tree), dtype=torch.bool), len(tree))
+
+
 def test_pruning_takes_descendants_and_keeps_the_root():
     #        0:root
     #     1:a      2:b
@@ -89,9 +95,9 @@ def test_pruning_takes_descendants_and_keeps_the_root():
     x[0, [1, 7]] = 1.0  # root's top-2: tokens 1 and 7 -> node 2 (b) and its child 5 go
     x[1, [3, 8]] = 1.0  # a's top-2: 3 and 8 -> node 4 (d) goes
     early = lambda h: h  # the states are the early logits
-    assert pruned(tree, x, early, k=2).nonzero()[:, 0].tolist() == [2, 4, 5]
-    assert not pruned(tree, x, early, k=10).any()
-    assert not pruned(Tree.chain(9), x[:1], early, k=1).any()
+    assert pruned(nodes_of(tree), x, early, k=2).nonzero()[:, 0].tolist() == [2, 4, 5]
+    assert not pruned(nodes_of(tree), x, early, k=10).any()
+    assert not pruned(nodes_of(Tree.chain(9)), x[:1], early, k=1).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -120,7 +126,7 @@ def test_propd_equals_ar(device, dtype, args, seed, plen, size, k, sampled, prun
 
 class FakeDec:
     def __init__(self):
-        self.out, self.cur = [], 0
+        self.out, self.cur, self.cand_lists = [], 0, None
 
 
 def test_acceptance_resolves_each_prediction_when_its_token_arrives():
@@ -128,8 +134,7 @@ def test_acceptance_resolves_each_prediction_when_its_token_arrives():
     d.accept.alpha = 1.0  # remember only the latest outcome
     dec = FakeDec()
     d.start(dec)
-    d.h, d.guess = [None], lambda h: [[5, 6], [7, 8]]
-    dec.out = [1]  # the root; head 0 guesses output 1, head 1 output 2
+    dec.out, dec.cand_lists = [1], [[5, 6], [7, 8]]  # the root; head 0 guesses output 1, head 1 output 2
     d.accepted(dec, None, [0])
     assert d.accept.P == [[0.5, 1.0], [0.5, 1.0]]  # the prior: nothing resolved yet
     dec.out = [1, 6, 9]

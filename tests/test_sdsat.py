@@ -6,7 +6,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import check_exact, model_args, random_model
+from helpers import check_exact, model_args, peek, random_model
+from nanospec.engine import generate
 from nanospec import NanospecError
 from nanospec.methods import model_dir
 from nanospec.methods.sdsat import SDSAT, mask, sdsat_loss
@@ -23,7 +24,7 @@ TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hid
 def test_sdsat_equals_ar(device, dtype, args, seed, plen, k, width, diverse, sampled):
     model = random_model(args, seed, DTYPES[dtype], device)
     ids = [(seed + i) % args.vocab_size for i in range(k if diverse else 1)]
-    d = SDSAT(ids, k, width)
+    d = SDSAT(ids, model.lm_head, k, width)
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     out = check_exact(model, prompt, d, 20, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
@@ -32,26 +33,27 @@ def test_sdsat_equals_ar(device, dtype, args, seed, plen, k, width, diverse, sam
 
 def test_two_step_loop():
     """Step 1 is the root and k adaptive rows; a fully accepted chain drafts the next one from its
-    adaptive rows; a partly accepted one goes back to step 1."""
-    class Dec:
-        last, room = 9, 1000
-    d = SDSAT([4], k=3)
-    d.start(Dec)
-    assert d.draft(Dec).tokens == [9]  # draft step 1
-    d.host, d.adaptive_logits = 0, torch.eye(37)[[11, 12, 13]]
-    d.accepted(Dec, Tree.chain(9), [0])
-    assert d.cands == [[11], [12], [13]]
-    chain = d.draft(Dec)
-    assert chain.tokens == [9, 11, 12, 13]  # draft step 2: the chain, adaptive rows after node 3
-    d.host, d.adaptive_logits = 3, torch.eye(37)[[20, 21, 22]]
-    d.accepted(Dec, chain, [0, 1, 2, 3])  # all accepted: the next drafts are ready
-    assert d.cands == [[20], [21], [22]]
-    d.accepted(Dec, chain, [0, 1])  # partly: back to step 1
-    assert d.cands is None and d.draft(Dec).tokens == [9]
-    wide = SDSAT([4], k=3, width=2)
-    wide.cands = [[11, 15], [12, 16], [13, 17]]
-    t = wide.draft(Dec)
-    assert len(t) == 1 + 6 and [len(t.kids[i]) for i in range(len(t))][:2] == [2, 2]  # only top-1s branch
+    adaptive rows (no step 1 in between); a partly accepted one goes back to step 1."""
+    model = random_model(TINY, 3)
+    prompt, k = [5, 9, 2, 7], 3
+    ar = generate(model, prompt, max_new_tokens=40, eos_id=-1)
+    d = peek(SDSAT([4], model.lm_head, k=k), ar.tokens, p=0.6, seed=1)
+    seen, accepted = [], type(d).accepted
+
+    def spy(dec, tree, path):
+        seen.append((len(tree), len(path)))
+        accepted(d, dec, tree, path)
+    d.accepted = spy
+    assert generate(model, prompt, d, max_new_tokens=40, eos_id=-1).tokens == ar.tokens
+    assert seen[0] == (1, 1)  # draft step 1
+    for (size, got), (nxt, _) in zip(seen, seen[1:]):
+        whole = size == 1 or got == size  # step 1, or the whole chain accepted
+        assert nxt == (k + 1 if whole else 1)
+    assert {(k + 1, k + 1), (1, 1)} <= set(seen) and any(1 < g < k + 1 for _, g in seen)
+    wide = SDSAT([4], None, k=3, width=2)
+    t = wide.template.tree(9, torch.tensor([[11, 15], [12, 16], [13, 17]]))
+    kids = [sum(p == i for p in t.parents) for i in range(len(t))]
+    assert len(t) == 1 + 6 and kids[:2] == [2, 2]  # only top-1s branch
 
 
 def test_masking_statistics():
@@ -125,4 +127,4 @@ def test_own_model_and_errors(tmp_path):
     with pytest.raises(NanospecError, match="separate runs"):
         model_dir(["medusa", "sdsat"], tmp_path)
     with pytest.raises(NanospecError, match="diverse"):
-        SDSAT([4, 5, 6], k=5)
+        SDSAT([4, 5, 6], None, k=5)

@@ -1,10 +1,9 @@
 """The method trainers end to end on a tiny base model: train.py writes drafter files that load
 and decode exactly. (Training quality is the business of each method's own tests.)"""
-import subprocess
-import sys
 from pathlib import Path
 
-from helpers import check_exact, random_model
+import train
+from helpers import call, check_exact, random_model
 from nanospec.checkpoint import load, save
 from nanospec.methods import load_drafter, model_dir
 from nanospec.model import ModelArgs
@@ -24,22 +23,19 @@ def test_trainers_write_loadable_drafters(tmp_path):
     model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
     save(model, tmp_path, tokenizer_model=TOKENIZER)
     for method, opts in SMALL.items():
-        res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--method", method, "--out", str(tmp_path),
-                              "--distill-prompts", "6", "--new-tokens", "8", *opts],
-                             capture_output=True, text=True, cwd=ROOT, timeout=600)
-        assert res.returncode == 0, res.stderr[-2000:]
+        code, out, err = call(train.main, "--method", method, "--out", tmp_path, "--distill-prompts", 6,
+                              "--new-tokens", 8, *opts)
+        assert code == 0, err[-2000:]
     base = load(tmp_path)
     for spec in ("medusa", "propd:layer=1", "bita", "hidden_transfer"):
         check_exact(base, [1, 400, 401, 402], load_drafter(spec, base, tmp_path), 12)
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--method", "hidden_transfer", "--analyze",
-                          "--out", str(tmp_path), "--distill-prompts", "6", "--new-tokens", "8", "--early-steps", "2",
-                          "--early-rank", "4"], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert res.returncode == 0 and "Figure 3" in res.stdout and "Figure 4" in res.stdout, res.stderr[-2000:]
+    code, out, err = call(train.main, "--method", "hidden_transfer", "--analyze", "--out", tmp_path,
+                          "--distill-prompts", 6, "--new-tokens", 8, "--early-steps", 2, "--early-rank", 4)
+    assert code == 0 and "Figure 3" in out and "Figure 4" in out, err[-2000:]
     # SDSAT fine-tunes the base into a model directory of its own, decoded against its own AR
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--method", "sdsat", "--out", str(tmp_path),
-                          "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--max-files", "2",
-                          "--eval-windows", "2", "--distill-prompts", "6", "--new-tokens", "8"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
+    code, out, err = call(train.main, "--method", "sdsat", "--out", tmp_path, "--steps", 2, "--batch-size", 2,
+                          "--seq-len", 32, "--max-files", 2, "--eval-windows", 2, "--distill-prompts", 6,
+                          "--new-tokens", 8)
+    assert code == 0, err[-2000:]
     tuned = load(model_dir(["sdsat"], tmp_path))
     check_exact(tuned, [1, 400, 401, 402], load_drafter("sdsat:k=3", tuned, tmp_path), 12)

@@ -2,7 +2,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from nanospec.model import Llama, ModelArgs
-from nanospec.tree import Sampler, Tree, verify
+from nanospec.tree import Sampler, Template, Tree, accept, layout, product_paths, verify
 
 branches_st = st.lists(st.lists(st.integers(0, 4), max_size=5), max_size=8)
 
@@ -12,20 +12,22 @@ def test_from_branches_merges_shared_prefixes(branches):
     t = Tree.from_branches(9, branches)
     prefixes = {tuple(b[:i]) for b in branches for i in range(1, len(b) + 1)}
     assert len(t) == 1 + len(prefixes)
+    paths = {tuple(t.tokens[j] for j in t.path_to(i)[1:]): i for i in range(len(t))}
+    assert len(paths) == len(t)  # no two nodes carry the same branch
     for b in branches:  # every branch is a path from the root
-        node = 0
-        for tok in b:
-            (node,) = t.kids[node][tok]
-        assert [t.tokens[i] for i in t.path_to(node)] == [9, *b]
+        assert tuple(b) in paths
 
 
-def test_product_and_sparse_trees():
-    cands = [[10, 11, 12], [20, 21], [30, 31]]
-    full = Tree.from_choices(0, cands)
+def test_product_and_sparse_templates():
+    cands = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
+    full = Template(product_paths([3, 2, 2])).tree(0, cands)
     assert len(full) == 1 + 3 + 6 + 12
-    sparse = Tree.from_choices(0, cands, [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
-    assert sparse.tokens == [0, 10, 11, 20, 21, 30] and sparse.parents == [-1, 0, 0, 1, 1, 3]
-    assert Tree.chain(5, [6, 7]).parents == [-1, 0, 1]
+    sparse = Template([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    t = sparse.tree(0, cands)
+    assert t.tokens.tolist() == [0, 10, 11, 20, 21, 30] and t.parents == (-1, 0, 0, 1, 1, 3)
+    assert sparse.topk == [2, 2, 1] and len(sparse) == 6
+    assert sparse.tree(0, cands[:1]).tokens.tolist() == [0, 10, 11]  # one depth drafted: the paths that fit
+    assert Tree.chain(5, [6, 7]).parents == (-1, 0, 1)
 
 
 @given(branches_st, st.integers(0, 30))
@@ -53,9 +55,15 @@ def test_greedy_verify_accepts_longest_path_ar_agrees_with(branches, seed):
     path, out = verify(t, logits, Sampler(), 0)
     # brute force: a node is acceptable when every edge on its path carries its parent's target
     ok = [i for i in range(len(t)) if all(t.tokens[c] == target[p] for p, c in zip(t.path_to(i), t.path_to(i)[1:]))]
-    best = max(ok, key=lambda i: t.depth[i])
-    assert len(path) == t.depth[best] + 1 and path == t.path_to(path[-1])
+    best = max(len(t.path_to(i)) for i in ok)
+    assert len(path) == best and path == t.path_to(path[-1])
     assert out == [t.tokens[i] for i in path[1:]] + [target[path[-1]]]
+    # the device version (padded as exact mode pads it) accepts the same path
+    N = len(t) + 3
+    lay = layout(t.parents).pad(N)
+    tokens = torch.tensor(t.tokens + [-1] * 3)
+    dpath, demitted = accept(tokens, lay, torch.cat([logits, torch.randn(3, 5)]))
+    assert [i for i in dpath.tolist() if i >= 0] == path and demitted.tolist()[:len(path)] == out
 
 
 def test_sampler_respects_top_k_top_p_and_distribution():
@@ -78,15 +86,17 @@ def test_same_seed_same_uniforms():
 
 
 def test_parallel_branches_are_each_verified():
-    # Figure 2 of the Lookahead paper: [on, my, knee] and [on, a, table] side by side after "sits"
+    # Figure 2 of the Lookahead paper: [on, my, knee] and [on, a, table] side by side after "sits",
+    # unmerged: two nodes carry "on"
     sits, on, my, knee, a, table, chair = range(7)
-    t = Tree.parallel(sits, [[on, my, knee], [on, a, table]])
-    assert t.tokens == [sits, on, my, knee, on, a, table] and t.parents == [-1, 0, 1, 2, 0, 4, 5]
+    t = Tree([sits, on, my, knee, on, a, table], [-1, 0, 1, 2, 0, 4, 5])
     truth = {0: on, 1: a, 2: a, 3: a, 4: a, 5: chair, 6: a}  # target after each node
     logits = torch.full((len(t), 7), -1.0)
     for node, tok in truth.items():
         logits[node, tok] = 1.0
     path, out = verify(t, logits, Sampler(), 0)
     assert path == [0, 4, 5] and out == [on, a, chair]
+    dpath, demitted = accept(torch.tensor(t.tokens), layout(t.parents), logits)
+    assert dpath.tolist() == [0, 4, 5, -1] and demitted.tolist() == [on, a, chair, -1]  # -1: padding
     merged = Tree.from_branches(sits, [[on, my, knee], [on, a, table]])
     assert len(merged) == len(t) - 1

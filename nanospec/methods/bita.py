@@ -29,10 +29,13 @@ Choices where the paper is silent, and why:
 - Training packs `groups` mask groups per sequence at random split points of the answer (the
   authors pack many per sample); the loss is eq. 1 summed over the M masks, averaged over
   groups. Init N(0, 0.02); AdamW; cosine schedule from 3e-2, the paper's rate.
-- Near the end of the cache, when a full step no longer fits, the step is the root alone and
-  the next one drafts nothing.
-- On a GPU (exact mode) the step's rows (tree and mask groups) run through the engine's CUDA
-  graph; copying the deep prompt keys into their reserved slots runs eagerly, once per generation.
+- Straightforward decoding's drafts per node: a node at depth c of the root's chain drafts from
+  the root group's masks c.., so the step's one group serves whichever node ends the path.
+
+What runs where: the step's rows (tree and mask groups), verification and the lm_head on the last
+accepted node's mask states are one device program (a CUDA graph per tree size in exact mode on
+a GPU); copying the deep prompt keys into their reserved slots runs eagerly, once per generation.
+The trainer's packed forward runs the same layers over the core's Forward (`Forward.training`).
 """
 from pathlib import Path
 
@@ -41,12 +44,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..checkpoint import fingerprint, load_drafter_file, save_drafter
+from ..checkpoint import fingerprint, load_trained, save_drafter
 from ..data import distill_args
 from ..engine import Drafter
-from ..model import Block, Context
-from ..training import adamw, cosine_lr, distilled, Progress, update
-from ..tree import Tree, group_rows
+from ..forward import Forward, Out
+from ..model import Block
+from ..training import RankAccuracy, adamw, cosine_lr, distilled, Progress, update
+from ..tree import Template, Tree, group_rows, product_paths
 
 PROMPTING = ("deep", "shallow", "none")
 DECODING = ("efficient", "full", "straight")
@@ -76,19 +80,26 @@ class Tuning(nn.Module):
 class BiTA(Drafter):
     name = "bita"
 
-    def __init__(self, tune: Tuning, decoding: str = "efficient", k: int = 3):
+    def __init__(self, tune: Tuning, lm_head: nn.Module, decoding: str = "efficient", k: int = 3):
         if decoding not in DECODING:
             raise NanospecError(f"bita decoding {decoding!r}: choose from {', '.join(DECODING)}")
         if k < 1:
             raise NanospecError(f"bita k={k}: take at least the top-1 candidate per mask token")
-        self.tune, self.decoding, self.k, M = tune, decoding, k, tune.M
+        self.tune, self.lm_head, self.decoding, M = tune, lm_head, decoding, tune.M
         self.reserved_slots = tune.P
-        nodes = {"efficient": 1 + M * k, "full": 1 + sum(k ** d for d in range(1, M + 1)), "straight": 1 + M}
-        self.nodes = nodes[decoding]
-        self.max_rows = self.nodes + M * (1 if decoding == "straight" else self.nodes)
+        paths = {"efficient": [(0,) * d + (j,) for d in range(M) for j in range(k)],  # top-1s have children
+                 "full": product_paths([k] * M), "straight": [(0,) * d for d in range(1, M + 1)]}[decoding]
+        self.template = Template(paths)
+        self.topk = self.template.topk
+        self.max_rows = self.size(len(self.template))
+
+    def groups(self, n: int) -> int:
+        return 1 if self.decoding == "straight" else n  # mask groups: on the root, or on every node
+
+    def size(self, n):
+        return n + self.groups(n) * self.tune.M
 
     def start(self, dec):
-        self.cands = None  # per mask depth, ranked candidate tokens for the next tree
         tune, slots = self.tune, dec.reserved
         if tune.prompting == "deep":
             for i in range(dec.model.args.n_layers):
@@ -102,40 +113,33 @@ class BiTA(Drafter):
             dec.run(Block(z, torch.arange(P)[None], slots, z, extra[None]), embeds=tune.prompt[None])
 
     def draft(self, dec):
-        if self.cands is None or dec.room < self.max_rows:
-            return Tree.chain(dec.last)
-        c, k, M = self.cands, self.k, self.tune.M
-        if self.decoding == "straight":
-            return Tree.chain(dec.last, [r[0] for r in c])
-        if self.decoding == "full":
-            return Tree.from_choices(dec.last, [r[:k] for r in c])
-        return Tree.from_choices(dec.last, c, [(0,) * d + (j,) for d in range(M) for j in range(k)])
+        """The tree over the last accepted node's mask predictions (none yet: the root alone)."""
+        return Tree.chain(dec.last) if dec.cands is None else self.template.tree(dec.last, dec.cands)
 
-    def forward(self, dec, tree):
-        n, M = len(tree), self.tune.M
-        blk = tree.block(dec.cur)
-        hosts = [0] if self.decoding == "straight" else list(range(n))
-        if n + len(hosts) * M > dec.room:  # no room for mask groups: verify alone, draft nothing next
-            self.groups = None
-            return dec.run(blk)
-        self.groups = hosts
-        masks = group_rows(blk, hosts, M, dec.cur + n, dec.reserved)
-        emb = dec.model.embed(blk.tokens.to(dec.device))[0]
-        embeds = torch.cat([emb, self.tune.mask.to(emb).repeat(len(hosts), 1)])[None]
-        logits = dec.run(Block.cat(blk, masks), embeds=embeds)
-        self.mask_logits = logits[n:].view(len(hosts), M, -1)
-        return logits[:n]
+    def rows(self, dec, tree):
+        n = len(tree)
+        blk = tree.block(dec.cur, dec.device)
+        return Block.cat(blk, group_rows(blk, list(range(self.groups(n))), self.tune.M, dec.cur + n, dec.reserved))
 
-    def accepted(self, dec, tree, path):
-        if self.groups is None:
-            self.cands = None
-            return
-        if self.decoding == "straight":  # the root's group; the first c masks are used up
-            c = len(path) - 1
-            self.cands = [[t] for t in self.mask_logits[0, c:].argmax(-1).tolist()] or None
-        else:
-            g = self.groups.index(path[-1])
-            self.cands = self.mask_logits[g].topk(self.k, dim=-1).indices.tolist()
+    def shape_key(self, nodes):
+        return nodes.n
+
+    def forward(self, f, nodes):
+        """One forward: the tree (verified) and a mask group on each node (or the root) that drafts next."""
+        n, M, N = nodes.n, self.tune.M, len(nodes.real)
+        G = self.groups(n)
+        x = f.embed()
+        x[:, n:n + G * M] = self.tune.mask.to(x.dtype).repeat(G, 1)
+        h = f.norm(f.layers(x))
+        masks = h[0, n:n + G * M].view(G, M, -1)
+        if self.decoding == "straight":  # a node at depth c drafts from the root group's masks c..
+            depth = nodes.lay.depth
+            drafts = masks[0, (depth[:, None] + torch.arange(M, device=depth.device)).clamp(max=M - 1)]
+            return Out(f.logits(h, N), drafts=drafts, depths=(M - depth).clamp(min=0))
+        return Out(f.logits(h, N), drafts=F.pad(masks, (0, 0, 0, 0, 0, N - n)))
+
+    def propose(self, masks):
+        return self.lm_head(masks)  # (M, V): mask i predicts the token i+1 after the next one
 
 
 # --- weights on disk ---------------------------------------------------------------------------
@@ -147,10 +151,9 @@ def load_bita(model, weights, decoding="efficient", k=3, prompting="deep") -> Bi
     if prompting not in PROMPTING:
         raise NanospecError(f"bita prompting {prompting!r}: choose from {', '.join(PROMPTING)}")
     cmd = "python train.py --method bita" + ("" if prompting == "deep" else f" --prompting {prompting}")
-    tensors, meta = load_drafter_file(Path(weights) / filename(prompting), model, cmd)
-    tune = Tuning(model.args, meta["masks"], meta["prompts"], prompting).to(model.embed.weight)
-    tune.load_state_dict(tensors)
-    return BiTA(tune.eval(), decoding, k)
+    tune, _ = load_trained(model, Path(weights) / filename(prompting), cmd,
+                           lambda meta: Tuning(model.args, meta["masks"], meta["prompts"], prompting))
+    return BiTA(tune, model.lm_head, decoding, k)
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -200,21 +203,13 @@ def pack(seqs: list[list[int]], starts: list[int], M: int, G: int, P: int, shall
 
 def sar_logits(model, tune: Tuning, tokens, kind, pos, vis):
     """Logits (B, G*M, V) of the mask rows of a packed batch; cache-free, the model frozen."""
-    (B, R), a = tokens.shape, model.args
-    x = model.embed(tokens)
-    x = torch.where((kind >= 1)[..., None], tune.mask[(kind - 1).clamp(min=0)], x)
+    deep = tune.prompting == "deep"  # the prompt's keys and values sit before the rows in every layer
+    f = Forward.training(model, tokens, pos, vis, (lambda i: (tune.key[i], tune.value[i])) if deep else None)
+    x = torch.where((kind >= 1)[..., None], tune.mask[(kind - 1).clamp(min=0)], f.embed())
     if tune.prompting == "shallow":
         x = torch.where((kind < 0)[..., None], tune.prompt[(-1 - kind).clamp(min=0)], x)
-    K0 = tune.P if tune.prompting == "deep" else 0
-    ctx = Context(*model.rope(pos), torch.arange(K0, K0 + R, device=tokens.device), False, mask=vis, L=K0 + R)
-    for li, layer in enumerate(model.layers):
-        kc, vc = (x.new_zeros(B, a.kv_heads, R, a.hd) for _ in range(2))
-        if tune.prompting == "deep":  # the prompt's keys and values sit before the rows
-            kc = torch.cat([tune.key[li].expand(B, -1, -1, -1), kc], 2)
-            vc = torch.cat([tune.value[li].expand(B, -1, -1, -1), vc], 2)
-        x = layer(x, ctx, kc, vc)
     n_mask = int((kind[0] >= 1).sum())  # the mask rows come last
-    return model.lm_head(model.norm(x[:, R - n_mask:]))
+    return model.lm_head(f.norm(f.layers(x))[:, -n_mask:])
 
 
 def sar_loss(logits, labels, M: int):
@@ -233,15 +228,11 @@ def batches(data, args, P, shallow, seed, steps):
 @torch.no_grad()
 def accuracy(model, tune, data, args, topk: int = 5, n_batches: int = 8) -> list[list[float]]:
     """acc[i][r]: how often mask i's rank-r candidate is the target, on held-out sequences."""
-    hits, count = torch.zeros(tune.M, topk), torch.zeros(tune.M)
+    acc = RankAccuracy(tune.M, topk)
     for tokens, kind, pos, vis, lab in batches(data, args, tune.P, tune.prompting == "shallow", 1, n_batches):
-        top = sar_logits(model, tune, tokens, kind, pos, vis).topk(topk, dim=-1).indices  # (B, G*M, r)
-        lab = lab.view(len(lab), -1, tune.M)
-        top = top.view(len(lab), -1, tune.M, topk)
-        ok = lab != -100
-        hits += ((top == lab[..., None]) & ok[..., None]).sum((0, 1)).float()
-        count += ok.sum((0, 1)).float()
-    return (hits / count.clamp(min=1)[:, None]).tolist()
+        logits = sar_logits(model, tune, tokens, kind, pos, vis)  # (B, G*M, V)
+        acc.add(logits.view(len(lab), -1, tune.M, logits.shape[-1]), lab.view(len(lab), -1, tune.M))
+    return acc.result()
 
 
 def train(args):

@@ -31,12 +31,16 @@ Choices where the paper is silent, and why:
   at 1 and 6; step 2 over t_1 = 4 is flat from 5 to 7; (5, 6, 7) matches (4, 5, 6) and costs
   least, since a pseudo row runs only the layers from its own. lr 3e-3 (1e-3 learns slower in
   80 steps; 1e-2 is no better).
-- The tree is Medusa's (saved in medusa.safetensors' metadata) for the paper's comparison at
-  the same tree; `tree_size=N` builds one from Hidden Transfer's own held-out accuracies.
+- The tree is chosen from Hidden Transfer's own held-out accuracies (saved by the trainer),
+  as Medusa's is from its heads'; `tree_size=N` picks another size. (The paper compares the
+  two at Medusa's tree; a drafter here never reads another method's weights.)
 - The first step has no pseudo states yet: it is the root and its group (one AR step that
   already drafts).
-- On a GPU (exact mode) the layer loop that forges pseudo rows is one CUDA graph per tree size
-  (its index tensors depend on that size alone); fast mode runs it eagerly.
+
+What runs where: the layer loop that forges pseudo rows, verification and the lm_head on the
+last accepted node's pseudo states are one device program (a CUDA graph per tree size in exact
+mode on a GPU: its row indices depend on that size alone). The layer loop is shared with the
+trainer (`transfer`, over the core's Forward), so training forges exactly what decoding does.
 """
 from pathlib import Path
 
@@ -45,13 +49,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..checkpoint import fingerprint, load_drafter_file, save_drafter
+from ..checkpoint import fingerprint, load_trained, save_drafter
 from ..data import distill_args
 from ..engine import Drafter
-from ..model import Block, Context
-from ..training import adamw, cosine_lr, distilled, Progress, update
-from ..tree import Tree, group_rows
-from .medusa import choose_tree
+from ..forward import Forward, Out
+from ..training import RankAccuracy, adamw, cosine_lr, distilled, Progress, update
+from ..model import Block
+from ..tree import Template, Tree, choose_tree, group_rows
 
 ATTENTION = ("paper", "chain", "masked")
 
@@ -76,40 +80,29 @@ class Transfer(nn.Module):
         return self
 
 
-def transfer_layers(model, tr: Transfer, ctx: Context, x, hosts, rows, kv, join: bool, record=None):
-    """Run the layers over real and pseudo rows; returns the final normed states (B, R, D).
+def transfer(f: Forward, tr: Transfer, x, hosts, rows, record=None):
+    """The paper's step: run the layers over real and pseudo rows; returns the final normed states.
 
-    x (B, R, D): the rows' inputs, real rows first (pseudo rows' inputs are placeholders).
-    hosts (B, H): real rows; rows[i] (H,): the step-i pseudo rows, made from the hosts.
-    kv(L): layer L's key/value buffers. join: pseudo rows enter at their layer (fast mode and
-    training); otherwise all rows run every layer and pseudo rows are overwritten (exact mode).
-    record: a list that receives the states after 0, 1, ..., L layers (full row order; pseudo
-    rows from their own layer on, as made by W_i there).
-    """
-    R = x.shape[1]
-    active, c = torch.arange(R, device=x.device), ctx
-    if join:  # the real rows come first, so host indices hold in the shortened x too
-        keep = torch.ones(R, dtype=torch.bool, device=x.device)
-        keep[torch.cat(rows)] = False
-        active = keep.nonzero()[:, 0]
-        x, c = x[:, active], ctx.select(active)
-    full = lambda y: y.new_zeros(y.shape[0], R, y.shape[-1]).index_copy(1, active, y) if join else y
+    x (B, R, D): the rows' inputs (pseudo rows' are placeholders). hosts (B, H): the real rows the
+    pseudo rows are made from; rows[i] (H,): the step-i pseudo rows. At layer t_i, pseudo row i of
+    host j becomes W_i x_j and from then on runs with the others. record: a list that receives the
+    states after 0, 1, ..., L layers (Figure 4)."""
+    L = len(f.model.layers)
+    active = torch.ones(x.shape[1], dtype=torch.bool, device=x.device)
+    active[torch.cat(rows)] = False
     idx = hosts[..., None].expand(-1, -1, x.shape[-1])
-    for L, layer in enumerate(model.layers):
+    bounds = sorted({0, L, *tr.layers}) if record is None else range(L + 1)
+    for a, b in zip(bounds, bounds[1:]):
         for i, t in enumerate(tr.layers):
-            if t == L:
-                new = F.linear(x.gather(1, idx), tr.W[i].to(x.dtype))
-                if join:
-                    x, active = torch.cat([x, new], 1), torch.cat([active, rows[i]])
-                    c = ctx.select(active)
-                else:
-                    x = x.index_copy(1, rows[i], new)
+            if t == a:  # step i's pseudo rows join here, forged from their hosts
+                x = x.index_copy(1, rows[i], F.linear(x.gather(1, idx), tr.W[i].to(x.dtype)))
+                active = active.index_fill(0, rows[i], True)
         if record is not None:
-            record.append(full(x))
-        x = layer(x, c, *kv(L))
+            record.append(x)
+        x = f.layers(x, a, b, active)
     if record is not None:
-        record.append(full(x))
-    return full(model.norm(x))
+        record.append(x)
+    return f.norm(x)
 
 
 # --- decoding ----------------------------------------------------------------------------------
@@ -117,71 +110,52 @@ def transfer_layers(model, tr: Transfer, ctx: Context, x, hosts, rows, kv, join:
 class HiddenTransfer(Drafter):
     name = "hidden_transfer"
 
-    def __init__(self, tr: Transfer, paths: list[tuple[int, ...]], chained: bool = True):
-        self.tr, self.paths, self.chained = tr, [tuple(p) for p in paths], chained
-        if max(map(len, self.paths)) > tr.k:
-            raise NanospecError(f"the tree is {max(map(len, self.paths))} deep but there are {tr.k} transfer steps")
-        self.max_rows = (1 + len(self.paths)) * (1 + tr.k)
-        self.topk = [1 + max((p[d] for p in self.paths if len(p) > d), default=0) for d in range(tr.k)]
+    def __init__(self, tr: Transfer, paths: list[tuple[int, ...]], lm_head: nn.Module, chained: bool = True):
+        self.tr, self.lm_head, self.chained = tr, lm_head, chained
+        self.template = Template(paths)
+        if self.template.depth > tr.k:
+            raise NanospecError(f"the tree is {self.template.depth} deep but there are {tr.k} transfer steps")
+        self.max_rows = self.size(len(self.template))
+        self.topk = self.template.topk
 
-    def start(self, dec):
-        self.cands = None
+    def size(self, n):
+        return n * (1 + self.tr.k)  # every node carries a group of k pseudo rows
 
     def draft(self, dec):
-        if self.cands is None:
-            return Tree.chain(dec.last)
-        room = dec.room // (1 + self.tr.k) - 1  # nodes that fit with their groups
-        return Tree.from_choices(dec.last, self.cands, self.paths[:max(0, room)])
+        """The tree over the last accepted node's pseudo-state candidates (none yet: the root alone,
+        whose group already drafts)."""
+        return Tree.chain(dec.last) if dec.cands is None else self.template.tree(dec.last, dec.cands)
 
-    def forward(self, dec, tree):
-        model, n, k = dec.model, len(tree), self.tr.k
-        blk = tree.block(dec.cur)
-        if n * (1 + k) > dec.room:  # no room for pseudo rows: verify alone, draft nothing next
-            self.pseudo = None
-            return dec.run(blk)
-        full = Block.cat(blk, group_rows(blk, list(range(n)), k, dec.cur + n, chained=self.chained))
-        rows = [n + torch.arange(n, device=dec.device) * k + i for i in range(k)]
-        hosts = torch.arange(n, device=dec.device)[None]
-        cache, exact = dec.cache, dec.exact
+    def rows(self, dec, tree):
+        n = len(tree)
+        blk = tree.block(dec.cur, dec.device)
+        return Block.cat(blk, group_rows(blk, list(range(n)), self.tr.k, dec.cur + n, chained=self.chained))
 
-        def layers(full):  # (final states, logits); exact: all rows, AR's GEMM shape
-            ctx = model.context(full, cache.n_slots, exact)
-            h = transfer_layers(model, self.tr, ctx, model.embed(full.tokens), hosts, rows, cache.layer, not exact)
-            return h, model.lm_head(ctx.rows(h[0]) if exact else h[0, :n])
+    def shape_key(self, nodes):
+        return nodes.n
 
-        if exact:  # a CUDA graph per tree size on a GPU (the index tensors above depend on n alone)
-            h, logits = dec.graphed(("hidden_transfer", self.tr, n), lambda *b: layers(Block(*b)), *dec.fixed(full))
-        else:
-            h, logits = layers(full.to(dec.device))
-        self.pseudo = h[0, n:n * (1 + k)].view(n, k, -1)  # normed; decoded once the last node is known
-        return logits[:n]
+    def forward(self, f, nodes):
+        n, k, N = nodes.n, self.tr.k, len(nodes.real)
+        dev = f.block.tokens.device
+        rows = [n + torch.arange(n, device=dev) * k + i for i in range(k)]
+        h = transfer(f, self.tr, f.embed(), torch.arange(n, device=dev)[None], rows)
+        pseudo = h[0, n:n * (1 + k)].view(n, k, -1)  # normed; decoded only for the last accepted node
+        return Out(f.logits(h, N), drafts=F.pad(pseudo, (0, 0, 0, 0, 0, N - n)))
 
-    def accepted(self, dec, tree, path):
-        if self.pseudo is None:
-            self.cands = None
-            return
-        top = dec.model.lm_head(self.pseudo[path[-1]])  # (k, V): the last accepted node's pseudo states
-        self.cands = [top[d].topk(r).indices.tolist() for d, r in enumerate(self.topk)]
+    def propose(self, pseudo):
+        return self.lm_head(pseudo)  # (k, V): pseudo state i predicts the depth-i draft
 
 
 # --- weights on disk ---------------------------------------------------------------------------
 def load_transfer(model, weights):
-    tensors, meta = load_drafter_file(Path(weights) / "hidden_transfer.safetensors", model,
-                                      "python train.py --method hidden_transfer")
-    tr = Transfer(model.args.dim, meta["layers"]).check(model.args.n_layers)
-    tr.load_state_dict(tensors)
-    return tr.to(model.embed.weight).eval(), meta
+    return load_trained(model, Path(weights) / "hidden_transfer.safetensors", "python train.py --method hidden_transfer",
+                        lambda meta: Transfer(model.args.dim, meta["layers"]).check(model.args.n_layers))
 
 
 def load_hidden_transfer(model, weights, tree_size=0, chained=True) -> HiddenTransfer:
     tr, meta = load_transfer(model, weights)
-    if tree_size:
-        paths = choose_tree(meta["acc"], tree_size)
-    else:  # Medusa's tree, as the paper compares them
-        medusa = Path(weights) / "medusa.safetensors"
-        paths = load_drafter_file(medusa, model, "python train.py --method medusa")[1]["tree"] \
-            if medusa.is_file() else meta["tree"]
-    return HiddenTransfer(tr, [p for p in paths if len(p) <= tr.k], chained)
+    paths = choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"]
+    return HiddenTransfer(tr, [p for p in paths if len(p) <= tr.k], model.lm_head, chained)
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -231,15 +205,12 @@ def pack(seqs: list[list[int]], starts: list[int], k: int, attention: str):
 
 
 def pseudo_states(model, tr: Transfer, tokens, pos, vis, hosts, record=None):
-    """Final normed states (B, R, D) of a packed batch: cache-free, the model frozen."""
-    (B, R), a = tokens.shape, model.args
-    H = hosts.shape[1]
+    """Final normed states (B, R, D) of a packed batch: cache-free, the model frozen; the same
+    layer loop as decoding."""
+    R, H = tokens.shape[1], hosts.shape[1]
     T = R - tr.k * H
-    ctx = Context(*model.rope(pos), torch.arange(R, device=tokens.device), False, mask=vis, L=R)
-    w = model.embed.weight
-    kv = lambda L: (w.new_zeros(B, a.kv_heads, R, a.hd), w.new_zeros(B, a.kv_heads, R, a.hd))
-    rows = [T + i * H + torch.arange(H) for i in range(tr.k)]
-    return transfer_layers(model, tr, ctx, model.embed(tokens), hosts, rows, kv, True, record)
+    f = Forward.training(model, tokens, pos, vis)
+    return transfer(f, tr, f.embed(), hosts, [T + i * H + torch.arange(H) for i in range(tr.k)], record)
 
 
 def kl_loss(model, h, valid, teacher):
@@ -274,15 +245,12 @@ def ordered(data, k, attention, batch_size):
 def accuracy(model, tr, data, attention="chain", topk=10, batch_size=8):
     """acc[i][r]: how often step i's rank-r candidate is the model's greedy token on held-out
     sequences, by default with the attention decoding uses (chain)."""
-    hits, count = torch.zeros(tr.k, topk), torch.zeros(tr.k)
+    acc = RankAccuracy(tr.k, topk)
     for tokens, pos, vis, hosts, valid, teacher, label in ordered(data, tr.k, attention, batch_size):
         (B, k, H), T = label.shape, tokens.shape[1] - tr.k * label.shape[2]
         h = pseudo_states(model, tr, tokens, pos, vis, hosts)
-        top = model.lm_head(h[:, T:]).topk(topk, -1).indices.view(B, k, H, topk)
-        ok = label != -100
-        hits += ((top == label[..., None]) & ok[..., None]).sum((0, 2)).float()
-        count += ok.sum((0, 2)).float()
-    return (hits / count.clamp(min=1)[:, None]).tolist()
+        acc.add(model.lm_head(h[:, T:]).view(B, k, H, -1).transpose(1, 2), label.transpose(1, 2))
+    return acc.result()
 
 
 @torch.no_grad()

@@ -34,8 +34,9 @@ Choices where the paper is silent, and why:
   matches are more relevant, shorter ones fill the budget.
 - Responses are inserted starting at the prompt's last token, so the first generated
   tokens are found as its continuation.
-- The trie lives on the host and is searched there between forwards; the forward itself is the
-  engine's (a CUDA graph in exact mode on a GPU).
+
+What runs where: the trie lives on the host and is searched there between steps; the forward and
+its verification are the engine's (one CUDA graph in exact mode on a GPU, whatever the tree).
 """
 import heapq
 import json
@@ -222,12 +223,11 @@ class Lookahead(Drafter):
         self.seen = 0  # tokens of the response (the prompt's last token, then the output) inserted
 
     def draft(self, dec):
-        budget = min(self.decoding_length, dec.room - 1)
         m = self.max_prefix
         j, node = self.trie.retrieve((dec.prompt[-m:] + dec.out[-m:])[-m:], m, self.min_nodes)
-        if node is None or budget < 1:
+        if node is None:
             return Tree.chain(dec.last)
-        picked = self.trie.select(node, budget, self.strategy)
+        picked = self.trie.select(node, self.decoding_length, self.strategy)
         return Tree([dec.last] + [t for t, _ in picked], [-1] + [p + 1 for _, p in picked])
 
     def accepted(self, dec, tree, path):

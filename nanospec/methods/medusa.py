@@ -20,10 +20,11 @@ Choices where the papers are silent, and why:
   accuracies whose parent is already in the tree (Medusa's sparse trees), up to tree_size nodes.
 - The first step of a generation has no hidden state yet for the prompt's last token, so it
   drafts nothing (one AR step).
-- On a GPU (exact mode) the forward that returns the hidden state is the engine's CUDA graph;
-  the heads run eagerly after it on the last accepted row (one small matmul per head).
+
+What runs where: the forward, greedy verification and the heads on the last accepted node (then
+their top-k) are one device program, a CUDA graph in exact mode on a GPU; the host reads back the
+accepted path and the candidates, and the tree's shape is laid out once (tree.Template).
 """
-import heapq
 import math
 import time
 from pathlib import Path
@@ -32,12 +33,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checkpoint import fingerprint, load_drafter_file, save_drafter
+from ..checkpoint import fingerprint, load_trained, save_drafter
 from ..data import distill_args
 from ..engine import Drafter
-from ..model import Block
-from ..training import adamw, cosine_lr, distilled, Progress, update
-from ..tree import Tree
+from ..forward import Out
+from ..model import hidden_states
+from ..training import RankAccuracy, adamw, cosine_lr, distilled, Progress, update
+from ..tree import Template, Tree, choose_tree
 
 
 class Heads(nn.Module):
@@ -58,64 +60,38 @@ class Heads(nn.Module):
         return torch.stack([p(h + F.silu(r(h))) for r, p in zip(self.res, self.proj)])
 
 
-def choose_tree(acc: list[list[float]], size: int) -> list[tuple[int, ...]]:
-    """Rank paths (r_1, ..., r_d), parents first: the `size` most probable under acc[k][r]."""
-    K, R = len(acc), len(acc[0])
-    heap = [(-acc[0][r], (r,)) for r in range(R)]
-    heapq.heapify(heap)
-    paths = []
-    while heap and len(paths) < size:
-        p, path = heapq.heappop(heap)
-        paths.append(path)
-        if len(path) < K:
-            for r in range(R):
-                heapq.heappush(heap, (p * acc[len(path)][r], path + (r,)))
-    return paths
-
-
 class Medusa(Drafter):
     name = "medusa"
 
     def __init__(self, heads: Heads, paths: list[tuple[int, ...]]):
-        self.heads, self.paths = heads, [tuple(p) for p in paths]
-        self.max_rows = 1 + len(self.paths)
-        depth = max(map(len, self.paths))
-        self.topk = [1 + max(p[d] for p in self.paths if len(p) > d) for d in range(depth)]
-
-    def start(self, dec):
-        self.cands = None
+        self.heads = heads
+        self.template = Template(paths)
+        self.max_rows, self.topk = len(self.template), self.template.topk
 
     def draft(self, dec):
-        if self.cands is None:
-            return Tree.chain(dec.last)
-        return Tree.from_choices(dec.last, self.cands, self.paths[:max(0, dec.room - 1)])
+        """The static tree over the heads' candidates from the last step (none yet: the root alone)."""
+        return Tree.chain(dec.last) if dec.cands is None else self.template.tree(dec.last, dec.cands)
 
-    def forward(self, dec, tree):
-        logits, self.h = dec.run(tree.block(dec.cur), hidden=True)
-        return logits
+    def forward(self, f, nodes):
+        """One forward verifies the tree and gives every node's final state h: the heads' input."""
+        h = f.norm(f.layers(f.embed()))
+        N = len(nodes.real)
+        return Out(f.logits(h, N), drafts=h[0, :N, None])
 
-    def accepted(self, dec, tree, path):
-        self.cands = self.guess(self.h[path[-1]])
-
-    def guess(self, h) -> list[list[int]]:
-        """Ranked candidates per depth from the hidden state of the last accepted node."""
-        logits = self.heads(h)  # (K, V)
-        return [logits[d].topk(k).indices.tolist() for d, k in enumerate(self.topk)]
+    def propose(self, h):
+        return self.heads(h[0])  # (K, V): head k guesses the token k+1 after the next one
 
 
 # --- weights on disk ---------------------------------------------------------------------------
 def load_heads(model, weights):
-    tensors, meta = load_drafter_file(Path(weights) / "medusa.safetensors", model, "python train.py --method medusa")
     a = model.args
-    heads = Heads(a.dim, a.vocab_size, meta["heads"]).to(model.embed.weight)
-    heads.load_state_dict(tensors)
-    return heads.eval(), meta
+    return load_trained(model, Path(weights) / "medusa.safetensors", "python train.py --method medusa",
+                        lambda meta: Heads(a.dim, a.vocab_size, meta["heads"]))
 
 
 def load_medusa(model, weights, tree_size=0) -> Medusa:
     heads, meta = load_heads(model, weights)
-    paths = choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"]
-    return Medusa(heads, paths)
+    return Medusa(heads, choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"])
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -127,24 +103,6 @@ def add_args(p):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--tree-size", type=int, default=24, help="draft nodes of the static tree")
     p.add_argument("--topk", type=int, default=10, help="ranks per head the tree may use")
-
-
-@torch.no_grad()
-def hidden_states(model, seqs: list[list[int]], layer: int | None = None, batch: int = 16) -> list[torch.Tensor]:
-    """The frozen model's hidden state at every position of every sequence: the final normed one,
-    or with `layer` the residual stream after that many layers (ProPD's early heads)."""
-    out = []
-    for i in range(0, len(seqs), batch):
-        part = seqs[i:i + batch]
-        T = max(map(len, part))
-        blk = Block.causal(torch.tensor([s + [0] * (T - len(s)) for s in part], device=model.embed.weight.device))
-        ctx = model.context(blk, T, False)  # right padding: causal, so harmless
-        x = model.embed(blk.tokens)
-        for L in model.layers[:layer]:
-            x = L(x, ctx, None, None)
-        h = model.norm(x) if layer is None else x
-        out += [h[j, :len(s)] for j, s in enumerate(part)]
-    return out
 
 
 def samples(model, data, K: int):
@@ -165,13 +123,11 @@ def loss_fn(logits, targets):  # logits (K, N, V), targets (N, K)
 
 @torch.no_grad()
 def accuracy(heads, h, targets, topk: int, batch: int = 4096) -> list[list[float]]:
-    """acc[k][r]: fraction of positions where head k's rank-r candidate is the target."""
-    hits = torch.zeros(targets.shape[1], topk)
+    """acc[k][r]: how often head k's rank-r candidate is the target, on held-out positions."""
+    acc = RankAccuracy(targets.shape[1], topk)
     for i in range(0, len(h), batch):
-        top = heads(h[i:i + batch]).topk(topk, dim=-1).indices  # (K, n, topk)
-        hits += (top == targets[i:i + batch].T[..., None]).float().sum(1)
-    valid = (targets != -100).sum(0).clamp(min=1)[:, None]
-    return (hits / valid).tolist()
+        acc.add(heads(h[i:i + batch]).transpose(0, 1), targets[i:i + batch])
+    return acc.result()
 
 
 def train(args):

@@ -34,8 +34,10 @@ Choices where the paper is silent, and why:
   the model's own output. A first 400-step run with corpus text in both halves (the paper
   continues pretraining on code) left the adaptive tokens weak: 0.45 top-1 for token t+2 on the
   model's own text and about 0.2 further out, 1.05 tokens/step. `--data corpus` reruns it.
-- Both forwards of a loop (draft, verify) are the engine's, so on a GPU in exact mode each replays
-  a CUDA graph; choosing the nucleus tree from the draft's logits happens on the host between them.
+
+What runs where: each forward of a loop, with its verification and the lm_head's top-k over the
+adaptive rows, is one device program (a CUDA graph per tree size in exact mode on a GPU); the tree
+shape is laid out once (tree.Template) and filled on the device.
 """
 import json
 import sys
@@ -53,45 +55,56 @@ from ..model import Block
 from ..pretrain import eval_loss, val_windows, windows
 from ..tokenizer import Tokenizer
 from ..training import Progress, adamw, cosine_lr, hardware, update
-from ..tree import Tree, group_rows
+from ..forward import Out
+from ..tree import Template, Tree, group_rows
 
 class SDSAT(Drafter):
     name = "sdsat"
 
-    def __init__(self, adaptive: list[int], k: int = 5, width: int = 1):
+    def __init__(self, adaptive: list[int], lm_head, k: int = 5, width: int = 1):
         if k < 1 or width < 1:
             raise NanospecError(f"sdsat k={k}, width={width}: both must be at least 1")
         if 1 < len(adaptive) < k:
             raise NanospecError(f"sdsat k={k}: this model was trained with {len(adaptive)} diverse adaptive "
                                 f"tokens; use k <= {len(adaptive)}")
         self.adaptive = adaptive * k if len(adaptive) == 1 else adaptive[:k]  # identical or diverse tokens
-        self.k, self.width = k, width
-        self.max_rows = 1 + k * width + k
-        self.paths = [(0,) * d + (j,) for d in range(k) for j in range(width)]  # top-1s have children
+        self.lm_head, self.k, self.width = lm_head, k, width
+        self.template = Template([(0,) * d + (j,) for d in range(k) for j in range(width)])  # top-1s have children
+        self.topk = self.template.topk
+        self.max_rows = self.size(len(self.template))
         self.verifying = self.drafts_accepted = self.draft_only = 0  # statistics for report()
 
-    def start(self, dec):
-        self.cands = None  # per depth, ranked candidates for the next tree
+    def size(self, n):
+        return n + self.k
 
     def draft(self, dec):
-        if self.cands is None:
-            return Tree.chain(dec.last)  # draft step 1
-        return Tree.from_choices(dec.last, self.cands, self.paths[:max(0, dec.room - 1)])
+        """Draft step 2 from the adaptive tokens' candidates, or (none) draft step 1: the root alone."""
+        return Tree.chain(dec.last) if dec.cands is None else self.template.tree(dec.last, dec.cands)
 
-    def forward(self, dec, tree):
-        n, k = len(tree), self.k
-        blk = tree.block(dec.cur)
-        if n + k > dec.room:  # no room for adaptive tokens: verify alone, draft nothing next
-            self.host = None
-            return dec.run(blk)
-        self.host = 0  # the end of the top-1 chain carries the adaptive tokens
-        while tree.kids[self.host]:
-            self.host = min(c[0] for c in tree.kids[self.host].values())
-        rows = group_rows(blk, [self.host], k, dec.cur + n)
-        rows.tokens = torch.tensor([self.adaptive])
-        logits = dec.run(Block.cat(blk, rows))
-        self.adaptive_logits = logits[n:]
-        return logits[:n]
+    def rows(self, dec, tree):
+        """The tree, then k adaptive tokens after the end of its top-1 chain (the lowest-index child at
+        every depth: the template puts rank 0 first)."""
+        self.host = 0
+        while self.host + 1 < len(tree) and self.host in tree.parents[self.host + 1:]:
+            self.host = tree.parents.index(self.host, self.host + 1)
+        n = len(tree)
+        blk = tree.block(dec.cur, dec.device)
+        rows = group_rows(blk, [self.host], self.k, dec.cur + n)
+        rows.tokens = torch.tensor([self.adaptive], device=dec.device)
+        return Block.cat(blk, rows)
+
+    def shape_key(self, nodes):
+        return nodes.n, self.host
+
+    def forward(self, f, nodes):
+        n, k, N = nodes.n, self.k, len(nodes.real)
+        h = f.norm(f.layers(f.embed()))
+        adaptive = h[0, n:n + k]  # drafts for the next loop, if the whole top-1 chain is accepted
+        host = torch.arange(N, device=h.device) == self.host
+        return Out(f.logits(h, N), drafts=adaptive[None].expand(N, k, -1), depths=torch.where(host, k, 0))
+
+    def propose(self, adaptive):
+        return self.lm_head(adaptive)
 
     def accepted(self, dec, tree, path):
         if len(tree) > 1:
@@ -99,10 +112,6 @@ class SDSAT(Drafter):
             self.drafts_accepted += len(path) - 1
         else:
             self.draft_only += 1
-        if self.host is not None and path[-1] == self.host:  # the whole top-1 chain: draft from its end
-            self.cands = self.adaptive_logits.topk(self.width, dim=-1).indices.tolist()
-        else:
-            self.cands = None
 
     def report(self):
         """Figure 3's accept rate: drafts accepted per verifying step over k."""
@@ -127,7 +136,7 @@ def load_sdsat(model, weights, k=5, width=1) -> SDSAT:
     if meta["fingerprint"] != fingerprint(model):
         raise NanospecError(f"{model_dir(weights)} holds another model than the one loaded: sdsat decodes "
                             "its own fine-tuned weights")
-    return SDSAT(meta["adaptive"], k, width)
+    return SDSAT(meta["adaptive"], model.lm_head, k, width)
 
 
 # --- training ----------------------------------------------------------------------------------
