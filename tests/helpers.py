@@ -1,5 +1,9 @@
-"""Shared test helpers: random tiny models and an adversarial drafter."""
+"""Shared test helpers: random tiny models, an adversarial drafter, entry scripts run in-process."""
+import contextlib
+import importlib.util
+import io
 import random
+from pathlib import Path
 
 import torch
 from hypothesis import strategies as st
@@ -103,3 +107,26 @@ class Adversary(Drafter):
                          torch.arange(cur + n, cur + n + e), torch.full((1, e), cur), torch.tensor([seen]))
             block = Block.cat(block, rows)
         return dec.run(block)[:n]
+
+
+def decode_main(argv):
+    """decode.py's main(), imported from the repository root (it is a script, not a module)."""
+    spec = importlib.util.spec_from_file_location("decode_script", Path(__file__).resolve().parents[1] / "decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def run_cli(main, *args) -> str:
+    """Run an entry point as `nanospec.cli` does, expecting bad input: exit code 2 and exactly
+    one stderr line, `error: ...`, which is returned."""
+    from nanospec import cli
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            cli(lambda: main([str(a) for a in args]))
+        except SystemExit as e:
+            code = e.code
+    lines = err.getvalue().strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err.getvalue()
+    return lines[0]
