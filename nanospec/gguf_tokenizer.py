@@ -20,13 +20,16 @@ def byte_level(use_regex: bool):
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
 
 
+def digits_then_gpt2():  # every digit alone, then GPT-2's regex (SmolLM's and StarCoder's tokenizer.json too)
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level(True)])
+
+
 # pre name -> (pre-tokenizer, ignore_merges); llama.cpp: llama-vocab.cpp, by the same names
 PRE = {
     "default": lambda: (byte_level(True), False),  # GPT-2's regex
     "gpt-2": lambda: (byte_level(True), False),
-    # every digit alone, then GPT-2's regex (SmolLM's and StarCoder's own tokenizer.json say the same)
-    "smollm": lambda: (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level(True)]), False),
-    "starcoder": lambda: (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level(True)]), False),
+    "smollm": lambda: (digits_then_gpt2(), False),
+    "starcoder": lambda: (digits_then_gpt2(), False),
     "llama-bpe": lambda: (pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
                                                    byte_level(False)]), True),
 }
@@ -76,7 +79,8 @@ def build(meta: dict, context_length: int | None = None) -> tuple[str, dict]:
         specials = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
         tk.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(dict(specials).items()))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-              "unk_token": name("tokenizer.ggml.unknown_token_id"), "pad_token": name("tokenizer.ggml.padding_token_id"),
+              "unk_token": name("tokenizer.ggml.unknown_token_id"),
+              "pad_token": name("tokenizer.ggml.padding_token_id"),
               "add_bos_token": add_bos, "add_eos_token": add_eos, "clean_up_tokenization_spaces": False}
     if context_length:
         config["model_max_length"] = context_length

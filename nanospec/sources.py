@@ -60,7 +60,7 @@ def from_hub(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise NanospecError(f"--weights {repo_id} looks like a hub id, and that needs huggingface_hub "
+        raise NanospecError(f"--weights {repo_id}: no such directory here; as a hub id it needs huggingface_hub "
                             "(pip install huggingface_hub); or pass a local directory or .gguf file") from None
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
@@ -70,9 +70,9 @@ def from_hub(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
     except Exception as e:
         why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise NanospecError(f"--weights {repo_id}: not in the local hub cache, and it cannot be downloaded "
-                            f"({type(e).__name__}: {why}); run `huggingface-cli download {repo_id}` where there "
-                            "is a network, or pass a local directory or .gguf file") from None
+        raise NanospecError(f"--weights {repo_id}: no such directory here, not in the local hub cache, and it "
+                            f"cannot be downloaded ({type(e).__name__}: {why}); run `huggingface-cli download "
+                            f"{repo_id}` where there is a network, or pass a local directory or .gguf file") from None
 
 
 def resolve(weights, log=None) -> Path:

@@ -47,7 +47,7 @@ class JsonTokenizer:
         gen_cfg = read_json(path / "generation_config.json")
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
         self.bos_id = self.special("bos_token", model_cfg.get("bos_token_id"))
-        self.eos_id = self.special("eos_token", ids_of(model_cfg.get("eos_token_id"))[:1] or None)
+        self.eos_id = self.special("eos_token", (ids_of(model_cfg.get("eos_token_id")) or [None])[0])
         self.pad_id = self.special("pad_token", model_cfg.get("pad_token_id"))
         stop = ids_of(gen_cfg.get("eos_token_id")) or ids_of(model_cfg.get("eos_token_id"))
         self.stop_ids = stop or ids_of(self.eos_id)
@@ -57,8 +57,6 @@ class JsonTokenizer:
         if isinstance(token, dict):  # a serialized AddedToken
             token = token.get("content")
         tid = self.tk.token_to_id(token) if isinstance(token, str) else None
-        if isinstance(fallback, list):
-            fallback = fallback[0] if fallback else None
         return tid if tid is not None else fallback
 
     @property

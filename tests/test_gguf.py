@@ -47,7 +47,7 @@ def test_converted_once(tmp_path, cache, capsys):
     first = resolve(path, log=sys.stderr)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert resolve(path, log=sys.stderr) == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
-    assert capsys.readouterr().err.count("converted") == 1
+    assert capsys.readouterr().err.count("later runs reuse it") == 1
     assert first.parent.parent == cache and [p.name for p in first.parent.iterdir()] == [first.name]
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json"} <= {p.name for p in first.iterdir()}

