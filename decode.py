@@ -3,6 +3,7 @@
     python decode.py --method hidden_transfer --prompt "def fibonacci(n):"
     python decode.py --method ar --prompt "def fibonacci(n):"
     python decode.py --method ar --weights DIR --check --json
+    python decode.py --weights FILE.gguf --chat --prompt "Write a haiku about caches."
     python decode.py --bench --methods ar            # the default model's held-out prompts
 """
 import json
@@ -11,12 +12,13 @@ from pathlib import Path
 
 import torch
 
-from nanospec import ArgumentParser, NanospecError, cli, trace
+from nanospec import ArgumentParser, NanospecError, chat, cli, trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.checkpoint import DTYPES, fingerprint, load
 from nanospec.engine import Drafter, generate, shapes
 from nanospec.methods import METHODS, check_method, load_drafter, model_dir, split_specs
-from nanospec.tokenizer import Tokenizer
+from nanospec.sources import resolve
+from nanospec.tokenizer import load_tokenizer
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "pylm"
 
@@ -28,7 +30,10 @@ def parse_args(argv=None):
     p.add_argument("--prompt-file", help="read the prompt from this file")
     p.add_argument("--prompt-ids", help="comma-separated token ids instead of text (no BOS added)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--weights", default=None, help=f"HF Llama directory (default: {DEFAULT_WEIGHTS.relative_to(Path(__file__).parent)})")
+    p.add_argument("--weights", default=None, help="HF Llama directory, FILE.gguf (converted once, cached) or a hub "
+                   f"id org/name (default: {DEFAULT_WEIGHTS.relative_to(Path(__file__).parent)})")
+    p.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template as one user "
+                   "message, and stop at the template's end-of-turn token")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=list(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--mode", choices=["exact", "fast"],
@@ -56,10 +61,11 @@ def parse_args(argv=None):
 def setup(args):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")
-    weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS
-    if not args.weights and not weights.is_dir():
-        raise NanospecError(f"the default model ({weights}) is not in this checkout yet; "
+    if not args.weights and not DEFAULT_WEIGHTS.is_dir():
+        raise NanospecError(f"the default model ({DEFAULT_WEIGHTS}) is not in this checkout yet; "
                             "pass --weights DIR with an HF Llama checkpoint")
+    if args.chat and args.prompt_ids is not None:
+        raise NanospecError("--chat renders text: give --prompt, not --prompt-ids")
     if args.trace and args.bench:
         raise NanospecError("--trace records decoding, not --bench: use --prompts FILE.jsonl --trace OUT.jsonl")
     if args.trace and not Path(args.trace).resolve().parent.is_dir():
@@ -71,9 +77,16 @@ def setup(args):
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise NanospecError("sampling needs --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
+    weights = resolve(args.weights or DEFAULT_WEIGHTS, log=sys.stderr)
     own = model_dir(split_specs(args.methods) if args.bench else [args.method], weights)
+    tok = load_tokenizer(own)
+    args.weights_dir, args.eos_id = own, None
+    if args.chat:  # the template is checked before the weights are loaded
+        if tok is None:
+            raise NanospecError(f"--chat needs a tokenizer: {own} has no tokenizer.json or tokenizer.model")
+        args.eos_id = chat.end_of_turn(tok, chat.template(own))
     model = load(own, dtype, args.device)
-    return own, model, dtype, own != weights
+    return own, model, dtype, tok, own != weights
 
 
 def note_own_model(weights) -> None:
@@ -97,7 +110,9 @@ def encode(args, tok, text):
         except ValueError:
             raise NanospecError("--prompt-ids takes comma-separated integers, e.g. 1,450,3") from None
     if tok is None:
-        raise NanospecError("this weights directory has no tokenizer.model: pass --prompt-ids")
+        raise NanospecError("this weights directory has no tokenizer.json or tokenizer.model: pass --prompt-ids")
+    if args.chat:
+        return chat.prompt_ids(args.weights_dir, tok, text)[0]
     return tok.encode(text)
 
 
@@ -106,8 +121,7 @@ def main(argv=None):
     methods = split_specs(args.methods) if args.bench else [args.method]
     for m in methods:  # before loading any weights
         check_method(m)
-    weights, model, dtype, own_model = setup(args)
-    tok = Tokenizer(weights / "tokenizer.model") if (weights / "tokenizer.model").is_file() else None
+    weights, model, dtype, tok, own_model = setup(args)
     args.mode = args.mode or ("exact" if args.device == "cuda" else "fast")
     exact = args.mode == "exact"
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -122,7 +136,7 @@ def main(argv=None):
         if own_model:
             note_own_model(weights)
         results = bench(model, prompts, drafters, exact=exact, max_new_tokens=args.max_new_tokens,
-                        sampling=sampling, profile=args.profile)
+                        eos_id=args.eos_id, sampling=sampling, profile=args.profile)
         print(table(results))
         if args.json:
             print(json.dumps({**info, "max_new_tokens": args.max_new_tokens, "results": results}))
@@ -151,13 +165,16 @@ def main(argv=None):
 def decode_one(args, model, tok, drafter, text, info, exact, sampling, meta, entries) -> int:
     prompt = encode(args, tok, text)
     Q, S = shapes([drafter, Drafter()], len(prompt), args.max_new_tokens, args.block, args.max_len)
-    kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S,
+    kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S, eos_id=args.eos_id,
               record_logits=args.check or meta is not None, **sampling)
     out = generate(model, prompt, drafter, **kw)
     if meta is not None:
         entries.append(trace.record(prompt, out.tokens, out.logits, args.trace_k, **meta))
     new_text = tok.decode(out.tokens) if tok else None
-    print((text + new_text) if tok and args.prompt_ids is None else out.tokens, flush=True)
+    if args.chat:  # the reply alone, without the end-of-turn token
+        print(tok.decode(out.tokens[:-1] if out.stop == "eos" else out.tokens), flush=True)
+    else:
+        print((text + new_text) if tok and args.prompt_ids is None else out.tokens, flush=True)
     print(f"[{args.method}] {len(out.tokens)} tokens in {out.decode_s:.2f}s ({out.tokens_per_s:.1f} tok/s), "
           f"{out.steps} steps, {out.mean_accepted:.2f} tokens/step, stop: {out.stop}", file=sys.stderr)
     if out.stop == "cache_full":

@@ -7,8 +7,10 @@
     python train.py --method bita          # BiTA's mask and prompt tokens (--prompting deep|shallow|none)
     python train.py --method hidden_transfer  # Hidden Transfer's maps W_i (--layers 5,6,7)
     python train.py --method sdsat         # SDSAT: fine-tunes weights/NAME into weights/NAME-sdsat
+    python train.py --method medusa --weights FILE.gguf  # drafters for another base model (dir, .gguf, org/name)
     python train.py --method base --help   # a method's own options
 """
+import sys
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ from nanospec import ArgumentParser, NanospecError, cli
 from nanospec import pretrain
 from nanospec.data import distill_args
 from nanospec.methods import bita, hidden_transfer, medusa, propd, sdsat
+from nanospec.sources import resolve
 
 ROOT = Path(__file__).parent
 
@@ -52,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--method", required=True, help=f"one of: {', '.join(TRAINERS)}")
     p.add_argument("--name", default="pylm", help="model name: writes weights/NAME/")
     p.add_argument("--out", help="output directory (default weights/NAME)")
+    p.add_argument("--weights", help="the base model for a drafter trainer: a directory, FILE.gguf or hub id "
+                   "(resolved to an HF directory, which then takes the place of --out)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
@@ -61,6 +66,11 @@ def parse_args(argv=None):
         raise NanospecError(f"unknown method {known.method!r}; choose from: {', '.join(TRAINERS)}")
     TRAINERS[known.method][0](p)
     args = p.parse_args(argv)
+    if args.weights:
+        if args.out or args.method in ("tokenizer", "base"):
+            raise NanospecError("--weights names the base model of a drafter trainer: give it without --out, "
+                                "and not for --method tokenizer or base")
+        args.out = str(resolve(args.weights, log=sys.stderr))
     args.out = args.out or str(ROOT / "weights" / args.name)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")

@@ -41,7 +41,8 @@ from . import trace as traces
 from .bench import load_prompts
 from .checkpoint import DTYPES, fingerprint, load, load_args
 from .engine import generate
-from .tokenizer import Tokenizer
+from .sources import resolve
+from .tokenizer import load_tokenizer
 
 EPS = {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 ULPS = {"float32": 32, "bfloat16": 8, "float16": 8}  # calibrated: see the module docstring
@@ -227,18 +228,22 @@ def run_transformers(args) -> list[dict]:
         raise NanospecError("--engine transformers needs transformers: pip install transformers") from None
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    weights = Path(args.weights)
+    weights = resolve(args.weights, log=sys.stderr)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")
     settings = args.settings.split(",")
     for s in settings:
         if s not in SETTINGS:
             raise NanospecError(f"unknown setting {s!r}: one of {', '.join(SETTINGS)}")
+    if args.assistant:
+        args.assistant = resolve(args.assistant, log=sys.stderr)
     if args.assistant and "assisted" in settings and load_args(args.assistant).vocab_size != load_args(weights).vocab_size:
         raise NanospecError(f"the assistant at {args.assistant} has another vocabulary than {weights}: "
                             "assisted generation needs the same tokenizer")
     prompt_file = Path(args.prompts) if args.prompts else weights / "prompts.jsonl"
-    tok = Tokenizer(weights / "tokenizer.model")
+    tok = load_tokenizer(weights)
+    if tok is None:
+        raise NanospecError(f"{weights} has no tokenizer.json or tokenizer.model to encode the prompts with")
     prompts = [tok.encode(t) for t in load_prompts(prompt_file)[:args.limit]]
     runs = []
     for name in args.dtype.split(","):
@@ -286,13 +291,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--engine", choices=["transformers"], help="run this engine here and compare it")
     p.add_argument("--weights", default=str(Path(__file__).parents[1] / "weights" / "pylm"),
-                   help="--engine: an HF Llama directory (default: the shipped model)")
+                   help="--engine: an HF Llama directory, FILE.gguf or hub id org/name (default: the shipped model)")
     p.add_argument("--prompts", help="--engine: JSONL of {\"prompt\": ...} (default: the weights' prompts.jsonl)")
     p.add_argument("--limit", type=int, help="--engine: only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"--engine: some of {', '.join(SETTINGS)}")
-    p.add_argument("--assistant", help="--engine: the assistant model's directory (default: the first "
+    p.add_argument("--assistant", help="--engine: the assistant model (directory, .gguf or hub id; default: the first "
                    "--assistant-layers layers of --weights)")
     p.add_argument("--assistant-layers", type=int, default=2)
     p.add_argument("--calibrate", action="store_true", help="--engine: measure how far the engine's logits move "

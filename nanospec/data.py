@@ -60,7 +60,7 @@ def documents(split: str, root: Path = STDLIB, max_files: int | None = None) -> 
 
 def token_stream(tok, split: str, max_files: int | None = None) -> np.ndarray:
     """The split as one uint16 array: BOS, file tokens, EOS, for each file. Cached outside git."""
-    key = hashlib.sha256(tok.sp.serialized_model_proto()).hexdigest()[:12]
+    key = tok.identity
     name = f"{sys.version_info[0]}.{sys.version_info[1]}-{key}-{split}{f'-{max_files}' if max_files else ''}.npy"
     path = CACHE / name
     if path.is_file():

@@ -1,4 +1,5 @@
-"""A thin sentencepiece wrapper (Llama style: BOS prepended, byte fallback), and its trainer.
+"""A thin sentencepiece wrapper (Llama style: BOS prepended, byte fallback), its trainer, and
+load_tokenizer(dir): a weights directory's tokenizer, tokenizer.json or tokenizer.model.
 
 The trained tokenizer is BPE with byte fallback, so any text round-trips: characters
 outside the vocabulary become their UTF-8 bytes. Normalization is off and whitespace
@@ -6,6 +7,7 @@ is kept as is (code's indentation is data). Ids: 0 unk, 1 <s>, 2 </s>, 3 <pad>, 
 N_RESERVED control ids <reserved_i> that never come out of encode(): later methods
 claim them (SDSAT's adaptive tokens).
 """
+import hashlib
 import io
 from pathlib import Path
 
@@ -31,6 +33,11 @@ class Tokenizer:
         if self.sp.unk_id() in self.meta_bytes:
             self.meta_bytes = None  # no byte fallback: nothing better to do
 
+    @property
+    def identity(self) -> str:
+        """A stable hash of what the tokenizer does (caches of token ids are keyed by it)."""
+        return hashlib.sha256(self.sp.serialized_model_proto()).hexdigest()[:12]
+
     def encode(self, text: str, bos: bool = True) -> list[int]:
         ids = [self.bos_id] if bos and self.bos_id >= 0 else []
         parts = text.split(SPACE_META) if self.meta_bytes else [text]
@@ -41,12 +48,28 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(list(ids))
 
+    def token_id(self, piece: str) -> int | None:
+        pid = self.sp.piece_to_id(piece)
+        return None if pid == self.sp.unk_id() and piece != self.sp.id_to_piece(pid) else pid
+
     def reserved(self, i: int) -> int:
         """Id of the i-th reserved control token."""
         rid = self.sp.piece_to_id(f"<reserved_{i}>")
         if rid == self.sp.unk_id():
             raise NanospecError(f"this tokenizer has no <reserved_{i}> token")
         return rid
+
+
+def load_tokenizer(path):
+    """The tokenizer of a weights directory: tokenizer.json first (as transformers does), else
+    tokenizer.model; None when it has neither."""
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        from .tokenizer_json import JsonTokenizer
+        return JsonTokenizer(path)
+    if (path / "tokenizer.model").is_file():
+        return Tokenizer(path / "tokenizer.model")
+    return None
 
 
 def train_tokenizer(texts, vocab_size: int) -> bytes:

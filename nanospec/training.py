@@ -7,7 +7,7 @@ import torch
 
 from .checkpoint import atomic_write, load
 from .data import distill
-from .tokenizer import Tokenizer
+from .tokenizer import load_tokenizer
 
 
 def cosine_lr(step: int, steps: int, peak: float, warmup: int, floor: float = 0.1) -> float:
@@ -33,7 +33,7 @@ def distilled(args):
     model = load(out)
     for p in model.parameters():
         p.requires_grad_(False)
-    data = distill(model, Tokenizer(out / "tokenizer.model"), args.distill_prompts, args.new_tokens)
+    data = distill(model, load_tokenizer(out), args.distill_prompts, args.new_tokens)
     return model, [d for i, d in enumerate(data) if i % 10], data[::10]
 
 

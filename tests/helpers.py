@@ -225,3 +225,17 @@ class Adversary(Drafter):
                          torch.arange(cur + n, cur + n + e), torch.full((1, e), cur), torch.tensor([seen]))
             block = Block.cat(block, rows)
         return block.to(dec.device)
+
+
+def run_cli(main, *argv) -> str:
+    """An entry point given bad input: exit code 2 and exactly one stderr line, `error: ...`,
+    which is returned."""
+    code, _, err = call(main, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
+    return lines[0]
+
+
+def decode_main(argv):
+    import decode  # the script at the repository root (python -m pytest puts it on the path)
+    return decode.main(argv)

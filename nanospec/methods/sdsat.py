@@ -53,7 +53,7 @@ from ..data import distill, distill_args, token_stream
 from ..engine import Drafter
 from ..model import Block
 from ..pretrain import eval_loss, val_windows, windows
-from ..tokenizer import Tokenizer
+from ..tokenizer import load_tokenizer
 from ..training import Progress, adamw, cosine_lr, hardware, update
 from ..forward import Out
 from ..tree import Template, Tree, group_rows
@@ -198,7 +198,7 @@ def train(args):
     base_dir = Path(args.out)
     out = base_dir.with_name(base_dir.name + "-sdsat")
     model = load(base_dir, torch.float32, args.device)
-    tok = Tokenizer(base_dir / "tokenizer.model")
+    tok = load_tokenizer(base_dir)
     ids = [tok.reserved(i) for i in range(args.window if args.diverse else 1)]  # the adaptive tokens
     base_fp = fingerprint(model)
     train_ids, val_ids = token_stream(tok, "train", args.max_files), token_stream(tok, "val", args.max_files)

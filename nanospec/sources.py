@@ -1,0 +1,93 @@
+"""Where weights come from: every `--weights` goes through resolve(), which returns an HF directory.
+
+- a directory: itself;
+- FILE.gguf: converted once (nanospec.convert) into the cache, keyed by the file's sha256, and
+  reused from then on;
+- org/name (a hub id, when no such path exists here): the snapshot that huggingface_hub (an
+  optional dependency) has cached, downloaded first when the network allows.
+
+The cache root is $NANOSPEC_CACHE, else ~/.cache/nanospec: outside the repository.
+"""
+import hashlib
+import os
+import re
+import time
+from pathlib import Path
+
+from . import NanospecError
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja"]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("NANOSPEC_CACHE") or Path.home() / ".cache" / "nanospec")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def gguf_dir(path: Path, digest: str | None = None) -> Path:
+    """The cache directory a GGUF converts into (whether or not it exists yet)."""
+    return cache_root() / "gguf" / f"{path.stem}-{(digest or sha256(path))[:16]}"
+
+
+def from_gguf(path: Path, log=None) -> Path:
+    from .convert import convert
+    digest = sha256(path)
+    out = gguf_dir(path, digest)
+    if (out / "config.json").is_file():
+        return out
+    t0 = time.perf_counter()
+    try:
+        convert(path, out, sha256=digest)
+    except NanospecError:
+        if not (out / "config.json").is_file():  # unless another process converted it meanwhile
+            raise
+    if log:  # after the fact, so that a failed conversion says one line: its error
+        print(f"converted {path} into {out} in {time.perf_counter() - t0:.1f}s (once: later runs reuse it)",
+              file=log, flush=True)
+    return out
+
+
+def from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise NanospecError(f"--weights {repo_id}: no such directory here; as a hub id it needs huggingface_hub "
+                            "(pip install huggingface_hub); or pass a local directory or .gguf file") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+    except Exception:
+        pass  # not cached: download it, unless told to stay offline
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as e:
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise NanospecError(f"--weights {repo_id}: no such directory here, not in the local hub cache, and it "
+                            f"cannot be downloaded ({type(e).__name__}: {why}); run `huggingface-cli download "
+                            f"{repo_id}` where there is a network, or pass a local directory or .gguf file") from None
+
+
+def resolve(weights, log=None) -> Path:
+    """An HF directory for a directory, a .gguf file or a hub id."""
+    spec = str(weights)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise NanospecError(f"no GGUF file at {path}")
+        return from_gguf(path, log)
+    if path.exists():
+        raise NanospecError(f"--weights {spec}: pass a weights directory, a .gguf file or a hub id (org/name)")
+    if HUB_ID.match(spec) and not spec.startswith((".", "~")):
+        return from_hub(spec)
+    raise NanospecError(f"no weights directory at {path}: pass --weights DIR (an HF Llama checkpoint), "
+                        "FILE.gguf or a hub id org/name")

@@ -1,0 +1,132 @@
+"""Tiny Llama GGUFs written with the gguf library itself, as llama.cpp's converter would write them:
+Q and K rows permuted, 1-D norms in F32, a byte-level BPE tokenizer trained here. No download."""
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T, GGUFWriter, quants
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from helpers import random_model
+from nanospec.checkpoint import to_hf_name
+from nanospec.model import ModelArgs
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # the gguf library dequantizes these but cannot quantize them
+GGUF_NAMES = {v: k for k, v in {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}.items()}
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+@lru_cache(maxsize=None)
+def bpe(vocab_size: int = 400) -> tuple[list[str], list[str]]:
+    """(tokens in id order, merges) of a byte-level BPE trained on nanospec's own source."""
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator([p.read_text() for p in sorted((ROOT / "nanospec").glob("*.py"))], trainer)
+    model = json.loads(tk.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py permute(): HF's rotate-half rows -> GGML's interleaved rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, T | None]:
+    if qtype == "F32":
+        return w.astype(np.float32), None
+    if qtype == "F16":
+        return w.astype(np.float16), None
+    if qtype in K_QUANTS:  # random blocks; bytes <= 0x1F keep every fp16 scale small and finite
+        elems, nbytes = quants.GGML_QUANT_SIZES[T[qtype]]
+        return rng.integers(0, 0x20, (w.shape[0], w.shape[1] // elems * nbytes), dtype=np.uint8), T[qtype]
+    return quants.quantize(w.astype(np.float32), T[qtype]), T[qtype]
+
+
+def llama_args(vocab_size: int, tie: bool = True) -> ModelArgs:
+    # dim and hidden are multiples of 256, the K-quants' block
+    return ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab_size, hidden_dim=256,
+                     rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=tie, bos_id=1, eos_id=2, pad_id=0)
+
+
+def write_gguf(path: Path, qtype: str = "F32", arch: str = "llama", tie: bool = True, pre: str = "default",
+               seed: int = 0, chat: bool = True, tokenizer: bool = True, merges: bool = True,
+               add_bos: bool = False) -> Path:
+    tokens, merge_list = bpe()
+    args = llama_args(len(tokens), tie)
+    model = random_model(args, seed=seed)
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(args.n_layers)
+    w.add_context_length(512)
+    w.add_embedding_length(args.dim)
+    w.add_feed_forward_length(args.hidden_dim)
+    w.add_head_count(args.n_heads)
+    w.add_head_count_kv(args.kv_heads)
+    w.add_rope_freq_base(args.rope_theta)
+    w.add_layer_norm_rms_eps(args.norm_eps)
+    w.add_rope_dimension_count(args.hd)
+    w.add_vocab_size(args.vocab_size)
+    w.add_file_type(0)
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+        if merges:
+            w.add_token_merges(merge_list)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_pad_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(add_bos)
+    if chat:
+        w.add_chat_template(CHAT)
+    for name, t in model.state_dict().items():
+        if tie and name == "lm_head.weight":
+            continue
+        hf = to_hf_name(name).removesuffix(".weight")
+        if hf.startswith("model.layers."):
+            i, leaf = hf.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{i}.{LAYER[leaf]}.weight"
+        else:
+            gname = f"{GGUF_NAMES[hf]}.weight"
+        a = t.detach().float().numpy()
+        if leaf_is(gname, "attn_q"):
+            a = permute(a, args.n_heads)
+        elif leaf_is(gname, "attn_k"):
+            a = permute(a, args.kv_heads)
+        if a.ndim == 1:
+            w.add_tensor(gname, a.astype(np.float32))
+        else:
+            data, raw = encode(a, qtype, rng)
+            w.add_tensor(gname, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def leaf_is(gname: str, leaf: str) -> bool:
+    return gname.split(".")[-2] == leaf
+
+
+def transformers_model(path: Path):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    return transformers.LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
