@@ -64,7 +64,7 @@ class Drafter:
         return n
 
     def rows(self, dec: "Decoding", tree: Tree) -> Block:
-        return tree.block(dec.cur, dec.device)
+        return dec.block(tree)
 
     def shape_key(self, nodes: Nodes):
         """What the forward's computation depends on besides its inputs' shapes (nodes.n, the tree size
@@ -106,6 +106,10 @@ class Decoding:
         self.cand_lists = None     # the same, on the host
         self.forward_s = 0.0       # time in forwards (synchronised), for the benchmark's host time
 
+    def block(self, tree: Tree) -> Block:
+        """The tree's rows at the current position, on the device."""
+        return tree.block(self.cur, self.device)
+
     @property
     def room(self) -> int:
         """Rows the next forward may write: slots cur..capacity-1."""
@@ -131,6 +135,11 @@ class Decoding:
             f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact)
             lay = type(nodes.lay)(parent, depth, index, anc)
             out = drafter.forward(f, Nodes(node_tokens, lay, real, nodes.n))
+            N = len(node_tokens)  # drafts may cover the real nodes only: pad them to the padded tree
+            if out.drafts is not None and len(out.drafts) < N:
+                out.drafts = F.pad(out.drafts, (0, 0, 0, 0, 0, N - len(out.drafts)))
+            if out.depths is not None and len(out.depths) < N:
+                out.depths = F.pad(out.depths, (0, N - len(out.depths)))
             if not greedy:
                 return out.logits, out.drafts, out.depths, out.alive
             path, emitted = accept(node_tokens, lay, out.logits, out.alive)

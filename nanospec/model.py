@@ -100,8 +100,7 @@ class ModelArgs:
             "head_dim": self.hd, "rms_norm_eps": self.norm_eps, "hidden_act": "silu",
             "rope_theta": self.rope_theta, "rope_scaling": None if rope["rope_type"] == "default" else rope,
             "rope_parameters": {"rope_theta": self.rope_theta, **rope},
-            "tie_word_embeddings": self.tie_embeddings,
-            "max_position_embeddings": self.max_seq_len, "bos_token_id": self.bos_id,
+            "tie_word_embeddings": self.tie_embeddings, "max_position_embeddings": self.max_seq_len, "bos_token_id": self.bos_id,
             "eos_token_id": self.eos_id, "pad_token_id": self.pad_id,
             "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
         }
@@ -386,14 +385,13 @@ class Llama(nn.Module):
 
 @torch.no_grad()
 def hidden_states(model: Llama, seqs: list[list[int]], layer: int | None = None, batch: int = 16) -> list[torch.Tensor]:
-    """The model's states at every position of every sequence (training data for drafters): the
-    final normed ones, or with `layer` the residual stream after that many layers."""
+    """Every position's final normed state (with `layer`: the residual stream after that many
+    layers) in every sequence: drafters' training data. Right padding is harmless: causal."""
     out = []
-    for i in range(0, len(seqs), batch):
-        part = seqs[i:i + batch]
+    for part in (seqs[i:i + batch] for i in range(0, len(seqs), batch)):
         T = max(map(len, part))
         blk = Block.causal(torch.tensor([s + [0] * (T - len(s)) for s in part], device=model.embed.weight.device))
-        ctx = model.context(blk, T, False)  # right padding: causal, so harmless
+        ctx = model.context(blk, T, False)
         x = model.embed(blk.tokens)
         for L in model.layers[:layer]:
             x = L(x, ctx, None, None)

@@ -239,17 +239,17 @@ def verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int, alive
     return walk(0, n_out)
 
 
-def group_rows(blk: Block, hosts: list[int], M: int, first_slot: int, reserved=None, chained: bool = True) -> Block:
+def group_rows(blk: Block, hosts: list[int], M: int, reserved=None, chained: bool = True) -> Block:
     """A group of M rows after each host node of a tree block (BiTA's mask tokens, Hidden
     Transfer's pseudo states, SDSAT's adaptive tokens): row i of a host at position p sits at
-    p+1+i, writes slot first_slot + (group * M + i) and sees the reserved slots, the host's path
-    and its group's rows 0..i (chained=False: itself only). No tree row sees them."""
+    p+1+i, writes the slot after the block's + (group * M + i) and sees the reserved slots, the
+    host's path and its group's rows 0..i (chained=False: itself only). No tree row sees them."""
     dev = blk.slots.device
     H = len(hosts)
     h = torch.tensor(hosts, device=dev)
     i = torch.arange(M, device=dev)
     pos = (blk.pos[0, h][:, None] + 1 + i).reshape(1, H * M)
-    slots = first_slot + torch.arange(H * M, device=dev)
+    slots = blk.slots[-1:] + 1 + torch.arange(H * M, device=dev)  # on the device: no host read
     group = slots.view(H, 1, M).expand(H, M, M)
     sees = i[None, None] <= i[None, :, None] if chained else i[None, None] == i[None, :, None]
     group = torch.where(sees, group, -1)

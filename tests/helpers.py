@@ -215,7 +215,7 @@ class Adversary(Drafter):
 
     def rows(self, dec, tree):
         n, e = len(tree), self.extra_rows
-        block = tree.block(dec.cur)
+        block = dec.block(tree)
         if e:
             r, cur = self.rng, dec.cur
             seen = [[cur + r.randrange(n) for _ in range(3)] + [cur + n + i] for i in range(e)]
@@ -223,8 +223,8 @@ class Adversary(Drafter):
                 seen = [self.slots.tolist() + s for s in seen]
             rows = Block(torch.randint(0, self.V, (1, e)), torch.full((1, e), cur + r.randrange(4)),
                          torch.arange(cur + n, cur + n + e), torch.full((1, e), cur), torch.tensor([seen]))
-            block = Block.cat(block, rows)
-        return block.to(dec.device)
+            block = Block.cat(block, rows.to(dec.device))
+        return block
 
 
 def run_cli(main, *argv) -> str:

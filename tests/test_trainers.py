@@ -4,6 +4,7 @@ from pathlib import Path
 
 import train
 from helpers import call, check_exact, random_model
+from nanospec import analysis
 from nanospec.checkpoint import load, save
 from nanospec.methods import load_drafter, model_dir
 from nanospec.model import ModelArgs
@@ -29,8 +30,8 @@ def test_trainers_write_loadable_drafters(tmp_path):
     base = load(tmp_path)
     for spec in ("medusa", "propd:layer=1", "bita", "hidden_transfer"):
         check_exact(base, [1, 400, 401, 402], load_drafter(spec, base, tmp_path), 12)
-    code, out, err = call(train.main, "--method", "hidden_transfer", "--analyze", "--out", tmp_path,
-                          "--distill-prompts", 6, "--new-tokens", 8, "--early-steps", 2, "--early-rank", 4)
+    code, out, err = call(analysis.main, "hidden_transfer", "--weights", tmp_path, "--distill-prompts", 6,
+                          "--new-tokens", 8, "--early-steps", 2, "--early-rank", 4)
     assert code == 0 and "Figure 3" in out and "Figure 4" in out, err[-2000:]
     # SDSAT fine-tunes the base into a model directory of its own, decoded against its own AR
     code, out, err = call(train.main, "--method", "sdsat", "--out", tmp_path, "--steps", 2, "--batch-size", 2,

@@ -102,7 +102,7 @@ class BiTA(Drafter):
     def start(self, dec):
         tune, slots = self.tune, dec.reserved
         if tune.prompting == "deep":
-            for i in range(dec.model.args.n_layers):
+            for i in range(len(tune.key)):
                 kc, vc = dec.cache.layer(i)
                 kc[:, :, slots] = tune.key[i]
                 vc[:, :, slots] = tune.value[i]
@@ -117,9 +117,8 @@ class BiTA(Drafter):
         return Tree.chain(dec.last) if dec.cands is None else self.template.tree(dec.last, dec.cands)
 
     def rows(self, dec, tree):
-        n = len(tree)
-        blk = tree.block(dec.cur, dec.device)
-        return Block.cat(blk, group_rows(blk, list(range(self.groups(n))), self.tune.M, dec.cur + n, dec.reserved))
+        blk = dec.block(tree)
+        return Block.cat(blk, group_rows(blk, list(range(self.groups(len(tree)))), self.tune.M, dec.reserved))
 
     def shape_key(self, nodes):
         return nodes.n
@@ -136,7 +135,7 @@ class BiTA(Drafter):
             depth = nodes.lay.depth
             drafts = masks[0, (depth[:, None] + torch.arange(M, device=depth.device)).clamp(max=M - 1)]
             return Out(f.logits(h, N), drafts=drafts, depths=(M - depth).clamp(min=0))
-        return Out(f.logits(h, N), drafts=F.pad(masks, (0, 0, 0, 0, 0, N - n)))
+        return Out(f.logits(h, N), drafts=masks)
 
     def propose(self, masks):
         return self.lm_head(masks)  # (M, V): mask i predicts the token i+1 after the next one

@@ -127,20 +127,19 @@ class HiddenTransfer(Drafter):
         return Tree.chain(dec.last) if dec.cands is None else self.template.tree(dec.last, dec.cands)
 
     def rows(self, dec, tree):
-        n = len(tree)
-        blk = tree.block(dec.cur, dec.device)
-        return Block.cat(blk, group_rows(blk, list(range(n)), self.tr.k, dec.cur + n, chained=self.chained))
+        blk = dec.block(tree)
+        return Block.cat(blk, group_rows(blk, list(range(len(tree))), self.tr.k, chained=self.chained))
 
     def shape_key(self, nodes):
         return nodes.n
 
     def forward(self, f, nodes):
-        n, k, N = nodes.n, self.tr.k, len(nodes.real)
+        n, k = nodes.n, self.tr.k
         dev = f.block.tokens.device
         rows = [n + torch.arange(n, device=dev) * k + i for i in range(k)]
         h = transfer(f, self.tr, f.embed(), torch.arange(n, device=dev)[None], rows)
         pseudo = h[0, n:n * (1 + k)].view(n, k, -1)  # normed; decoded only for the last accepted node
-        return Out(f.logits(h, N), drafts=F.pad(pseudo, (0, 0, 0, 0, 0, N - n)))
+        return Out(f.logits(h, len(nodes.real)), drafts=pseudo)
 
     def propose(self, pseudo):
         return self.lm_head(pseudo)  # (k, V): pseudo state i predicts the depth-i draft
@@ -168,10 +167,6 @@ def add_args(p):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--tree-size", type=int, default=24, help="nodes of the tree saved from the accuracies")
     p.add_argument("--topk", type=int, default=10, help="ranks measured per step")
-    p.add_argument("--analyze", action="store_true", help="Figures 3, 4, 7 for the trained maps; trains nothing "
-                   "but the early-exit baseline")
-    p.add_argument("--early-steps", type=int, default=400, help="--analyze: early-exit head training steps (0: skip)")
-    p.add_argument("--early-rank", type=int, default=64, help="--analyze: early-exit head rank")
 
 
 def pack(seqs: list[list[int]], starts: list[int], k: int, attention: str):
@@ -253,65 +248,7 @@ def accuracy(model, tr, data, attention="chain", topk=10, batch_size=8):
     return acc.result()
 
 
-@torch.no_grad()
-def similarity(model, tr, data, batch_size=8):
-    """Figure 4: mean cosine similarity of each step's pseudo state to the real state of the
-    token it stands for, after n = t_i..L layers (None below t_i) and after the final norm.
-    Returns sims[n][step], n = 0..L, then the final norm's row."""
-    L = len(model.layers)
-    total, count = torch.zeros(L + 2, tr.k), torch.zeros(tr.k)
-    for tokens, pos, vis, hosts, valid, teacher, _ in ordered(data, tr.k, "chain", batch_size):
-        (B, k, H), T = valid.shape, tokens.shape[1] - tr.k * valid.shape[2]
-        record = []
-        record.append(pseudo_states(model, tr, tokens, pos, vis, hosts, record))
-        idx = teacher.view(B, k * H, 1).expand(-1, -1, model.args.dim)
-        for n, x in enumerate(record):
-            cos = F.cosine_similarity(x[:, T:], x[:, :T].gather(1, idx), dim=-1).view(B, k, H)
-            total[n] += (cos * valid).sum((0, 2))
-        count += valid.sum((0, 2))
-    sims = (total / count).tolist()
-    return [[v if n >= t else None for v, t in zip(row, tr.layers)] for n, row in enumerate(sims)]
-
-
-def analyze(args):
-    """Figures 3, 4 and 7 on held-out data for the trained maps in args.out."""
-    from . import propd
-    from .medusa import accuracy as medusa_accuracy, load_heads, samples as medusa_samples
-    model, train_data, held = distilled(args)
-    tr, meta = load_transfer(model, args.out)
-    k, pct = tr.k, lambda a: f"{a[0]:.3f} / {sum(a[:5]):.3f}"
-    print(f"hidden transfer at layers {tr.layers} (trained with the {meta['attention']} attention); "
-          f"held-out top-1 / top-5 per step, {len(held)} sequences")
-    rows = {"hidden transfer": accuracy(model, tr, held, "chain", 5),
-            "hidden transfer, pseudo states masked from each other": accuracy(model, tr, held, "masked", 5)}
-    if (Path(args.out) / "medusa.safetensors").is_file():
-        heads, _ = load_heads(model, args.out)
-        rows["medusa heads"] = medusa_accuracy(heads, *medusa_samples(model, held, len(heads.proj)), 5)
-    early = []
-    for i, t in enumerate(tr.layers if args.early_steps else []):
-        head = propd.train_early(model, train_data, t, args.early_steps, args.early_rank, ahead=i + 2, seed=args.seed)
-        hits = propd.topk_hits(head, *propd.samples(model, held, t, ahead=i + 2), ks=(1, 5))
-        early.append([hits[1], hits[5] - hits[1]])
-    if early:
-        rows["early exit (same layers)"] = early
-    print("\nFigure 3: draft accuracy, top-1 / top-5")
-    print("| drafter | " + " | ".join(f"step {i + 1} (t+{i + 2})" for i in range(k)) + " |")
-    print("|---|" + "---|" * k)
-    for name, acc in rows.items():
-        print(f"| {name} | " + " | ".join(pct(a) for a in acc[:k]) + " |")
-    print("\nFigure 4: cosine similarity of pseudo and real hidden states")
-    print("| after layer | " + " | ".join(f"step {i + 1}" for i in range(k)) + " |")
-    print("|---|" + "---|" * k)
-    for n, row in enumerate(similarity(model, tr, held)):
-        if n < tr.layers[0]:
-            continue
-        name = "final norm" if n > len(model.layers) else str(n)
-        print(f"| {name} | " + " | ".join("" if v is None else f"{v:.3f}" for v in row) + " |")
-
-
 def train(args):
-    if args.analyze:
-        return analyze(args)
     out = Path(args.out)
     model, train_data, held = distilled(args)
     torch.manual_seed(args.seed)

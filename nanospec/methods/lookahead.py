@@ -170,18 +170,20 @@ class Trie:
                 seq += 1
         return out
 
-    def branches(self, node: Node) -> list[list[int]]:
-        """Root-to-leaf branches below node, the heaviest leaf first (ties: longer first)."""
-        found = []
-
-        def walk(n: Node, path: list[int]) -> None:
-            if not n.kids and path:
-                found.append((self.weight(n), len(path), path))
+    def branches(self, node: Node):
+        """Root-to-leaf branches below node, the heaviest leaf first (ties: the deeper first), found
+        best-first: weights never grow along a path, so the first leaf popped is the heaviest left,
+        and the search only touches what it returns and the nodes beside it."""
+        heap = [(-self.weight(kid), -1, i, [tok], kid) for i, (tok, kid) in enumerate(node.kids.items())]
+        heapq.heapify(heap)
+        seq = len(heap)
+        while heap:
+            _, d, _, path, n = heapq.heappop(heap)
+            if not n.kids:
+                yield path
             for tok, kid in n.kids.items():
-                walk(kid, path + [tok])
-        walk(node, [])
-        found.sort(key=lambda f: (-f[0], -f[1]))
-        return [p for _, _, p in found]
+                seq += 1
+                heapq.heappush(heap, (-self.weight(kid), d - 1, seq, path + [tok], kid))
 
 
 def count(node: Node, limit: int) -> int:

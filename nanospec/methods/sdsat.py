@@ -87,21 +87,20 @@ class SDSAT(Drafter):
         self.host = 0
         while self.host + 1 < len(tree) and self.host in tree.parents[self.host + 1:]:
             self.host = tree.parents.index(self.host, self.host + 1)
-        n = len(tree)
-        blk = tree.block(dec.cur, dec.device)
-        rows = group_rows(blk, [self.host], self.k, dec.cur + n)
-        rows.tokens = torch.tensor([self.adaptive], device=dec.device)
+        blk = dec.block(tree)
+        rows = group_rows(blk, [self.host], self.k)
+        rows.tokens = blk.tokens.new_tensor([self.adaptive])
         return Block.cat(blk, rows)
 
     def shape_key(self, nodes):
         return nodes.n, self.host
 
     def forward(self, f, nodes):
-        n, k, N = nodes.n, self.k, len(nodes.real)
+        n, k = nodes.n, self.k
         h = f.norm(f.layers(f.embed()))
         adaptive = h[0, n:n + k]  # drafts for the next loop, if the whole top-1 chain is accepted
-        host = torch.arange(N, device=h.device) == self.host
-        return Out(f.logits(h, N), drafts=adaptive[None].expand(N, k, -1), depths=torch.where(host, k, 0))
+        host = torch.arange(n, device=h.device) == self.host
+        return Out(f.logits(h, len(nodes.real)), drafts=adaptive[None].expand(n, k, -1), depths=torch.where(host, k, 0))
 
     def propose(self, adaptive):
         return self.lm_head(adaptive)
