@@ -15,7 +15,8 @@ import torch
 from nanospec import ArgumentParser, NanospecError, chat, cli, trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.checkpoint import DTYPES, fingerprint, load
-from nanospec.engine import Drafter, generate, shapes
+from nanospec.engine import Drafter, generate, measure_costs, shapes
+from nanospec.planner import Planner
 from nanospec.methods import METHODS, check_method, load_drafter, model_dir, split_specs
 from nanospec.sources import resolve
 from nanospec.tokenizer import load_tokenizer
@@ -52,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, help="only the first N of --prompts")
     p.add_argument("--methods", default="ar", help="comma-separated methods for --bench")
     p.add_argument("--profile", action="store_true", help="--bench: also print each method's top host-side costs")
+    p.add_argument("--budget", choices=["auto", "static"], default="auto",
+                   help="auto (fast mode): each step's tree size from what a row costs on this machine (measured "
+                   "once, cached) and how the method's drafts fare; static: the method's own tree")
     p.add_argument("--trace", help="write FILE.jsonl (nanospec-trace/1): per prompt the emitted ids and, per "
                    "position, its logit row's top-k, log-sum-exp and sha256 (the reference: --method ar --mode exact)")
     p.add_argument("--trace-k", type=int, default=8, help="top-k logits per position in --trace")
@@ -94,6 +98,14 @@ def note_own_model(weights) -> None:
           file=sys.stderr)
 
 
+def budget(args, drafter, model, exact: bool):
+    """--budget auto: a planner sized by this machine's measured costs, for drafters without one
+    (ProPD plans with its own, the paper's). Exact mode keeps static trees: its block is fixed."""
+    if args.budget == "auto" and not exact and drafter.planner is None and type(drafter) is not Drafter:
+        drafter.plan(Planner(measure_costs(model)))
+    return drafter
+
+
 def read_text(path) -> str:
     try:
         return Path(path).read_text()
@@ -132,7 +144,7 @@ def main(argv=None):
         if prompt_file is None:
             raise NanospecError("--bench needs --prompts FILE.jsonl (this weights directory has no prompts.jsonl)")
         prompts = [encode(args, tok, p) for p in load_prompts(prompt_file)[:args.limit]]
-        drafters = [load_drafter(m, model, weights) for m in methods]
+        drafters = [budget(args, load_drafter(m, model, weights), model, exact) for m in methods]
         if own_model:
             note_own_model(weights)
         results = bench(model, prompts, drafters, exact=exact, max_new_tokens=args.max_new_tokens,
@@ -142,7 +154,7 @@ def main(argv=None):
             print(json.dumps({**info, "max_new_tokens": args.max_new_tokens, "results": results}))
         return 0
 
-    drafter = load_drafter(args.method, model, weights)
+    drafter = budget(args, load_drafter(args.method, model, weights), model, exact)
     if own_model:
         note_own_model(weights)
     if args.prompts:  # several prompts in turn (one drafter: a method's state persists across them)

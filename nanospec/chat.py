@@ -17,7 +17,8 @@ END_OF_TURN = ["<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoft
 
 
 def template(path) -> str:
-    path = Path(path)
+    from .sources import base_of
+    path = base_of(path)
     if (path / "chat_template.jinja").is_file():
         return (path / "chat_template.jinja").read_text(encoding="utf-8")
     t = read_json(path / "tokenizer_config.json").get("chat_template")
@@ -70,6 +71,7 @@ def end_of_turn(tok, tmpl: str) -> int:
 def prompt_ids(path, tok, text: str, system: str | None = None) -> tuple[list[int], int]:
     """(ids of the rendered prompt, the end-of-turn id to stop at). The template writes any BOS
     itself, so the text is encoded without special tokens (as transformers does)."""
+    from .sources import base_of
     tmpl = template(path)
-    config = getattr(tok, "config", None) or read_json(Path(path) / "tokenizer_config.json")
+    config = getattr(tok, "config", None) or read_json(base_of(path) / "tokenizer_config.json")
     return tok.encode(render(text, tmpl, config, system), bos=False), end_of_turn(tok, tmpl)

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from . import NanospecError
 from .model import Llama, ModelArgs, rope_inv_freq
+from .sources import base_of
 
 HF_NAMES = [  # (HF, ours); lm_head, mlp.*_proj and self_attn.*_proj keep their leaf names
     ("model.embed_tokens.", "embed."), ("model.norm.", "norm."), ("model.layers.", "layers."),
@@ -60,7 +61,7 @@ def fingerprint(model: Llama) -> str:
 
 
 def load_args(path) -> ModelArgs:
-    path = Path(path)
+    path = base_of(path)
     if not path.is_dir():
         raise NanospecError(f"no weights directory at {path}: pass --weights DIR with an HF Llama checkpoint")
     cfg_file = path / "config.json"
@@ -77,6 +78,7 @@ def load_args(path) -> ModelArgs:
 
 
 def load_tensors(path: Path) -> dict:
+    path = base_of(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

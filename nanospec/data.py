@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import ArgumentParser, cli
+from . import ArgumentParser, NanospecError, cli
 from .checkpoint import atomic_write
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -112,6 +112,23 @@ def eval_prompts(n: int = 64, per_file: int = 2) -> list[str]:
     return [cands[i * len(cands) // n] for i in range(n)]
 
 
+def instruction(prompt: str) -> str:
+    """A chat request made of a function prompt (its signature and docstring): implement it."""
+    return f"Implement this Python function:\n\n```python\n{prompt}```"
+
+
+def chat_encoder(weights):
+    """text -> prompt ids through the weights' chat template, or None when they have none."""
+    from .chat import prompt_ids
+    from .tokenizer import load_tokenizer
+    tok = load_tokenizer(weights)
+    try:
+        prompt_ids(weights, tok, "")
+    except NanospecError:
+        return None
+    return lambda text: prompt_ids(weights, tok, text)[0]
+
+
 def train_functions(n: int) -> list[tuple[str, str]]:
     """n (prompt, body) pairs from training files, spread evenly (e.g. Lookahead's warm-up responses)."""
     cands = [f for _, text in documents("train") for f in functions(text)]
@@ -124,15 +141,19 @@ def distill_args(p):
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
 
 
-def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64) -> list[tuple[list[int], list[int]]]:
+def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64, chat=None) -> list[tuple[list[int], list[int]]]:
     """Self-distillation data: (prompt, the model's greedy continuation) for n training-split
-    function prompts. Generated batched once, then cached under .cache/ by the model's fingerprint."""
+    function prompts; with a chat encoder (chat_encoder), every other one is a chat request to
+    implement the function instead, and its reply is cut after the end of the turn. Generated
+    batched once, then cached under .cache/ by the model's fingerprint."""
     from .checkpoint import fingerprint
     from .engine import generate_batch
-    path = CACHE / f"distill-{fingerprint(model)}-{n}-{new_tokens}.pt"
+    path = CACHE / f"distill-{fingerprint(model)}-{n}-{new_tokens}{'-chat' if chat else ''}.pt"
     if path.is_file():
         return torch.load(path)
-    prompts = sorted((tok.encode(p) for p, _ in train_functions(n)), key=len)  # similar lengths batch well
+    fns = train_functions(n)
+    prompts = [chat(instruction(p)) if chat and i % 2 else tok.encode(p) for i, (p, _) in enumerate(fns)]
+    prompts = sorted(prompts, key=len)  # similar lengths batch well
     data, t0 = [], time.time()
     for i in range(0, len(prompts), batch):
         part = prompts[i:i + batch]
@@ -141,6 +162,9 @@ def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64) -
         eta = (time.time() - t0) / done * (len(prompts) - done)
         print(f"distill: {done}/{len(prompts)} prompts, {done * new_tokens / (time.time() - t0):.0f} tok/s, "
               f"eta {eta:.0f}s", flush=True)
+    if chat:  # a reply ends with its turn
+        eos = model.args.eos_id
+        data = [(p, c[:c.index(eos) + 1] if eos in c else c) for p, c in data]
     CACHE.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda f: torch.save(data, f))
     return data
@@ -151,12 +175,20 @@ def main(argv=None):
     p.add_argument("--prompts", help="write the evaluation prompts here (JSONL)")
     p.add_argument("-n", type=int, default=64)
     p.add_argument("--responses", help="write -n training-split functions as {\"prompt\", \"response\"} JSONL")
+    p.add_argument("--chat", metavar="WEIGHTS", help="--prompts: half of them as chat requests, rendered with "
+                   "these weights' chat template")
     args = p.parse_args(argv)
     files = corpus_files()
     val = sum(split_of(f) == "val" for f in files)
     print(f"stdlib {STDLIB} (Python {sys.version.split()[0]}): {len(files)} files, {val} held out")
     if args.prompts:
         prompts = eval_prompts(args.n)
+        if args.chat:  # the first half as code, the second as chat requests (rendered: any engine can take them)
+            from .chat import render, template
+            from .tokenizer import load_tokenizer
+            tmpl, config = template(args.chat), load_tokenizer(args.chat).config
+            half = len(prompts) // 2
+            prompts = prompts[:half] + [render(instruction(p), tmpl, config) for p in prompts[half:2 * half]]
         body = "".join(json.dumps({"prompt": p}) + "\n" for p in prompts)
         atomic_write(Path(args.prompts), lambda f: f.write_text(body))
         print(f"wrote {len(prompts)} prompts to {args.prompts}")

@@ -18,6 +18,8 @@ In exact mode every forward runs exactly Q rows (padded) on a cache of S slots, 
 method must use the same Q and S to compare bitwise: generate() takes both, and shapes() gives
 values that fit a set of drafters.
 """
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +30,7 @@ from . import NanospecError, graphs
 from .cache import KVCache
 from .forward import Forward, Out
 from .model import Block
+from .planner import Measured
 from .tree import Sampler, Tree, accept, layout, verify
 
 # Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
@@ -52,6 +55,17 @@ class Drafter:
     max_rows = 1        # the most rows one step's forward runs (sizes the exact-mode block)
     reserved_slots = 0  # cache slots for method-owned keys
     topk: list[int] = []  # candidates kept per draft depth
+    family = None       # the rank paths a planned tree may use (None: any; see planner.Planner)
+    planner = None      # the draft budget per step (planner.py); None: the method's static tree
+
+    def plan(self, planner) -> "Drafter":
+        """Size each step's tree with planner: ranked drafters may then use any of their top-R ranks."""
+        self.planner = planner
+        if self.topk and self.family is None:
+            R = len(getattr(self, "acc", None) or [[0] * 10][0])
+            self.topk = [max(R, *self.topk)] * len(self.topk)
+        self.max_rows = max(self.max_rows, self.size(1 + max(planner.sizes)))
+        return self
 
     def start(self, dec: "Decoding") -> None:
         """Called once after prefill, before the first step."""
@@ -85,8 +99,8 @@ class Drafter:
         """Called once when the generation stops."""
 
     def report(self) -> str:
-        """A line of method statistics for the benchmark (e.g. ProPD's pruning rate)."""
-        return ""
+        """A line of method statistics for the benchmark (e.g. ProPD's pruning rate, the budgets)."""
+        return self.planner.report() if self.planner is not None else ""
 
 
 class Decoding:
@@ -104,6 +118,8 @@ class Decoding:
         self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
         self.cands = None          # (D, R) on the device: ranked candidates per depth from the last step
         self.cand_lists = None     # the same, on the host
+        self.template = None       # a ranked drafter's tree shape for this step (its own, or the planner's)
+        self.budget = None         # this step's draft budget in nodes, when a planner sets one
         self.forward_s = 0.0       # time in forwards (synchronised), for the benchmark's host time
 
     def block(self, tree: Tree) -> Block:
@@ -281,6 +297,41 @@ def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None)
     return Q, n_slots or -(-S // SLOT_BUCKET) * SLOT_BUCKET
 
 
+COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+@torch.inference_mode()
+def measure_costs(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps: int = 3) -> Measured:
+    """Seconds per forward of n rows after `context` tokens, on this machine, model, dtype and mode:
+    measured once (about 30 forwards) and cached under the cache root, keyed by all four."""
+    from .checkpoint import atomic_write, fingerprint
+    from .sources import cache_root
+    from .training import hardware
+    w = model.embed.weight
+    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}"
+    path = cache_root() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    if path.is_file():
+        return Measured({int(r): t for r, t in json.loads(path.read_text())["seconds"].items()})
+    Q = max(MIN_BLOCK, *rows)
+    cache = KVCache.for_model(model, context + Q + 1)
+    dec = Decoding(model, cache, exact, Q, [0] * (context + 1))
+    dec.prefill(torch.randint(0, model.args.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist())
+    points = {}
+    for n in rows:
+        block = Tree.chain(1, [1] * (n - 1)).block(dec.cur)
+        times = []
+        for _ in range(reps + 1):  # the first call warms up
+            dec.sync()
+            t0 = time.perf_counter()
+            dec.run(block)
+            dec.sync()
+            times.append(time.perf_counter() - t0)
+        points[n] = min(times[1:])  # the least disturbed by whatever else the machine runs
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda p: p.write_text(json.dumps({"key": key, "seconds": points}, indent=1)))
+    return Measured(points)
+
+
 def cache_for(model, n_slots: int, exact: bool) -> KVCache:
     """A generation's KV cache. Exact mode on a GPU reuses one per (S, dtype) per model: the CUDA
     graphs captured with a cache are bound to its buffers, so later generations replay them."""
@@ -333,15 +384,27 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     drafter.start(dec)
     dec.sync()
     t1 = time.perf_counter()
+    planner = drafter.planner
+    if planner is not None:
+        planner.start(drafter, dec)
     while len(dec.out) < max_new_tokens:
         if dec.room < 1:
             res.stop = "cache_full"
             break
-        tree, path, toks, rows = dec.step(drafter, drafter.draft(dec), record_logits)
+        ts = time.perf_counter()
+        dec.template = getattr(drafter, "template", None)
+        if planner is not None:
+            dec.budget = planner.budget(drafter, dec)
+            if dec.budget and planner.accept is not None:
+                dec.template = planner.template(drafter, dec.budget)
+        step = drafter if dec.budget != 0 else Drafter()  # budget 0: drafting does not pay, an AR step
+        tree, path, toks, rows = dec.step(step, step.draft(dec), record_logits)
         if record_logits:
             logits.append(rows)
         dec.commit(path, toks)
         drafter.accepted(dec, tree, path)
+        if planner is not None:
+            planner.observe(dec, dec.budget, step.size(len(tree)), len(path) - 1, time.perf_counter() - ts)
         res.steps += 1
         res.accepted.append(len(toks))
         if eos in toks:

@@ -1,25 +1,37 @@
-"""The draft-size planner: how many nodes a step's tree should have.
+"""The draft budget: how many nodes each step's tree should have, on this machine.
 
-ProPD's dynamic tree generation (../shared/papers/propd.txt, section 4.2), in the core so any
-method with ranked candidates can use it: a cost model of a step's time as a function of the
-tree's size, per-depth acceptance rates of the candidates, the expected accepted length of a
-tree (1 for the token verification always yields, plus each node's path probability: Figure 6),
-and plan(): the size that maximises expected length per second.
+ProPD's dynamic tree generation (../shared/papers/propd.txt, section 4.2), in the core so every
+method gets it: a cost model of a step's time as a function of its rows, per-depth acceptance
+rates of the drafter's ranked candidates, the expected accepted length of a tree (1 for the
+token verification always yields, plus each node's path probability: Figure 6), and the size
+that maximises expected length per second. Size 0 is an AR step: when drafting does not pay,
+the budget shrinks to it. Costs come from one of:
+- Measured: ms per forward by rows, measured once per machine, model, dtype and mode and
+  cached (engine.measure_costs): what a row costs here, not what a GPU intuition expects;
+- CostModel: ProPD's own, learnt online from step times (section 4.2);
+- FixedCost: a line, for tests.
+A drafter whose candidates are not ranked per depth (Lookahead's trie) is planned by its
+measured tokens per step at each budget instead.
 """
+import bisect
+import functools
 import math
+from collections import Counter
 
-from .tree import choose_tree
+from .tree import Template, choose_tree
+
+SIZES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
 class CostModel:
-    """ProPD's iteration-time model (section 4.2): per (batch size, tree size) an EMA of measured
-    step time, and a line T(size) = b0 + b1 * size fitted by least squares weighted by
+    """ProPD's iteration-time model (section 4.2): per (batch size, rows) an EMA of measured step
+    time, and a line T(rows) = b0 + b1 * rows fitted by least squares weighted by
     exp(-lambda * age), age being the steps since that size was last measured."""
 
     def __init__(self, alpha: float = 0.3, lam: float = 0.01):
         self.alpha, self.lam = alpha, lam
-        self.perf: dict[tuple[int, int], float] = {}  # (batch, size) -> EMA of iteration time
-        self.seen: dict[tuple[int, int], int] = {}    # (batch, size) -> step of the last update
+        self.perf: dict[tuple[int, int], float] = {}  # (batch, rows) -> EMA of iteration time
+        self.seen: dict[tuple[int, int], int] = {}    # (batch, rows) -> step of the last update
         self.step = 0
 
     def update(self, size: int, seconds: float, batch: int = 1) -> None:
@@ -45,9 +57,12 @@ class CostModel:
         fit = self.fit(batch)
         return None if fit is None else fit[0] + fit[1] * size
 
+    def measured(self) -> set[int]:
+        return {s for _, s in self.perf}
+
 
 class FixedCost(CostModel):
-    """A cost model that does not learn: T(size) = b0 + b1 * size, so plans do not depend on
+    """A cost model that does not learn: T(rows) = b0 + b1 * rows, so plans do not depend on
     wall-clock timings (tests; reproducible runs)."""
 
     def __init__(self, b0: float, b1: float):
@@ -61,15 +76,29 @@ class FixedCost(CostModel):
         return self.line
 
 
+class Measured(FixedCost):
+    """Seconds per forward by rows, as measured (engine.measure_costs): linear between the points,
+    and along the last segment's slope beyond them."""
+
+    def __init__(self, points: dict[int, float]):
+        super().__init__(0.0, 0.0)
+        self.rows, self.secs = zip(*sorted((int(r), s) for r, s in points.items()))
+
+    def estimate(self, size: int, batch: int = 1) -> float:
+        i = min(max(bisect.bisect_left(self.rows, size), 1), len(self.rows) - 1)
+        (r0, r1), (s0, s1) = self.rows[i - 1:i + 1], self.secs[i - 1:i + 1]
+        return max(s0 + (s1 - s0) * (size - r0) / (r1 - r0), 1e-9)
+
+
 class Acceptance:
-    """P[i][k]: EMA of "head i's true token was in its top-(k+1)"."""
+    """P[i][k]: EMA of "depth i's true token was in its top-(k+1)"."""
 
     def __init__(self, heads: int, topk: int, alpha: float = 0.05, prior: list[list[float]] | None = None):
         self.alpha = alpha
         self.P = [list(row) for row in prior] if prior else [[0.0] * topk for _ in range(heads)]
 
     def update(self, head: int, rank: int | None) -> None:
-        """rank: where the true token was in the head's ranking (None: beyond top-k)."""
+        """rank: where the true token was in the depth's ranking (None: beyond top-k)."""
         row = self.P[head]
         for k in range(len(row)):
             row[k] = (1 - self.alpha) * row[k] + self.alpha * (rank is not None and rank <= k)
@@ -85,10 +114,78 @@ def expected_length(paths: list[tuple[int, ...]], p: list[list[float]]) -> float
     return total
 
 
-def plan(p: list[list[float]], cost: CostModel, sizes, batch: int = 1) -> int | None:
-    """The tree size maximising expected accepted length per estimated second (None: no fit yet)."""
-    fit = cost.fit(batch)
-    if fit is None:
+def plan(p: list[list[float]], cost: CostModel, sizes, rows=lambda n: n, allowed=None) -> int | None:
+    """The tree size (draft nodes) maximising expected accepted length per estimated second (None:
+    no estimate yet). rows(n): the rows a step over n tree nodes runs; size 0 is an AR step."""
+    if cost.estimate(1) is None:
         return None
-    speed = {s: expected_length(choose_tree(p, s), p) / max(fit[0] + fit[1] * s, 1e-9) for s in sizes}
+    speed = {s: (expected_length(choose_tree(p, s, allowed), p) if s else 1.0) /
+             max(cost.estimate(rows(s + 1) if s else 1), 1e-9) for s in sizes}
     return max(sizes, key=speed.get)
+
+
+class Planner:
+    """Each step's budget for one drafter (see the module docstring), replanned when the sequence has
+    moved `replan` tokens. Ranked drafters (those with `topk`) get the best tree of each size from
+    their allowed paths (Drafter.family: None for any ranks); others get a draft-token budget."""
+
+    def __init__(self, cost: CostModel, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
+        self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
+        self.used = Counter()  # planned size -> steps
+        self.accept = self.gain = None
+
+    def start(self, drafter, dec) -> None:
+        if self.accept is None and drafter.topk:  # prior: the trainer's held-out accuracies, if any
+            K, R = len(drafter.topk), max(drafter.topk)
+            acc = getattr(drafter, "acc", None) or [[0.6 * 0.7 ** d if r == 0 else 0.02 for r in range(R)] for d in range(K)]
+            self.accept = Acceptance(K, R, self.alpha, [[sum(row[:r + 1]) for r in range(R)] for row in acc])
+        if self.gain is None and not drafter.topk:  # untried budgets look good, so each gets tried
+            self.gain = {s: float(s) for s in self.sizes}
+        self.pending, self.at, self.size = [], None, None
+
+    def budget(self, drafter, dec) -> int:
+        """Draft nodes for this step (0: an AR step)."""
+        if self.at is None or abs(dec.cur - self.at) >= self.replan or self.size is None:
+            rows = lambda n: drafter.size(n)
+            if self.accept is not None:
+                self.size = plan(self.accept.p(), self.cost, self.sizes, rows, drafter.family)
+            elif self.cost.estimate(1) is not None:
+                self.size = max(self.sizes, key=lambda s: (1 + self.gain[s]) / self.cost.estimate(rows(s + 1) if s else 1))
+            if self.size is None:  # an online cost model has no line yet: measure two sizes first
+                seen, static = self.cost.measured(), getattr(drafter, "template", None)
+                first = len(static) - 1 if static is not None else self.sizes[-1]
+                self.size = next((s for s in (first, 1) if drafter.size(s + 1) not in seen), 1)
+            else:
+                self.at = dec.cur
+        self.used[self.size] += 1
+        return self.size
+
+    def template(self, drafter, size: int) -> Template:
+        return template(tuple(choose_tree(self.accept.p(), size, drafter.family)))
+
+    def observe(self, dec, size: int, rows: int, accepted: int, seconds: float) -> None:
+        """After a step: its time (online costs learn from steps of several rows: one row takes
+        another, faster kernel path on a CPU and would bend the line), and how its drafts fared."""
+        if rows > 1:
+            self.cost.update(rows, seconds)
+        if self.accept is None:
+            if size:
+                self.gain[size] = (1 - 4 * self.alpha) * self.gain[size] + 4 * self.alpha * accepted
+            return
+        n, out = len(dec.out), dec.out
+        for i, depth, cands in self.pending:  # a candidate of depth d guessed output i
+            if i < n:
+                self.accept.update(depth, cands.index(out[i]) if out[i] in cands else None)
+        self.pending = [q for q in self.pending if q[0] >= n]
+        self.pending += [(n + d, d, c) for d, c in enumerate(dec.cand_lists or [])]
+
+    def report(self) -> str:
+        total = sum(self.used.values())
+        top = sorted(self.used.items(), key=lambda kv: -kv[1])[:4]
+        return "budget " + ", ".join(f"{s} ({100 * c / total:.0f}%)" for s, c in top)
+
+
+@functools.lru_cache(maxsize=256)
+def template(paths: tuple) -> Template:
+    """One Template per tree shape, built once."""
+    return Template(paths)

@@ -7,7 +7,13 @@
   optional dependency) has cached, downloaded first when the network allows.
 
 The cache root is $NANOSPEC_CACHE, else ~/.cache/nanospec: outside the repository.
+
+A directory may hold drafters for a model that lives elsewhere (weights/smollm2: the repository
+ships the drafters, not the 135M model): its base.json names the model, {"fetch": "smollm2"} or
+{"weights": PATH}, and base_of() gives the model's own directory, fetching it once if needed.
+Whatever reads model files (config, tensors, tokenizer, chat template) goes through base_of().
 """
+import json
 import hashlib
 import os
 import re
@@ -73,6 +79,23 @@ def from_hub(repo_id: str) -> Path:
         raise NanospecError(f"--weights {repo_id}: no such directory here, not in the local hub cache, and it "
                             f"cannot be downloaded ({type(e).__name__}: {why}); run `huggingface-cli download "
                             f"{repo_id}` where there is a network, or pass a local directory or .gguf file") from None
+
+
+def base_of(path) -> Path:
+    """The directory holding the model files for a weights directory (see the module docstring)."""
+    path = Path(path)
+    if not (path / "base.json").is_file():
+        return path
+    try:
+        base = json.loads((path / "base.json").read_text())
+    except json.JSONDecodeError as e:
+        raise NanospecError(f"{path / 'base.json'} is not valid JSON ({e})") from None
+    if "fetch" in base:
+        from .fetch import fetch  # a name of nanospec.fetch: fetched and converted once, into the cache
+        return fetch(base["fetch"])
+    if "weights" in base:
+        return resolve(path / base["weights"])
+    raise NanospecError(f"{path / 'base.json'} names no model: give {{\"fetch\": NAME}} or {{\"weights\": PATH}}")
 
 
 def resolve(weights, log=None) -> Path:

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import atomic_write, load
-from .data import distill
+from .data import chat_encoder, distill
 from .tokenizer import load_tokenizer
 
 
@@ -33,7 +33,7 @@ def distilled(args):
     model = load(out)
     for p in model.parameters():
         p.requires_grad_(False)
-    data = distill(model, load_tokenizer(out), args.distill_prompts, args.new_tokens)
+    data = distill(model, load_tokenizer(out), args.distill_prompts, args.new_tokens, chat=chat_encoder(out))
     return model, [d for i, d in enumerate(data) if i % 10], data[::10]
 
 

@@ -104,11 +104,13 @@ def layout(parents: tuple[int, ...], device=None) -> Layout:
 
 # --- shapes from candidate ranks -------------------------------------------------------------------
 
-def choose_tree(acc: list[list[float]], size: int) -> list[tuple[int, ...]]:
+def choose_tree(acc: list[list[float]], size: int, allowed=None) -> list[tuple[int, ...]]:
     """Rank paths (r_1, ..., r_d), parents first: the `size` most probable under acc[d][r], the
-    chance that depth d+1's rank-r candidate is right (Medusa's sparse tree; ProPD's expansion)."""
+    chance that depth d+1's rank-r candidate is right (Medusa's sparse tree; ProPD's expansion).
+    allowed: the paths a method's trees may use (its shape family), None for any."""
     K, R = len(acc), len(acc[0])
-    heap = [(-acc[0][r], (r,)) for r in range(R)]
+    ok = (lambda p: True) if allowed is None else set(map(tuple, allowed)).__contains__
+    heap = [(-acc[0][r], (r,)) for r in range(R) if ok((r,))]
     heapq.heapify(heap)
     paths = []
     while heap and len(paths) < size:
@@ -116,7 +118,8 @@ def choose_tree(acc: list[list[float]], size: int) -> list[tuple[int, ...]]:
         paths.append(path)
         if len(path) < K:
             for r in range(R):
-                heapq.heappush(heap, (p * acc[len(path)][r], path + (r,)))
+                if ok(path + (r,)):
+                    heapq.heappush(heap, (p * acc[len(path)][r], path + (r,)))
     return paths
 
 

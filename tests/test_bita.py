@@ -81,12 +81,13 @@ def test_draft_tree_shapes():
         last = 5
     Dec.cands = cands
     eff, full, straight = (BiTA(tune, None, v, 3) for v in ("efficient", "full", "straight"))
-    t = eff.draft(Dec)
+    draft = lambda d: (setattr(Dec, "template", d.template), d.draft(Dec))[1]
+    t = draft(eff)
     assert len(t) == 1 + 9 == len(eff.template)
     kids = [sum(p == i for p in t.parents) for i in range(len(t))]
     assert kids == [3, 3, 0, 0, 3, 0, 0, 0, 0, 0]  # only top-1s have children
-    assert len(full.draft(Dec)) == 1 + 3 + 9 + 27
-    assert straight.draft(Dec).tokens.tolist() == [5, 10, 20, 30]
+    assert len(draft(full)) == 1 + 3 + 9 + 27
+    assert draft(straight).tokens.tolist() == [5, 10, 20, 30]
     assert eff.max_rows == 10 + 10 * 3 and straight.max_rows == 4 + 3
     assert eff.size(4) == 4 + 4 * 3 and straight.size(4) == 4 + 3
 

@@ -1,5 +1,5 @@
-"""ProPD: the dynamic tree planner (cost regression, acceptance tracking, expected length),
-early pruning, the drafter's exactness and the early-head trainer."""
+"""ProPD: early pruning, the dynamic tree (the core planner with the paper's online costs), the
+drafter's exactness and the early-head trainer. (The planner's own tests: test_planner.py.)"""
 import math
 import random
 from pathlib import Path
@@ -12,7 +12,7 @@ from helpers import check_exact, model_args, random_model
 from nanospec import NanospecError
 from nanospec.checkpoint import load
 from nanospec.engine import generate
-from nanospec.methods import propd
+from nanospec import planner
 from nanospec.methods.medusa import Heads
 from nanospec.tree import choose_tree as medusa_tree
 from nanospec.engine import Nodes
@@ -20,60 +20,6 @@ from nanospec.methods.propd import EarlyHead, ProPD, pruned, load_propd, samples
 from nanospec.planner import Acceptance, CostModel, FixedCost, expected_length, plan
 from nanospec.model import ModelArgs
 from nanospec.tree import Tree, layout
-
-
-def test_regression_recovers_known_coefficients():
-    cost = CostModel(alpha=1.0, lam=0.0)
-    rng = random.Random(0)
-    for _ in range(200):
-        size = rng.choice([4, 8, 16, 32, 64])
-        cost.update(size, 0.006 + 0.0002 * size)
-    b0, b1 = cost.fit()
-    assert b0 == pytest.approx(0.006) and b1 == pytest.approx(0.0002)
-    assert cost.estimate(100) == pytest.approx(0.026)
-    assert cost.fit(batch=4) is None  # batch sizes are kept apart
-
-
-def test_recent_sizes_weigh_more():
-    cost = CostModel(alpha=1.0, lam=1.0)
-    cost.update(8, 1.0)        # old and off the line
-    for _ in range(50):
-        cost.update(16, 0.016)
-        cost.update(32, 0.032)
-    b0, b1 = cost.fit()
-    assert abs(b0) < 1e-3 and b1 == pytest.approx(0.001, rel=0.05)
-
-
-def test_expected_length_matches_figure_6():
-    # Figure 6 of the paper (values read back from its text): head 1 ranks 1-2 are right with
-    # probability 0.6 and 0.1 ('b', 'c'), head 2 with 0.3 and 0.1 ('d', 'e'); l('ab') = 0.6,
-    # l('abe') = 0.06, and the tree 'abd' + 'ac' expects 1 + 0.6 + 0.6 * 0.3 + 0.1 = 1.88.
-    p = [[0.6, 0.1], [0.3, 0.1]]
-    assert expected_length([(0,), (0, 0), (1,)], p) == pytest.approx(1.88)
-    assert expected_length([(0,), (0, 1)], p) == pytest.approx(1.66)
-
-
-def test_acceptance_ema_and_rank_probabilities():
-    acc = Acceptance(heads=1, topk=3, alpha=0.5)
-    acc.update(0, 1)  # right at rank 2: counts for top-2 and top-3
-    assert acc.P == [[0.0, 0.5, 0.5]]
-    acc.update(0, 0)
-    assert acc.P == [[0.5, 0.75, 0.75]] and acc.p() == [[0.5, 0.25, 0.0]]
-    acc.update(0, None)
-    assert acc.P == [[0.25, 0.375, 0.375]]
-
-
-def test_plan_picks_the_best_speed():
-    p = [[0.9, 0.05], [0.8, 0.05], [0.7, 0.05]]
-    cheap_rows = CostModel()
-    expensive_rows = CostModel()
-    for size in (2, 4, 8, 16):
-        cheap_rows.update(size, 0.010 + 0.00001 * size)
-        expensive_rows.update(size, 0.010 + 0.005 * size)
-    assert plan(p, cheap_rows, [1, 3, 7, 15]) == 15  # rows are free: the biggest tree
-    assert plan(p, expensive_rows, [1, 3, 7, 15]) in (1, 3)
-    assert plan(p, CostModel(), [3, 7]) is None  # nothing measured yet
-    assert math.isclose(expected_length([], p), 1.0)
 
 
 # --- early pruning and the drafter ---------------------------------------------------------------
@@ -131,17 +77,17 @@ class FakeDec:
 
 def test_acceptance_resolves_each_prediction_when_its_token_arrives():
     d = ProPD(Heads(4, 10, 2), [(0,)], [[0.5, 0.5], [0.5, 0.5]], dynamic=True)
-    d.accept.alpha = 1.0  # remember only the latest outcome
-    dec = FakeDec()
-    d.start(dec)
+    plan, dec = d.planner, FakeDec()
+    plan.start(d, dec)
+    plan.accept.alpha = 1.0  # remember only the latest outcome
     dec.out, dec.cand_lists = [1], [[5, 6], [7, 8]]  # the root; head 0 guesses output 1, head 1 output 2
-    d.accepted(dec, None, [0])
-    assert d.accept.P == [[0.5, 1.0], [0.5, 1.0]]  # the prior: nothing resolved yet
+    plan.observe(dec, 1, 2, 0, 0.01)
+    assert plan.accept.P == [[0.5, 1.0], [0.5, 1.0]]  # the prior: nothing resolved yet
     dec.out = [1, 6, 9]
-    d.accepted(dec, None, [0])
-    assert d.accept.P[0] == [0.0, 1.0]  # output 1 was 6: head 0's rank 2
-    assert d.accept.P[1] == [0.0, 0.0]  # output 2 was 9: not in head 1's top 2
-    assert [q[0] for q in d.pending] == [3, 4]  # the latest guesses wait
+    plan.observe(dec, 1, 2, 1, 0.01)
+    assert plan.accept.P[0] == [0.0, 1.0]  # output 1 was 6: head 0's rank 2
+    assert plan.accept.P[1] == [0.0, 0.0]  # output 2 was 9: not in head 1's top 2
+    assert [q[0] for q in plan.pending] == [3, 4]  # the latest guesses wait
 
 
 def test_the_plan_is_redone_only_when_the_sequence_moves(monkeypatch):
@@ -150,13 +96,13 @@ def test_the_plan_is_redone_only_when_the_sequence_moves(monkeypatch):
     d = ProPD(Heads(16, 13, 3).init_from(model.lm_head), medusa_tree(ACC, 6), ACC, dynamic=True,
               sizes=(1, 2, 6), replan=16)
     calls = []
-    real = propd.plan
-    monkeypatch.setattr(propd, "plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = generate(model, [1, 2, 3], d, max_new_tokens=64, eos_id=-1)
     assert len(out.tokens) == 64
     # until two sizes are measured the plan is retried each step; afterwards once per 16 tokens
     assert len(calls) <= 3 + 64 // 16 + 1 < out.steps
-    assert sum(d.sizes_used.values()) == out.steps
+    assert sum(d.planner.used.values()) == out.steps
 
 
 def test_early_head_training_reduces_the_loss():

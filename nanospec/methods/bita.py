@@ -89,7 +89,7 @@ class BiTA(Drafter):
         self.reserved_slots = tune.P
         paths = {"efficient": [(0,) * d + (j,) for d in range(M) for j in range(k)],  # top-1s have children
                  "full": product_paths([k] * M), "straight": [(0,) * d for d in range(1, M + 1)]}[decoding]
-        self.template = Template(paths)
+        self.template, self.family = Template(paths), paths  # a planned tree keeps the variant's shape
         self.topk = self.template.topk
         self.max_rows = self.size(len(self.template))
 
@@ -114,7 +114,7 @@ class BiTA(Drafter):
 
     def draft(self, dec):
         """The tree over the last accepted node's mask predictions (none yet: the root alone)."""
-        return Tree.chain(dec.last) if dec.cands is None else self.template.tree(dec.last, dec.cands)
+        return Tree.chain(dec.last) if dec.cands is None else dec.template.tree(dec.last, dec.cands)
 
     def rows(self, dec, tree):
         blk = dec.block(tree)

@@ -124,7 +124,7 @@ class HiddenTransfer(Drafter):
     def draft(self, dec):
         """The tree over the last accepted node's pseudo-state candidates (none yet: the root alone,
         whose group already drafts)."""
-        return Tree.chain(dec.last) if dec.cands is None else self.template.tree(dec.last, dec.cands)
+        return Tree.chain(dec.last) if dec.cands is None else dec.template.tree(dec.last, dec.cands)
 
     def rows(self, dec, tree):
         blk = dec.block(tree)

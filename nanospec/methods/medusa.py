@@ -63,14 +63,15 @@ class Heads(nn.Module):
 class Medusa(Drafter):
     name = "medusa"
 
-    def __init__(self, heads: Heads, paths: list[tuple[int, ...]]):
-        self.heads = heads
+    def __init__(self, heads: Heads, paths: list[tuple[int, ...]], acc: list[list[float]] | None = None):
+        self.heads, self.acc = heads, acc  # acc: held-out accuracy per head and rank (the planner's prior)
         self.template = Template(paths)
         self.max_rows, self.topk = len(self.template), self.template.topk
 
     def draft(self, dec):
-        """The static tree over the heads' candidates from the last step (none yet: the root alone)."""
-        return Tree.chain(dec.last) if dec.cands is None else self.template.tree(dec.last, dec.cands)
+        """The tree (static, or the planner's) over the heads' candidates from the last step (none
+        yet: the root alone)."""
+        return Tree.chain(dec.last) if dec.cands is None else dec.template.tree(dec.last, dec.cands)
 
     def forward(self, f, nodes):
         """One forward verifies the tree and gives every node's final state h: the heads' input."""
@@ -91,7 +92,7 @@ def load_heads(model, weights):
 
 def load_medusa(model, weights, tree_size=0) -> Medusa:
     heads, meta = load_heads(model, weights)
-    return Medusa(heads, choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"])
+    return Medusa(heads, choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"], meta["acc"])
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -44,9 +44,6 @@ What runs where: the forward with its pruning, verification and the heads' candi
 device program (a CUDA graph in exact mode on a GPU); planning and the acceptance statistics
 run on the host between steps, from the candidates the step reads back.
 """
-import functools
-import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -57,12 +54,12 @@ from .. import NanospecError
 from ..checkpoint import fingerprint, load_drafter_file, save_drafter
 from ..forward import Out
 from ..model import RMSNorm, hidden_states
-from ..planner import Acceptance, CostModel, plan
+from ..planner import CostModel, Planner
 from ..training import RankAccuracy, adamw, cosine_lr, distilled, Progress, update
-from ..tree import Template, choose_tree
+from ..tree import choose_tree
 from .medusa import Medusa, load_heads
 
-SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # the paper's candidates: ProPD always drafts
 
 
 # --- early pruning (section 4.1) ---------------------------------------------------------------
@@ -109,49 +106,18 @@ def pruned(nodes, x: torch.Tensor, early: EarlyHead, k: int) -> torch.Tensor:
 
 class ProPD(Medusa):
     """Medusa's heads, verified with early pruning (early=None: off) and a dynamic tree size
-    (dynamic=False: Medusa's static tree `paths`)."""
+    (dynamic=False: Medusa's static tree `paths`) planned from online step times (the paper's;
+    cost=...: another cost model, e.g. planner.Measured)."""
     name = "propd"
 
     def __init__(self, heads, paths, acc, early: EarlyHead | None = None, layer: int = 2, k: int = 10,
                  dynamic: bool = True, sizes=SIZES, replan: int = 32, alpha: float = 0.3, lam: float = 0.01,
                  cost: CostModel | None = None):
-        super().__init__(heads, paths)
+        super().__init__(heads, paths, acc)
         self.early, self.layer, self.k = early, layer, k
-        self.dynamic, self.sizes, self.replan = dynamic, sorted(sizes), replan
-        self.static = self.template
-        if dynamic:  # room for the largest tree; candidates for every tracked rank
-            self.max_rows = 1 + max(self.sizes)
-            self.topk = [len(acc[0])] * len(acc)
-        self.accept = Acceptance(len(acc), len(acc[0]), alpha=0.05,
-                                 prior=[[sum(row[:r + 1]) for r in range(len(row))] for row in acc])
-        self.cost = cost or CostModel(alpha, lam)
+        if dynamic:
+            self.plan(Planner(cost or CostModel(alpha, lam), sizes, replan))
         self.pruning = torch.zeros(2, dtype=torch.long, device=heads.res[0].weight.device)  # draft rows, pruned ones
-        self.sizes_used = Counter()  # planned size -> steps
-
-    def start(self, dec):
-        self.pending = []      # (output index, head, ranked candidates) awaiting the true token
-        self.timer = None      # (tree size, start time) of the step in flight
-        self.planned_at = None
-
-    def draft(self, dec):
-        now = time.perf_counter()
-        if self.timer is not None:
-            self.cost.update(self.timer[0], now - self.timer[1])
-        if self.dynamic and (self.planned_at is None or abs(dec.cur - self.planned_at) >= self.replan):
-            p = self.accept.p()
-            size = plan(p, self.cost, self.sizes)
-            if size is None:  # explore: measure the static tree's size, then the smallest
-                seen = {s for _, s in self.cost.perf}
-                size = next((s for s in (len(self.static) - 1, self.sizes[0]) if s not in seen), len(self.static) - 1)
-            else:
-                self.planned_at = dec.cur
-            self.template = self.static if size == len(self.static) - 1 else template(tuple(choose_tree(p, size)))
-        tree = super().draft(dec)
-        # time full trees only: not the first step (no hidden state yet: one AR row) nor trees cut by the cache
-        size = len(self.template) - 1
-        self.timer = (size, now) if dec.cands is not None and len(tree) - 1 == size else None
-        self.sizes_used[len(tree) - 1] += 1
-        return tree
 
     def forward(self, f, nodes):
         if self.early is None:
@@ -165,16 +131,6 @@ class ProPD(Medusa):
         self.pruning.add_(torch.stack([drafts.sum(), (drafts & ~alive).sum()]))
         return Out(f.logits(h, N), drafts=h[0, :N, None], alive=alive)
 
-    def accepted(self, dec, tree, path):
-        if not self.dynamic:
-            return
-        n, out = len(dec.out), dec.out
-        for i, head, cands in self.pending:
-            if i < n:
-                self.accept.update(head, cands.index(out[i]) if out[i] in cands else None)
-        self.pending = [q for q in self.pending if q[0] >= n]
-        self.pending += [(n + d, d, c) for d, c in enumerate(dec.cand_lists or [])]  # head d guesses output n + d
-
     @property
     def pruned_rows(self) -> int:
         return int(self.pruning[1])
@@ -185,15 +141,7 @@ class ProPD(Medusa):
             rows, gone = self.pruning.tolist()
             parts.append(f"pruned {gone}/{rows} draft rows ({100 * gone / max(rows, 1):.1f}%) after layer "
                          f"{self.layer}, top-{self.k}")
-        total = sum(self.sizes_used.values())
-        top = sorted(self.sizes_used.items(), key=lambda kv: -kv[1])[:4]
-        parts.append("tree sizes " + ", ".join(f"{s} ({100 * c / total:.0f}%)" for s, c in top))
-        return "; ".join(parts)
-
-
-@functools.lru_cache(maxsize=256)
-def template(paths: tuple) -> Template:
-    return Template(paths)
+        return "; ".join(parts + [super().report()])
 
 
 # --- weights on disk ---------------------------------------------------------------------------

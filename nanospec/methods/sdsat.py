@@ -69,7 +69,8 @@ class SDSAT(Drafter):
                                 f"tokens; use k <= {len(adaptive)}")
         self.adaptive = adaptive * k if len(adaptive) == 1 else adaptive[:k]  # identical or diverse tokens
         self.lm_head, self.k, self.width = lm_head, k, width
-        self.template = Template([(0,) * d + (j,) for d in range(k) for j in range(width)])  # top-1s have children
+        self.family = [(0,) * d + (j,) for d in range(k) for j in range(width)]  # top-1s have children
+        self.template = Template(self.family)
         self.topk = self.template.topk
         self.max_rows = self.size(len(self.template))
         self.verifying = self.drafts_accepted = self.draft_only = 0  # statistics for report()
@@ -79,7 +80,7 @@ class SDSAT(Drafter):
 
     def draft(self, dec):
         """Draft step 2 from the adaptive tokens' candidates, or (none) draft step 1: the root alone."""
-        return Tree.chain(dec.last) if dec.cands is None else self.template.tree(dec.last, dec.cands)
+        return Tree.chain(dec.last) if dec.cands is None else dec.template.tree(dec.last, dec.cands)
 
     def rows(self, dec, tree):
         """The tree, then k adaptive tokens after the end of its top-1 chain (the lowest-index child at

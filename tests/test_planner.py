@@ -1,0 +1,136 @@
+"""The draft budget (planner.py): ProPD's cost regression, acceptance tracking and expected length
+(Figure 6), plans that follow what a row costs, and the budget shrinking to AR when drafting does
+not pay; planned trees stay exact."""
+import math
+import random
+
+import pytest
+import torch
+
+from helpers import check_exact, random_model
+from nanospec.engine import generate
+from nanospec.methods.lookahead import Lookahead
+from nanospec.methods.medusa import Heads, Medusa
+from nanospec.model import ModelArgs
+from nanospec.planner import Acceptance, CostModel, FixedCost, Measured, Planner, expected_length, plan
+from nanospec.tree import choose_tree
+
+ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=41, hidden_dim=40)
+ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
+
+
+def test_regression_recovers_known_coefficients():
+    cost = CostModel(alpha=1.0, lam=0.0)
+    rng = random.Random(0)
+    for _ in range(200):
+        size = rng.choice([4, 8, 16, 32, 64])
+        cost.update(size, 0.006 + 0.0002 * size)
+    b0, b1 = cost.fit()
+    assert b0 == pytest.approx(0.006) and b1 == pytest.approx(0.0002)
+    assert cost.estimate(100) == pytest.approx(0.026)
+    assert cost.fit(batch=4) is None  # batch sizes are kept apart
+
+
+def test_recent_sizes_weigh_more():
+    cost = CostModel(alpha=1.0, lam=1.0)
+    cost.update(8, 1.0)        # old and off the line
+    for _ in range(50):
+        cost.update(16, 0.016)
+        cost.update(32, 0.032)
+    b0, b1 = cost.fit()
+    assert abs(b0) < 1e-3 and b1 == pytest.approx(0.001, rel=0.05)
+
+
+def test_expected_length_matches_figure_6():
+    # Figure 6 of the paper (values read back from its text): head 1 ranks 1-2 are right with
+    # probability 0.6 and 0.1 ('b', 'c'), head 2 with 0.3 and 0.1 ('d', 'e'); l('ab') = 0.6,
+    # l('abe') = 0.06, and the tree 'abd' + 'ac' expects 1 + 0.6 + 0.6 * 0.3 + 0.1 = 1.88.
+    p = [[0.6, 0.1], [0.3, 0.1]]
+    assert expected_length([(0,), (0, 0), (1,)], p) == pytest.approx(1.88)
+    assert expected_length([(0,), (0, 1)], p) == pytest.approx(1.66)
+
+
+def test_acceptance_ema_and_rank_probabilities():
+    acc = Acceptance(heads=1, topk=3, alpha=0.5)
+    acc.update(0, 1)  # right at rank 2: counts for top-2 and top-3
+    assert acc.P == [[0.0, 0.5, 0.5]]
+    acc.update(0, 0)
+    assert acc.P == [[0.5, 0.75, 0.75]] and acc.p() == [[0.5, 0.25, 0.0]]
+    acc.update(0, None)
+    assert acc.P == [[0.25, 0.375, 0.375]]
+
+
+def test_plan_picks_the_best_speed():
+    p = [[0.9, 0.05], [0.8, 0.05], [0.7, 0.05]]
+    cheap_rows = CostModel()
+    expensive_rows = CostModel()
+    for size in (2, 4, 8, 16):
+        cheap_rows.update(size, 0.010 + 0.00001 * size)
+        expensive_rows.update(size, 0.010 + 0.005 * size)
+    assert plan(p, cheap_rows, [1, 3, 7, 15]) == 15  # rows are free: the biggest tree
+    assert plan(p, expensive_rows, [1, 3, 7, 15]) in (1, 3)
+    assert plan(p, CostModel(), [3, 7]) is None  # nothing measured yet
+    assert math.isclose(expected_length([], p), 1.0)
+
+
+def test_measured_costs_interpolate():
+    c = Measured({1: 0.010, 4: 0.016, 16: 0.040})
+    assert c.estimate(1) == pytest.approx(0.010) and c.estimate(2) == pytest.approx(0.012)
+    assert c.estimate(10) == pytest.approx(0.028) and c.estimate(32) == pytest.approx(0.072)  # the last slope on
+
+
+def test_choose_tree_keeps_to_a_family():
+    family = [(0,), (1,), (0, 0), (0, 1)]  # BiTA's efficient shape: only the top-1 has children
+    assert choose_tree(ACC, 10, family) == [(0,), (0, 0), (1,), (0, 1)]
+    assert choose_tree(ACC, 10)[:4] == [(0,), (0, 0), (1,), (0, 0, 0)]  # 0.2 > 0.6 * 0.5 * 0.4
+
+
+def medusa(model, acc=ACC):
+    return Medusa(Heads(ARGS.dim, ARGS.vocab_size, 3).init_from(model.lm_head), choose_tree(acc, 6), acc)
+
+
+@pytest.mark.parametrize("row_cost, expect", [(1e-6, "big"), (1.0, "ar")])
+def test_budgets_follow_what_a_row_costs(row_cost, expect):
+    """Cheap rows: big trees; rows that cost as much as a step: AR steps (budget 0), and then a
+    planned method runs no extra rows at all."""
+    model = random_model(ARGS, 1)
+    d = medusa(model).plan(Planner(FixedCost(0.01, row_cost), replan=8))
+    out = generate(model, [3, 4, 5], d, max_new_tokens=40, eos_id=-1)
+    sizes = d.planner.used
+    if expect == "big":
+        assert max(sizes) >= 16 and sizes[0] == 0
+    else:
+        assert set(sizes) == {0} and out.steps == 40  # exactly AR's steps
+
+
+def test_the_budget_shrinks_to_ar_when_drafts_fail():
+    """Candidates that are never right (random heads, a planner that starts hopeful): the acceptance
+    estimates fall and the budget goes to 0, where a step costs what AR's does."""
+    model = random_model(ARGS, 2)
+    heads = Heads(ARGS.dim, ARGS.vocab_size, 3)
+    torch.nn.init.normal_(heads.proj[0].weight, std=5.0)  # wrong guesses
+    d = Medusa(heads, choose_tree(ACC, 6), [[0.9] * 3] * 3).plan(Planner(FixedCost(0.01, 0.002), replan=4, alpha=0.3))
+    generate(model, [3, 4, 5], d, max_new_tokens=120, eos_id=-1)
+    assert d.planner.size == 0 and d.planner.used[0] > 40
+
+
+def test_lookahead_budget_from_its_own_gains():
+    """Lookahead has no ranked candidates: each budget is judged by the drafts it got accepted."""
+    model = random_model(ARGS, 3)
+    prompt = [5, 6, 7, 8] * 6
+    ar = generate(model, prompt, max_new_tokens=48, eos_id=-1)
+    d = Lookahead(decoding_length=16)
+    d.warm_up([prompt[-1:] + ar.tokens])  # the trie knows the continuation: long drafts pay
+    d.plan(Planner(FixedCost(0.01, 1e-5), replan=8))
+    out = generate(model, prompt, d, max_new_tokens=48, eos_id=-1)
+    assert out.tokens == ar.tokens and max(d.planner.used) >= 8 and out.mean_accepted > 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("row_cost", [1e-5, 2e-3])
+def test_planned_trees_are_exact(dtype, row_cost, device):
+    model = random_model(ARGS, 4, dtype, device)
+    d = medusa(model).plan(Planner(FixedCost(0.01, row_cost), replan=4))
+    d.heads.to(device=device, dtype=dtype)
+    out = check_exact(model, [1, 2, 3, 4], d, 32, fast=dtype == torch.float32, peeking=0.9, seed=1)
+    assert out.mean_accepted >= 1.5 and len(d.planner.used) >= 1
