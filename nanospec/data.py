@@ -139,6 +139,7 @@ def distill_args(p):
     """Self-distillation data options, shared by the trainers that use `distill`."""
     p.add_argument("--distill-prompts", type=int, default=2000, help="training-split prompts to continue")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
+    p.add_argument("--save-every", type=int, help="steps between resumable checkpoints in --cache (--resume)")
 
 
 def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64, chat=None) -> list[tuple[list[int], list[int]]]:

@@ -121,3 +121,31 @@ def save_state(path: Path, state: dict) -> None:
 
 def load_state(path: Path) -> dict | None:
     return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+
+
+class Checkpoint:
+    """A drafter trainer's checkpoint: every `every` steps its module, optimizer and random streams
+    go to <--cache>/<name>.pt (atomically); with --resume the run continues from there, seeing the
+    same batches it would have seen. `start` is the first step to run."""
+
+    def __init__(self, args, name: str, module, opt, gens=(), every: int = 50):
+        self.path, self.module, self.opt, self.gens = Path(args.cache) / f"{name}.pt", module, opt, gens
+        self.every = getattr(args, "save_every", None) or every
+        self.start = 0
+        if getattr(args, "resume", False):
+            state = load_state(self.path)
+            if state is None:
+                from . import NanospecError
+                raise NanospecError(f"--resume: no checkpoint at {self.path}; run without --resume to start")
+            module.load_state_dict(state["module"])
+            opt.load_state_dict(state["opt"])
+            for g, s in zip(gens, state["gens"]):
+                g.set_state(s)
+            self.start = state["step"]
+            print(f"resumed from {self.path} at step {self.start}", flush=True)
+
+    def step(self, step: int, steps: int) -> None:
+        """Call after step `step` (0-based) of `steps`."""
+        if (step + 1) % self.every == 0 and step + 1 < steps:
+            save_state(self.path, {"module": self.module.state_dict(), "opt": self.opt.state_dict(),
+                                   "gens": [g.get_state() for g in self.gens], "step": step + 1})

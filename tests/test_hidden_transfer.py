@@ -109,7 +109,7 @@ def test_a_few_training_steps_reduce_the_loss():
     data = [(torch.randint(0, 37, (4,), generator=g).tolist(), [7, 8, 9, 10] * 4) for _ in range(8)]
     tr = Transfer(TINY.dim, [1, 2])
     opt = torch.optim.AdamW(tr.parameters(), lr=3e-3)
-    tokens, pos, vis, hosts, valid, teacher, _ = next(batches(data, 2, "paper", 4, 0, 1))
+    tokens, pos, vis, hosts, valid, teacher, _ = next(batches(data, 2, "paper", 4, torch.Generator().manual_seed(0), 1))
     loss = lambda: kl_loss(model, pseudo_states(model, tr, tokens, pos, vis, hosts), valid, teacher)[0]
     before = loss().item()
     for _ in range(20):
@@ -125,7 +125,7 @@ def test_steps_train_separately_under_the_paper_mask():
     tr = random_transfer(TINY.dim, [1, 2], 5)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randint(0, 37, (3,), generator=g).tolist(), torch.randint(0, 37, (6,), generator=g).tolist())]
-    tokens, pos, vis, hosts, valid, teacher, _ = next(batches(data, 2, "paper", 1, 0, 1))
+    tokens, pos, vis, hosts, valid, teacher, _ = next(batches(data, 2, "paper", 1, torch.Generator().manual_seed(0), 1))
     _, per_step = kl_loss(model, pseudo_states(model, tr, tokens, pos, vis, hosts), valid, teacher)
     per_step[1].backward()
     assert tr.W[0].grad is None or not tr.W[0].grad.any()

@@ -2,6 +2,9 @@
 and decode exactly. (Training quality is the business of each method's own tests.)"""
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
 import train
 from helpers import call, check_exact, random_model
 from nanospec import analysis
@@ -40,3 +43,31 @@ def test_trainers_write_loadable_drafters(tmp_path):
     assert code == 0, err[-2000:]
     tuned = load(model_dir(["sdsat"], tmp_path))
     check_exact(tuned, [1, 400, 401, 402], load_drafter("sdsat:k=3", tuned, tmp_path), 12)
+
+
+def test_an_interrupted_drafter_trainer_resumes_exactly(tmp_path, monkeypatch):
+    """Every drafter trainer checkpoints: a run stopped after a checkpoint and resumed writes the same
+    weights as an uninterrupted one."""
+    from nanospec import training
+    model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
+    save(model, tmp_path, tokenizer_model=TOKENIZER)
+    opts = ["--method", "hidden_transfer", "--out", tmp_path, "--distill-prompts", 6, "--new-tokens", 8,
+            "--steps", 6, "--batch-size", 2, "--layers", 1, "--save-every", 2, "--cache", tmp_path / "ckpt"]
+    assert call(train.main, *opts)[0] == 0
+    whole = load_file(tmp_path / "hidden_transfer.safetensors")
+    real = training.Progress.step
+
+    def crash(self, step, *a, **k):
+        if step == 3:
+            raise KeyboardInterrupt
+        real(self, step, *a, **k)
+    monkeypatch.setattr(training.Progress, "step", crash)
+    try:
+        call(train.main, *opts)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    code, out, err = call(train.main, *opts, "--resume")
+    assert code == 0 and "resumed from" in out and "at step 2" in out, err
+    resumed = load_file(tmp_path / "hidden_transfer.safetensors")
+    assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)

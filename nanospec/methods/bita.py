@@ -49,7 +49,7 @@ from ..data import distill_args
 from ..engine import Drafter
 from ..forward import Forward, Out
 from ..model import Block
-from ..training import RankAccuracy, adamw, cosine_lr, distilled, Progress, update
+from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
 from ..tree import Template, Tree, group_rows, product_paths
 
 PROMPTING = ("deep", "shallow", "none")
@@ -216,8 +216,7 @@ def sar_loss(logits, labels, M: int):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100) * M
 
 
-def batches(data, args, P, shallow, seed, steps):
-    gen = torch.Generator().manual_seed(seed)
+def batches(data, args, P, shallow, gen, steps):
     for step in range(steps):
         idx = torch.randint(0, len(data), (args.batch_size,), generator=gen).tolist()
         seqs = [data[i][0] + data[i][1] for i in idx]
@@ -228,7 +227,8 @@ def batches(data, args, P, shallow, seed, steps):
 def accuracy(model, tune, data, args, topk: int = 5, n_batches: int = 8) -> list[list[float]]:
     """acc[i][r]: how often mask i's rank-r candidate is the target, on held-out sequences."""
     acc = RankAccuracy(tune.M, topk)
-    for tokens, kind, pos, vis, lab in batches(data, args, tune.P, tune.prompting == "shallow", 1, n_batches):
+    gen = torch.Generator().manual_seed(1)
+    for tokens, kind, pos, vis, lab in batches(data, args, tune.P, tune.prompting == "shallow", gen, n_batches):
         logits = sar_logits(model, tune, tokens, kind, pos, vis)  # (B, G*M, V)
         acc.add(logits.view(len(lab), -1, tune.M, logits.shape[-1]), lab.view(len(lab), -1, tune.M))
     return acc.result()
@@ -240,13 +240,17 @@ def train(args):
     torch.manual_seed(args.seed)
     tune = Tuning(model.args, args.masks, args.prompts, args.prompting)
     opt = adamw(tune, args.lr, weight_decay=0.0)
-    prog = Progress(args.steps, every=10)
+    gen = torch.Generator().manual_seed(args.seed)
+    ckpt = Checkpoint(args, f"bita-{args.prompting}-{fingerprint(model)}", tune, opt, [gen], every=20)
+    prog = Progress(args.steps, every=10, start_step=ckpt.start)
     shallow = args.prompting == "shallow"
-    for step, (tokens, kind, pos, vis, lab) in enumerate(batches(train_data, args, tune.P, shallow, args.seed, args.steps)):
+    for step, (tokens, kind, pos, vis, lab) in enumerate(
+            batches(train_data, args, tune.P, shallow, gen, args.steps - ckpt.start), ckpt.start):
         lr = cosine_lr(step, args.steps, args.lr, warmup=min(20, args.steps // 10 + 1))
         loss = sar_loss(sar_logits(model, tune, tokens, kind, pos, vis), lab, tune.M)
         update(opt, loss, lr)
         prog.step(step, loss.item(), lr, int(tokens.numel()))
+        ckpt.step(step, args.steps)
     acc = accuracy(model, tune, held, args)
     for i, a in enumerate(acc):
         print(f"mask {i + 1} (token t+{i + 2}): held-out top-1 {a[0]:.3f}, top-5 {sum(a):.3f}")

@@ -53,7 +53,7 @@ from ..checkpoint import fingerprint, load_trained, save_drafter
 from ..data import distill_args
 from ..engine import Drafter
 from ..forward import Forward, Out
-from ..training import RankAccuracy, adamw, cosine_lr, distilled, Progress, update
+from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
 from ..model import Block
 from ..tree import Template, Tree, choose_tree, group_rows
 
@@ -222,8 +222,7 @@ def kl_loss(model, h, valid, teacher):
     return per_step.sum(), per_step
 
 
-def batches(data, k, attention, batch_size, seed, steps):
-    gen = torch.Generator().manual_seed(seed)
+def batches(data, k, attention, batch_size, gen, steps):
     for _ in range(steps):
         idx = torch.randint(0, len(data), (batch_size,), generator=gen).tolist()
         yield pack([data[i][0] + data[i][1] for i in idx], [len(data[i][0]) for i in idx], k, attention)
@@ -254,13 +253,16 @@ def train(args):
     torch.manual_seed(args.seed)
     tr = Transfer(model.args.dim, [int(t) for t in args.layers.split(",")]).check(model.args.n_layers)
     opt = adamw(tr, args.lr, weight_decay=0.0)
-    prog = Progress(args.steps, every=10)
+    gen = torch.Generator().manual_seed(args.seed)
+    ckpt = Checkpoint(args, f"hidden_transfer-{fingerprint(model)}", tr, opt, [gen], every=20)
+    prog = Progress(args.steps, every=10, start_step=ckpt.start)
     for step, (tokens, pos, vis, hosts, valid, teacher, _) in enumerate(
-            batches(train_data, tr.k, args.attention, args.batch_size, args.seed, args.steps)):
+            batches(train_data, tr.k, args.attention, args.batch_size, gen, args.steps - ckpt.start), ckpt.start):
         lr = cosine_lr(step, args.steps, args.lr, warmup=min(20, args.steps // 10 + 1))
         loss, per_step = kl_loss(model, pseudo_states(model, tr, tokens, pos, vis, hosts), valid, teacher)
         update(opt, loss, lr, each=True)  # clipped per W_i: as if each step trained alone
         prog.step(step, loss.item(), lr, int(tokens.numel()), kl=" ".join(f"{v:.3f}" for v in per_step.tolist()))
+        ckpt.step(step, args.steps)
     acc = accuracy(model, tr, held, "masked" if args.attention == "masked" else "chain", args.topk)
     for i, a in enumerate(acc):
         print(f"step {i + 1} (layer {tr.layers[i]}, token t+{i + 2}): held-out top-1 {a[0]:.3f}, "

@@ -38,26 +38,35 @@ from ..data import distill_args
 from ..engine import Drafter
 from ..forward import Out
 from ..model import hidden_states
-from ..training import RankAccuracy, adamw, cosine_lr, distilled, Progress, update
+from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
 from ..tree import Template, Tree, choose_tree
 
 
 class Heads(nn.Module):
-    def __init__(self, dim: int, vocab: int, K: int):
+    """K heads. Each has its own vocabulary projection, or (shared=lm_head) all use the model's
+    frozen lm_head, as EAGLE's head does: a 576 x 49,152 projection per head would not fit a
+    small repository at SmolLM2's vocabulary (see the header)."""
+
+    def __init__(self, dim: int, vocab: int, K: int, shared: nn.Linear | None = None):
         super().__init__()
         self.res = nn.ModuleList(nn.Linear(dim, dim) for _ in range(K))
-        self.proj = nn.ModuleList(nn.Linear(dim, vocab, bias=False) for _ in range(K))
+        self.proj = None if shared else nn.ModuleList(nn.Linear(dim, vocab, bias=False) for _ in range(K))
+        self.shared = [shared]  # in a list: the lm_head is the model's, neither trained nor saved here
 
     def init_from(self, lm_head: nn.Linear) -> "Heads":
         with torch.no_grad():
-            for r, p in zip(self.res, self.proj):
+            for r in self.res:
                 r.weight.zero_()
                 r.bias.zero_()
+            for p in self.proj or []:
                 p.weight.copy_(lm_head.weight)
         return self
 
     def forward(self, h):  # h (..., D) -> (K, ..., V)
-        return torch.stack([p(h + F.silu(r(h))) for r, p in zip(self.res, self.proj)])
+        x = [h + F.silu(r(h)) for r in self.res]
+        if self.proj is None:
+            return self.shared[0](torch.stack(x))  # one product for all heads
+        return torch.stack([p(y) for p, y in zip(self.proj, x)])
 
 
 class Medusa(Drafter):
@@ -87,7 +96,7 @@ class Medusa(Drafter):
 def load_heads(model, weights):
     a = model.args
     return load_trained(model, Path(weights) / "medusa.safetensors", "python train.py --method medusa",
-                        lambda meta: Heads(a.dim, a.vocab_size, meta["heads"]))
+                        lambda meta: Heads(a.dim, a.vocab_size, meta["heads"], model.lm_head if meta.get("shared") else None))
 
 
 def load_medusa(model, weights, tree_size=0) -> Medusa:
@@ -99,6 +108,7 @@ def load_medusa(model, weights, tree_size=0) -> Medusa:
 def add_args(p):
     distill_args(p)
     p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--shared-head", action="store_true", help="the heads share the frozen lm_head (EAGLE's choice)")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--batch-size", type=int, default=1024, help="positions per step")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -141,27 +151,29 @@ def train(args):
           f"(hidden states in {time.time() - t0:.0f}s)", flush=True)
 
     torch.manual_seed(args.seed)
-    heads = Heads(model.args.dim, model.args.vocab_size, args.heads).init_from(model.lm_head)
+    a = model.args
+    heads = Heads(a.dim, a.vocab_size, args.heads, model.lm_head if args.shared_head else None).init_from(model.lm_head)
     opt = adamw(heads, args.lr, weight_decay=0.0)
     steps = math.ceil(args.epochs * len(h_tr) / args.batch_size)
-    prog = Progress(steps, every=20)
-    gen = torch.Generator().manual_seed(args.seed)
-    order = torch.randperm(len(h_tr), generator=gen)
-    for step in range(steps):
+    ckpt = Checkpoint(args, f"medusa-{fingerprint(model)}", heads, opt)
+    prog = Progress(steps, every=20, start_step=ckpt.start)
+    order = {}
+    for step in range(ckpt.start, steps):  # an epoch's order comes from (seed, epoch): resumable
         lr = cosine_lr(step, steps, args.lr, warmup=min(50, steps // 10 + 1))
-        i = (step * args.batch_size) % len(h_tr)
-        if i < args.batch_size and step:
-            order = torch.randperm(len(h_tr), generator=gen)
-        idx = order[i:i + args.batch_size]
+        epoch, i = divmod(step * args.batch_size, len(h_tr))
+        if epoch not in order:
+            order = {epoch: torch.randperm(len(h_tr), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))}
+        idx = order[epoch][i:i + args.batch_size]
         loss = loss_fn(heads(h_tr[idx]), y_tr[idx])
         update(opt, loss, lr)
         prog.step(step, loss.item(), lr, len(idx))
+        ckpt.step(step, steps)
 
     acc = accuracy(heads, h_ev, y_ev, args.topk)
     for k, a in enumerate(acc, 1):
         print(f"head {k} (token t+{k + 1}): held-out top-1 {a[0]:.3f}, top-5 {sum(a[:5]):.3f}")
     tree = choose_tree(acc, args.tree_size)
-    meta = {"base_fingerprint": fingerprint(model), "heads": args.heads, "acc": acc, "tree": tree,
+    meta = {"base_fingerprint": fingerprint(model), "heads": args.heads, "shared": args.shared_head, "acc": acc, "tree": tree,
             "trained": {"positions": len(h_tr), "steps": steps, "seconds": round(prog.elapsed)}}
     save_drafter(out / "medusa.safetensors", heads, meta)
     print(f"wrote {out / 'medusa.safetensors'}: {args.heads} heads, tree of {len(tree)} nodes")

@@ -55,7 +55,7 @@ from ..checkpoint import fingerprint, load_drafter_file, save_drafter
 from ..forward import Out
 from ..model import RMSNorm, hidden_states
 from ..planner import CostModel, Planner
-from ..training import RankAccuracy, adamw, cosine_lr, distilled, Progress, update
+from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
 from ..tree import choose_tree
 from .medusa import Medusa, load_heads
 
@@ -197,7 +197,7 @@ def topk_hits(head, x, y, ks, batch: int = 4096) -> dict[int, float]:
 
 
 def train_early(model, data, layer: int, steps: int, rank: int = 64, batch: int = 1024, lr: float = 2e-3,
-                seed: int = 0, ahead: int = 1) -> EarlyHead:
+                seed: int = 0, ahead: int = 1, args=None) -> EarlyHead:
     """Fit an early head after `layer` to the model's own tokens `ahead` positions on (1: the next
     token, ProPD's; more: Hidden Transfer's early-exit baseline); the model stays frozen."""
     print(f"early head after layer {layer} for token t+{ahead}: {steps} steps", flush=True)
@@ -206,14 +206,18 @@ def train_early(model, data, layer: int, steps: int, rank: int = 64, batch: int 
     a = model.args
     head = EarlyHead(a.dim, a.vocab_size, rank, a.norm_eps).init_from(model).to(x)
     opt = adamw(head, lr, weight_decay=0.0)
-    prog = Progress(steps, every=50)
     gen = torch.Generator().manual_seed(seed + layer)
-    for step in range(steps):
+    ckpt = Checkpoint(args, f"propd-{layer}-{ahead}-{fingerprint(model)}", head, opt, [gen]) if args else None
+    start = ckpt.start if ckpt else 0
+    prog = Progress(steps, every=50, start_step=start)
+    for step in range(start, steps):
         lr_now = cosine_lr(step, steps, lr, warmup=min(20, steps // 10 + 1))
         idx = torch.randint(0, len(x), (batch,), generator=gen)
         loss = F.cross_entropy(head(x[idx]), y[idx])
         update(opt, loss, lr_now, clip=None)
         prog.step(step, loss.item(), lr_now, len(idx))
+        if ckpt:
+            ckpt.step(step, steps)
     return head
 
 
@@ -226,7 +230,7 @@ def train(args):
     heads, hits = nn.ModuleDict(), {}
     for n in layers:
         heads[f"layer{n}"] = train_early(model, train_data, n, args.early_steps, args.early_rank, args.early_batch,
-                                          args.early_lr, args.seed)
+                                          args.early_lr, args.seed, args=args)
         hits[n] = topk_hits(heads[f"layer{n}"], *samples(model, held, n), ks=(1, 5, 10, 20, 50, 100))
         print(f"early head after layer {n}: held-out next token in top-k: "
               + ", ".join(f"top-{k} {v:.3f}" for k, v in hits[n].items()), flush=True)
