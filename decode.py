@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from nanospec import ArgumentParser, NanospecError, chat, cli, trace
+from nanospec import ArgumentParser, NanospecError, chat, cli, kernels, trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.checkpoint import DTYPES, fingerprint, load
-from nanospec.engine import Drafter, generate, measure_costs, shapes
+from nanospec.engine import Drafter, check_prompt, check_room, generate, measure_costs, shapes
 from nanospec.planner import Planner
 from nanospec.methods import METHODS, check_method, load_drafter, model_dir, split_specs
 from nanospec.sources import resolve
@@ -53,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, help="only the first N of --prompts")
     p.add_argument("--methods", default="ar", help="comma-separated methods for --bench")
     p.add_argument("--profile", action="store_true", help="--bench: also print each method's top host-side costs")
+    p.add_argument("--kernels", choices=["tuned", "eager"], default="tuned",
+                   help="fast mode's matrix products: the form fastest for each row count on this machine "
+                   "(timed once, cached), or always F.linear")
     p.add_argument("--budget", choices=["auto", "static"], default="auto",
                    help="auto (fast mode): each step's tree size from what a row costs on this machine (measured "
                    "once, cached) and how the method's drafts fare; static: the method's own tree")
@@ -98,12 +101,17 @@ def note_own_model(weights) -> None:
           file=sys.stderr)
 
 
-def budget(args, drafter, model, exact: bool):
-    """--budget auto: a planner sized by this machine's measured costs, for drafters without one
-    (ProPD plans with its own, the paper's). Exact mode keeps static trees: its block is fixed."""
-    if args.budget == "auto" and not exact and drafter.planner is None and type(drafter) is not Drafter:
-        drafter.plan(Planner(measure_costs(model)))
-    return drafter
+def tune(args, model, exact: bool, drafters) -> None:
+    """Fast mode on a CPU: --kernels tuned picks each product's form by row count; --budget auto
+    gives drafters without a planner one sized by this machine's measured costs (ProPD plans with
+    its own, the paper's). Exact mode keeps one kernel and static trees: its block is fixed."""
+    if exact:
+        return
+    if args.kernels == "tuned" and args.device == "cpu":
+        model.kernels = kernels.tuned(model)
+    for d in drafters:
+        if args.budget == "auto" and d.planner is None and type(d) is not Drafter:
+            d.plan(Planner(measure_costs(model)))
 
 
 def read_text(path) -> str:
@@ -144,9 +152,10 @@ def main(argv=None):
         if prompt_file is None:
             raise NanospecError("--bench needs --prompts FILE.jsonl (this weights directory has no prompts.jsonl)")
         prompts = [encode(args, tok, p) for p in load_prompts(prompt_file)[:args.limit]]
-        drafters = [budget(args, load_drafter(m, model, weights), model, exact) for m in methods]
+        drafters = [load_drafter(m, model, weights) for m in methods]
         if own_model:
             note_own_model(weights)
+        tune(args, model, exact, drafters)
         results = bench(model, prompts, drafters, exact=exact, max_new_tokens=args.max_new_tokens,
                         eos_id=args.eos_id, sampling=sampling, profile=args.profile)
         print(table(results))
@@ -154,7 +163,7 @@ def main(argv=None):
             print(json.dumps({**info, "max_new_tokens": args.max_new_tokens, "results": results}))
         return 0
 
-    drafter = budget(args, load_drafter(args.method, model, weights), model, exact)
+    drafter = load_drafter(args.method, model, weights)
     if own_model:
         note_own_model(weights)
     if args.prompts:  # several prompts in turn (one drafter: a method's state persists across them)
@@ -164,18 +173,23 @@ def main(argv=None):
     status, entries = 0, []
     meta = dict(method=args.method, **info, model=fingerprint(model), eos_id=model.args.eos_id, **sampling) \
         if args.trace else None
-    for i, text in enumerate(texts):
+    prompts = [encode(args, tok, text) for text in texts]
+    for prompt in prompts:  # bad input ends here, before any tuning
+        check_prompt(prompt, model.args.vocab_size)
+        S = shapes([drafter, Drafter()], len(prompt), args.max_new_tokens, args.block, args.max_len)[1]
+        check_room(len(prompt), S - 1 - drafter.reserved_slots)
+    tune(args, model, exact, [drafter])
+    for i, (text, prompt) in enumerate(zip(texts, prompts)):
         if i:
             print("-" * 72)
-        status = max(status, decode_one(args, model, tok, drafter, text, info, exact, sampling, meta, entries))
+        status = max(status, decode_one(args, model, tok, drafter, text, prompt, info, exact, sampling, meta, entries))
     if args.trace:
         trace.write(args.trace, entries)
         print(f"wrote {args.trace}: {len(entries)} prompt(s), format {trace.FORMAT}", file=sys.stderr)
     return status
 
 
-def decode_one(args, model, tok, drafter, text, info, exact, sampling, meta, entries) -> int:
-    prompt = encode(args, tok, text)
+def decode_one(args, model, tok, drafter, text, prompt, info, exact, sampling, meta, entries) -> int:
     Q, S = shapes([drafter, Drafter()], len(prompt), args.max_new_tokens, args.block, args.max_len)
     kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S, eos_id=args.eos_id,
               record_logits=args.check or meta is not None, **sampling)

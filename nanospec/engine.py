@@ -308,7 +308,8 @@ def measure_costs(model, exact: bool = False, rows=COST_ROWS, context: int = 256
     from .sources import cache_root
     from .training import hardware
     w = model.embed.weight
-    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}"
+    forms = "" if exact or model.kernels is None else "-" + hashlib.sha256(model.kernels.to_json().encode()).hexdigest()[:8]
+    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}"
     path = cache_root() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
         return Measured({int(r): t for r, t in json.loads(path.read_text())["seconds"].items()})
@@ -357,6 +358,12 @@ def check_prompt(prompt, vocab_size: int) -> list[int]:
     return prompt
 
 
+def check_room(prompt_len: int, capacity: int) -> None:
+    if prompt_len > capacity:
+        raise NanospecError(f"the prompt has {prompt_len} tokens but the cache holds {capacity}; "
+                            "shorten it or raise --max-len")
+
+
 @torch.inference_mode()
 def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=128, exact=False,
              Q=None, n_slots=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
@@ -372,9 +379,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     eos = model.args.eos_id if eos_id is None else eos_id
     cache = cache_for(model, S, exact)
     reserved = cache.reserve(drafter.reserved_slots)
-    if len(prompt) > cache.capacity:
-        raise NanospecError(f"the prompt has {len(prompt)} tokens but the cache holds {cache.capacity}; "
-                            "shorten it or raise --max-len")
+    check_room(len(prompt), cache.capacity)
     sampler = Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1)
     dec = Decoding(model, cache, exact, Q, prompt, reserved, sampler)
     res, logits = Output([], "max_new_tokens"), []

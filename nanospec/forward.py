@@ -68,7 +68,7 @@ class Forward:
         GEMM's rows depend on its shape); fast mode only the n asked for."""
         if self.exact:
             return self.model.lm_head(self.ctx.rows(h))[0, :n]
-        return self.model.lm_head(h[0, :n])
+        return self.ctx.mm(self.model.lm_head, h[0, :n])
 
 
 @dataclass

@@ -1,18 +1,15 @@
 """A Llama that computes a block of rows with explicit positions, cache slots and visibility.
 
-Every forward takes a Block: T rows, each with a RoPE position, the cache slot
-its key/value is written to, and the slots it may attend to. The visible slots
-of a row are "the committed prefix 0..prefix-1, then `extra` in the given
-order" -- for a tree node, its ancestors by depth and itself. That order is
-the canonical key order of the exactness contract (DESIGN.md section 2).
-
-Two attention modes share everything else:
-- exact: each row gathers its visible keys into canonical order, padded to the
-  cache's S slots, so a row's result depends only on its own input and its
-  visible keys -- not on which other rows share the block. Together with a
-  fixed block of Q rows (the engine pads), a tree node's logits are bitwise
-  equal to those AR computes for the same token.
-- fast: SDPA over the used part of the cache with a boolean mask; no padding.
+Every forward takes a Block: T rows, each with a RoPE position, the cache slot its key/value
+is written to, and the slots it may attend to: "the committed prefix 0..prefix-1, then `extra`
+in the given order" -- for a tree node, its ancestors by depth and itself. That order is the
+canonical key order of the exactness contract (DESIGN.md section 2). Two modes:
+- exact: each row gathers its visible keys into canonical order, padded to the cache's S slots,
+  so a row's result depends only on its own input and its visible keys -- not on which other
+  rows share the block. With a fixed block of Q rows (the engine pads), a tree node's logits are
+  bitwise those AR computes for the same token.
+- fast: SDPA over the used part of the cache with a boolean mask, no padding, and the matrix
+  products in the form fastest for the row count (kernels.py), when tuned.
 """
 import math
 from dataclasses import dataclass, fields
@@ -162,10 +159,14 @@ class Context:
     valid: torch.Tensor | None = None  # exact: (B, T, Sp) which of those are visible
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
+    kernels: object = None             # fast: kernels.Kernels, the products' forms by row count
 
     def rows(self, x):
         """Matmul input: in exact mode, each row laid out 64-byte aligned (see `aligned`)."""
         return aligned(x) if self.exact else x
+
+    def mm(self, layer, x):  # layer(x); in fast mode with tuned kernels, in the form fastest for its rows
+        return layer(x) if self.kernels is None else self.kernels.linear(layer, x)
 
     def map(self, fn, x):
         """An elementwise fn; in exact mode each row's result is independent of its index (see `rowwise`)."""
@@ -175,7 +176,7 @@ class Context:
         """The context of a subset of rows (e.g. survivors of pruning), sliced rather than rebuilt."""
         pick = lambda t: None if t is None else t[:, rows]
         return Context(pick(self.cos), pick(self.sin), self.slots[rows], self.exact,
-                       pick(self.idx), pick(self.valid), pick(self.mask), self.L)
+                       pick(self.idx), pick(self.valid), pick(self.mask), self.L, self.kernels)
 
 
 def aligned_pad(x) -> int:
@@ -185,11 +186,9 @@ def aligned_pad(x) -> int:
 
 
 def aligned(x):
-    """x as a view whose rows start 64-byte aligned (the last dim's stride padded).
-
-    CPU BLAS kernels take alignment-dependent paths: with fp32 rows of odd length, a row's
-    result depended on its index in the block. Exact mode feeds every matmul aligned rows.
-    """
+    """x as a view whose rows start 64-byte aligned (the last dim's stride padded). CPU BLAS kernels
+    take alignment-dependent paths: with fp32 rows of odd length, a row's result depended on its
+    index in the block. Exact mode feeds every matmul aligned rows."""
     pad = aligned_pad(x)
     return F.pad(x, (0, pad))[..., :x.shape[-1]] if pad else x
 
@@ -290,16 +289,16 @@ class Attention(nn.Module):
     def forward(self, x, ctx: Context, kc, vc):
         B, T, _ = x.shape
         x = ctx.rows(x)
-        q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.hd), ctx.cos, ctx.sin)
-        k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.hd), ctx.cos, ctx.sin)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        q = apply_rope(ctx.mm(self.q_proj, x).view(B, T, self.n_heads, self.hd), ctx.cos, ctx.sin)
+        k = apply_rope(ctx.mm(self.k_proj, x).view(B, T, self.n_kv, self.hd), ctx.cos, ctx.sin)
+        v = ctx.mm(self.v_proj, x).view(B, T, self.n_kv, self.hd)
         if kc is None:  # no cache (training): the rows' own keys are slots 0..T-1
             kc, vc = k.transpose(1, 2), v.transpose(1, 2)
         else:
             kc.index_copy_(2, ctx.slots, k.transpose(1, 2))  # (B, Hkv, T, D) into the slots
             vc.index_copy_(2, ctx.slots, v.transpose(1, 2))
         y = (attend_exact if ctx.exact else attend_fast)(q, kc, vc, ctx)
-        return self.o_proj(ctx.rows(y.reshape(B, T, self.n_heads * self.hd)))
+        return ctx.mm(self.o_proj, ctx.rows(y.reshape(B, T, self.n_heads * self.hd)))
 
 
 class MLP(nn.Module):
@@ -311,7 +310,7 @@ class MLP(nn.Module):
 
     def forward(self, x, ctx: Context):
         x = ctx.rows(x)
-        return self.down_proj(ctx.rows(ctx.map(F.silu, self.gate_proj(x)) * self.up_proj(x)))
+        return ctx.mm(self.down_proj, ctx.rows(ctx.map(F.silu, ctx.mm(self.gate_proj, x)) * ctx.mm(self.up_proj, x)))
 
 
 class Layer(nn.Module):
@@ -338,6 +337,7 @@ class Llama(nn.Module):
         if args.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.kernels = None  # fast mode's tuned product forms (kernels.py), when set
 
     def rope(self, pos: torch.Tensor, exact: bool = False):
         """cos, sin (B, T, 1, D) for positions (B, T)."""
@@ -348,7 +348,7 @@ class Llama(nn.Module):
         return f(torch.cos, emb).to(dt), f(torch.sin, emb).to(dt)
 
     def context(self, block: Block, n_slots: int, exact: bool) -> Context:
-        ctx = Context(*self.rope(block.pos, exact), block.slots, exact)
+        ctx = Context(*self.rope(block.pos, exact), block.slots, exact, kernels=None if exact else self.kernels)
         prefix, extra = block.prefix[..., None], block.extra
         if exact:
             # Rows' key vectors are padded to a multiple of 32 so that every row's slice starts
@@ -379,7 +379,7 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, *(cache.layer(i) if cache else (None, None)))
         h = self.norm(x)
-        logits = self.lm_head(ctx.rows(h))
+        logits = ctx.mm(self.lm_head, ctx.rows(h))
         return (logits, h) if hidden else logits
 
 
