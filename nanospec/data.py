@@ -139,6 +139,7 @@ def distill_args(p):
     """Self-distillation data options, shared by the trainers that use `distill`."""
     p.add_argument("--distill-prompts", type=int, default=2000, help="training-split prompts to continue")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
+    p.add_argument("--train-seqs", type=int, help="train on N of the training sequences, spread evenly (held-out unchanged)")
     p.add_argument("--save-every", type=int, help="steps between resumable checkpoints in --cache (--resume)")
 
 

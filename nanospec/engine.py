@@ -400,8 +400,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         dec.template = getattr(drafter, "template", None)
         if planner is not None:
             dec.budget = planner.budget(drafter, dec)
-            if dec.budget and planner.accept is not None:
-                dec.template = planner.template(drafter, dec.budget)
+            dec.template = planner.tree or dec.template
         step = drafter if dec.budget != 0 else Drafter()  # budget 0: drafting does not pay, an AR step
         tree, path, toks, rows = dec.step(step, step.draft(dec), record_logits)
         if record_logits:

@@ -141,10 +141,10 @@ class Planner:
             self.accept = Acceptance(K, R, self.alpha, [[sum(row[:r + 1]) for r in range(R)] for row in acc])
         if self.gain is None and not drafter.topk:  # untried budgets look good, so each gets tried
             self.gain = {s: float(s) for s in self.sizes}
-        self.pending, self.at, self.size = [], None, None
+        self.pending, self.at, self.size, self.tree = [], None, None, None
 
     def budget(self, drafter, dec) -> int:
-        """Draft nodes for this step (0: an AR step)."""
+        """Draft nodes for this step (0: an AR step); the tree of that size is self.tree."""
         if self.at is None or abs(dec.cur - self.at) >= self.replan or self.size is None:
             rows = lambda n: drafter.size(n)
             if self.accept is not None:
@@ -157,11 +157,10 @@ class Planner:
                 self.size = next((s for s in (first, 1) if drafter.size(s + 1) not in seen), 1)
             else:
                 self.at = dec.cur
+            self.tree = template(tuple(choose_tree(self.accept.p(), self.size, drafter.family))) \
+                if self.accept is not None and self.size else None
         self.used[self.size] += 1
         return self.size
-
-    def template(self, drafter, size: int) -> Template:
-        return template(tuple(choose_tree(self.accept.p(), size, drafter.family)))
 
     def observe(self, dec, size: int, rows: int, accepted: int, seconds: float) -> None:
         """After a step: its time (online costs learn from steps of several rows: one row takes

@@ -34,7 +34,10 @@ def distilled(args):
     for p in model.parameters():
         p.requires_grad_(False)
     data = distill(model, load_tokenizer(out), args.distill_prompts, args.new_tokens, chat=chat_encoder(out))
-    return model, [d for i, d in enumerate(data) if i % 10], data[::10]
+    train, n = [d for i, d in enumerate(data) if i % 10], getattr(args, "train_seqs", None)
+    if n and n < len(train):  # spread evenly: the data is sorted by prompt length
+        train = [train[i * len(train) // n] for i in range(n)]
+    return model, train, data[::10]
 
 
 def update(opt, loss, lr: float, clip: float | None = 1.0, each: bool = False) -> None:
