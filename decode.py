@@ -16,6 +16,7 @@ from nanospec import ArgumentParser, NanospecError, chat, cli, kernels, trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.checkpoint import DTYPES, fingerprint, load
 from nanospec.engine import Drafter, check_prompt, check_room, generate, measure_costs, shapes
+from nanospec.peers import transformers_peers
 from nanospec.planner import Planner
 from nanospec.methods import METHODS, check_method, load_drafter, model_dir, split_specs
 from nanospec.sources import resolve
@@ -53,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, help="only the first N of --prompts")
     p.add_argument("--methods", default="ar", help="comma-separated methods for --bench")
     p.add_argument("--profile", action="store_true", help="--bench: also print each method's top host-side costs")
+    p.add_argument("--peers", choices=["transformers"], help="--bench: also time transformers' greedy, prompt lookup "
+                   "and assisted generation on the same prompts, interleaved with the methods")
     p.add_argument("--kernels", choices=["tuned", "eager"], default="tuned",
                    help="fast mode's matrix products: the form fastest for each row count on this machine "
                    "(timed once, cached), or always F.linear")
@@ -156,8 +159,9 @@ def main(argv=None):
         if own_model:
             note_own_model(weights)
         tune(args, model, exact, drafters)
+        peers = transformers_peers(weights, dtype, args.device) if args.peers else ()
         results = bench(model, prompts, drafters, exact=exact, max_new_tokens=args.max_new_tokens,
-                        eos_id=args.eos_id, sampling=sampling, profile=args.profile)
+                        eos_id=args.eos_id, sampling=sampling, profile=args.profile, peers=peers)
         print(table(results))
         if args.json:
             print(json.dumps({**info, "max_new_tokens": args.max_new_tokens, "results": results}))

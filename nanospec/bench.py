@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from . import NanospecError
-from .engine import Drafter, generate, shapes
+from .engine import Drafter, Output, generate, shapes
 
 
 def load_prompts(path) -> list[str]:
@@ -55,7 +55,7 @@ def first_difference(out, ref) -> str:
 
 
 def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=False,
-          max_new_tokens=128, eos_id=None, sampling=None, profile=False) -> list[dict]:
+          max_new_tokens=128, eos_id=None, sampling=None, profile=False, peers=()) -> list[dict]:
     """Run every drafter over every prompt; one result dict per drafter. Per step: step_ms (wall
     time), forward_ms (the step's device program, synchronised on a GPU) and host_ms, the rest:
     drafting, tree building, read-back, commit. profile: print each method's top host-side costs."""
@@ -80,11 +80,14 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
             run(copy.deepcopy(d), p, exact, n=min(8, max_new_tokens))
         if exact:
             own_ar(p, n=min(8, max_new_tokens))
+    eos = model.args.eos_id if eos_id is None else eos_id
+    for peer in peers:
+        peer.generate(prompts[0], min(8, max_new_tokens), eos)
     # Interleaved: each prompt runs under every method in turn, so slow drifts in machine speed
     # (frequent on shared CPUs) hit every method alike.
     t0 = time.perf_counter()
     base = {"fast AR": [], "exact AR": []} if exact else {"fast AR": []}
-    ref, outs = [], [[] for _ in drafters]
+    ref, outs, peer_outs = [], [[] for _ in drafters], [[] for _ in peers]
     for i, p in enumerate(prompts):
         base["fast AR"].append(run(Drafter(), p, False))
         if exact:
@@ -92,6 +95,10 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         ref.append(base["fast AR"][-1] if not exact else run(Drafter(), p, True))
         for d, o in zip(drafters, outs):
             o.append(run(d, p, exact))
+        for peer, o in zip(peers, peer_outs):  # another engine: its own EOS rule, so its output is cut as ours
+            ts = time.perf_counter()
+            tokens = peer.generate(p, max_new_tokens, eos)
+            o.append(Output(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens, "", decode_s=time.perf_counter() - ts))
         done = time.perf_counter() - t0
         print(f"[bench] prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{d.name} {o[-1].mean_accepted:.2f}" for d, o in zip(drafters, outs)) + " tokens/step, "
@@ -118,6 +125,13 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
                             speedup=round(tps / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
                             mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(runs, ref)),
                             notes=d.report()))
+    for peer, runs in zip(peers, peer_outs):
+        new = sum(len(o.tokens) for o in runs)
+        tps = new / sum(o.decode_s for o in runs)
+        results.append(dict(method=peer.name, prompts=len(prompts), new_tokens=new, steps=None, mean_accepted=None,
+                            step_ms=None, forward_ms=None, host_ms=None, kernel_ms=None, tokens_per_s=round(tps, 2),
+                            speedup=round(tps / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
+                            mismatches=sum(o.tokens != r.tokens for o, r in zip(runs, ref)), notes=""))
     return results
 
 

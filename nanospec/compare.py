@@ -39,6 +39,7 @@ import torch
 from . import ArgumentParser, NanospecError, cli
 from . import trace as traces
 from .bench import load_prompts
+from .peers import hf_generate
 from .checkpoint import DTYPES, fingerprint, load, load_args
 from .engine import generate
 from .sources import resolve
@@ -169,16 +170,10 @@ def progress(tag: str, i: int, n: int, t0: float) -> None:
 
 def hf_outputs(hf, prompts, setting, max_new_tokens, eos_id, assistant=None):
     """transformers' LlamaForCausalLM.generate, greedy, in one of SETTINGS."""
-    extra = {"greedy": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10},
-             "assisted": {"assistant_model": assistant}}[setting]
     outs, t0 = [], time.perf_counter()
     for k, p in enumerate(prompts):
-        ids = torch.tensor([p], device=hf.device)
-        with torch.no_grad():
-            y = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                            eos_token_id=eos_id, pad_token_id=eos_id, **extra)
-        outs.append({"prompt_ids": p, "output_ids": y[0, len(p):].tolist(), "dtype": str(hf.dtype).removeprefix("torch."),
-                     "eos_id": eos_id})
+        outs.append({"prompt_ids": p, "output_ids": hf_generate(hf, p, setting, max_new_tokens, eos_id, assistant),
+                     "dtype": str(hf.dtype).removeprefix("torch."), "eos_id": eos_id})
         progress(f"transformers {setting}", k, len(prompts), t0)
     return outs
 

@@ -62,6 +62,22 @@ def test_bench_json(weights, tmp_path):
     assert {"new_tokens", "steps", "mean_accepted", "forward_ms", "tokens_per_s"} <= r.keys() and r["forward_ms"] > 0
 
 
+def test_bench_times_the_peers_in_the_same_run(weights, tmp_path):
+    """--peers transformers: transformers' greedy, prompt lookup and assisted generation beside the
+    methods, judged the same way (tok/s, speedup against the run's fastest AR, mismatches)."""
+    pytest.importorskip("transformers")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]) + "\n")
+    out = last_json(call(decode.main, "--weights", weights, "--bench", "--prompts", prompts, "--methods",
+                         "ar,lookahead", "--max-new-tokens", 8, "--peers", "transformers", "--json"))
+    rows = {r["method"]: r for r in out["results"]}
+    assert list(rows) == ["ar", "lookahead", "transformers greedy", "transformers prompt_lookup", "transformers assisted"]
+    for name in ("transformers greedy", "transformers prompt_lookup", "transformers assisted"):
+        r = rows[name]
+        assert r["prompts"] == 2 and 0 < r["new_tokens"] <= 16 and r["tokens_per_s"] > 0 and r["speedup"] > 0
+        assert r["mismatches"] == 0 and r["baseline"] == rows["ar"]["baseline"]
+
+
 def test_prompts_file_decodes_each_with_one_drafter(weights, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n", "x = 1"]) + "\n")
