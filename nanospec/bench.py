@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from . import NanospecError
-from .engine import Drafter, Output, generate, shapes
+from .engine import Decoding, Drafter, Output, generate, shapes
 
 
 def load_prompts(path) -> list[str]:
@@ -161,30 +161,36 @@ def kernel_ms(run, drafter, prompt) -> float | None:
     return us / 1000 / out.steps
 
 
-FORWARD_FILES = ("nanospec/model.py", "nanospec/forward.py", "nanospec/graphs.py")
-
-
 def host_profile(run, drafter, prompt, top: int = 12) -> str:
-    """Where a step's host time goes (cProfile over one prompt): the functions with the most time of
-    their own, counting only calls made from outside the device program (the model's layers,
-    Forward and the drafter's forward, which forward_ms already covers)."""
+    """Where a step's host time goes: cProfile over one prompt, switched off inside the model's
+    forwards (each step's device program, whose time forward_ms counts, and the prefill), so only
+    host work is listed."""
     d = copy.deepcopy(drafter)
     prof = cProfile.Profile()
-    prof.enable()
-    out = run(d, prompt)
-    prof.disable()
-    stats = pstats.Stats(prof).stats
-    inside = lambda fn: fn[0].endswith(FORWARD_FILES) or fn[2] in ("forward", "propose", "run")
-    own = {}
-    for fn, (cc, nc, tt, ct, callers) in stats.items():
-        t = 0 if inside(fn) else sum(c[2] for caller, c in callers.items() if not inside(caller))
-        if t > 0:
-            own[fn] = t
-    lines = [f"[profile] {drafter.name}: {out.steps} steps; host time by function (own time, calls from outside "
-             "the forward), ms per step:"]
-    for fn, t in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+    real = {name: getattr(Decoding, name) for name in ("program", "run")}
+
+    def unprofiled(fn):
+        def call(self, *a, **k):
+            prof.disable()
+            try:
+                return fn(self, *a, **k)
+            finally:
+                prof.enable()
+        return call
+    for name, fn in real.items():
+        setattr(Decoding, name, unprofiled(fn))
+    try:
+        prof.enable()
+        out = run(d, prompt)
+        prof.disable()
+    finally:
+        for name, fn in real.items():
+            setattr(Decoding, name, fn)
+    stats = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
+    lines = [f"[profile] {drafter.name}: {out.steps} steps; host time by function (own time), ms per step:"]
+    for fn, (cc, nc, tt, ct, callers) in stats:
         where = fn[2] if fn[0] == "~" else f"{Path(fn[0]).name}:{fn[1]}({fn[2]})"
-        lines.append(f"  {1000 * t / out.steps:8.3f}  {where}")
+        lines.append(f"  {1000 * tt / out.steps:8.3f}  {where}")
     return "\n".join(lines)
 
 
