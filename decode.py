@@ -214,7 +214,8 @@ def decode_one(args, model, tok, drafter, text, prompt, info, exact, sampling, m
         ref = generate(model, prompt, Drafter(), **kw)
         identical = same_as_ar(out, ref, exact)
         what = "tokens and logits (bitwise)" if exact else "tokens"
-        print(f"check vs AR ({what}): {'identical' if identical else 'DIFFERENT: ' + first_difference(out, ref)}",
+        speed = f"; AR {ref.tokens_per_s:.1f} tok/s, so {out.tokens_per_s / ref.tokens_per_s:.2f}x" if args.method != "ar" else ""
+        print(f"check vs AR ({what}): {'identical' if identical else 'DIFFERENT: ' + first_difference(out, ref)}{speed}",
               file=sys.stderr)
     if args.json:
         print(json.dumps({"method": args.method, **info, "prompt": text if args.prompt_ids is None else None,
