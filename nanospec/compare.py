@@ -5,6 +5,7 @@
     python -m nanospec.compare --engine llama.cpp --weights FILE.gguf [--kv f16,f32]
     python -m nanospec.compare --engine openai --url http://HOST:PORT/v1 --weights FILE.gguf
     python -m nanospec.compare [REFERENCE.jsonl] --engine E --calibrate [--save-calibration FILE]
+    python -m nanospec.compare --engine E --self-only      # speculative vs the engine's own greedy only
 
 REFERENCE is a `decode.py --trace` file (nanospec-trace/1; AR in exact mode is the reference).
 OTHER holds one {"prompt_ids": [...], "output_ids": [...]} object per line, from any engine (a
@@ -205,6 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="--engine openai: the \"model\" field of each request")
     p.add_argument("--prompt-as", choices=["ids", "text"], default="ids", help="--engine openai: send prompt ids "
                    "(default) or their text (for servers that take no ids; the server's prompt tokens are checked)")
+    p.add_argument("--self-only", action="store_true", help="--engine: only each speculative setting against the "
+                   "engine's own greedy output (self-consistency): no nanospec reference is traced")
     p.add_argument("--calibrate", action="store_true", help="--engine: measure how far the engine's logits move "
                    "the reference's top-2 gaps (what the near-tie tolerance must cover) instead of comparing outputs")
     p.add_argument("--save-calibration", help="write the measured tolerances to this JSON file (--calibrate, or "
@@ -228,6 +231,9 @@ def main(argv=None) -> int:
             raise NanospecError("--engine runs the engine itself: give no OTHER file (REFERENCE is optional)")
         if args.bitwise:
             raise NanospecError("--bitwise compares two full traces (decode.py --trace), not an --engine run")
+        if args.self_only and (args.reference or args.calibrate and args.engine != "llama.cpp"):
+            raise NanospecError("--self-only uses no reference: give no REFERENCE, and --calibrate needs the "
+                                "reference (llama.cpp's `self` calibration aside)")
         from . import engines
         runs = engines.run(args.engine, args)
     else:

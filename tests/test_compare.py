@@ -150,6 +150,19 @@ def test_transformers_client(weights, tmp_path):
     assert all(len(e["positions"]) == len(e["output_ids"]) for e in saved)  # its own rows, top-k
 
 
+def test_transformers_self_consistency_alone(weights, tmp_path):
+    """--self-only: no nanospec reference, only prompt lookup against transformers' own greedy output."""
+    pytest.importorskip("transformers")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    code, out, err = call(compare.main, "--engine", "transformers", "--weights", weights, "--prompts", prompts,
+                          "--max-new-tokens", 8, "--dtype", "float32", "--settings", "greedy,prompt_lookup",
+                          "--self-only", "--json")
+    assert code == 0 and "nanospec ar exact" not in err, err
+    (run,) = json.loads(out.splitlines()[-1])["runs"]
+    assert (run["setting"], run["against"], run["summary"]["identical"]) == ("prompt_lookup", "greedy", 1)
+
+
 def test_calibration_stays_inside_the_tolerance(weights, tmp_path):
     """The near-tie tolerance covers how far transformers' forward moves nanospec's top-2 gaps."""
     pytest.importorskip("transformers")

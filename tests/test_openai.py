@@ -59,6 +59,16 @@ def test_a_planted_speculation_bug_is_a_divergence_against_both(served):
     assert "greedy" in text and "speculative" in text
 
 
+def test_self_only_needs_no_reference(served):
+    _, model, tok, _ = served
+    with Stub(model, tok) as greedy, Stub(model, tok, flip_at=5) as spec:
+        code, runs, text = engine(served, spec.url, "--greedy-url", greedy.url, "--self-only")
+        assert "add --greedy-url" in run_cli(compare.main, "--engine", "openai", "--url", spec.url, "--self-only")
+    assert code == 1 and "nanospec ar exact" not in text
+    (run,) = runs
+    assert run["against"] == "greedy" and [r["position"] for r in run["results"]] == [5, 5]
+
+
 def test_pieces_and_parse():
     class Tok:
         vocab_size, bos_id = 4, None

@@ -70,8 +70,11 @@ def reference(model, prompts, max_new_tokens, k=TOP_K) -> list[dict]:
     return entries
 
 
-def references(args, model, prompts) -> list[dict]:
-    """The reference: REFERENCE (a trace file of the same weights) when given, else traced now."""
+def references(args, model, prompts) -> list[dict] | None:
+    """The reference: REFERENCE (a trace file of the same weights) when given, else traced now;
+    None with --self-only (self-consistency needs none)."""
+    if args.self_only:
+        return None
     if not args.reference:
         return reference(model, prompts, args.max_new_tokens)
     given = {tuple(e["prompt_ids"]): e for e in traces.read(args.reference, full=True)}
@@ -93,8 +96,8 @@ def references(args, model, prompts) -> list[dict]:
     return out
 
 
-def save(args, name: str, entries: list[dict]) -> None:
-    if args.save:
+def save(args, name: str, entries: list[dict] | None) -> None:
+    if args.save and entries is not None:
         Path(args.save).mkdir(parents=True, exist_ok=True)
         traces.write(Path(args.save) / f"{name}.jsonl", entries)
 

@@ -198,7 +198,7 @@ def run(args) -> list[dict]:
                   f"{r['prompts']} prompts" + "".join(f"; prompt {x['prompt']} at token {x['position']}: nanospec "
                                                       f"{x['nanospec']}, llama.cpp {x['llama.cpp']}"
                                                       for x in r["examples"][:3]))
-        if not calib:
+        if not calib and refs is not None:
             for name, llm, chunk in (("single", single, 1), ("batched", batched, CHUNK)):
                 measured[f"{name} kv={kv}"] = calibrate(llm, refs, chunk, f"{name} kv={kv}")
                 print(describe(measured[f"{name} kv={kv}"], f"{name} kv={kv}"), flush=True)
@@ -213,17 +213,20 @@ def run(args) -> list[dict]:
             outs = decode(llm, prompts, args.max_new_tokens, model.args.eos_id, f"{s} kv={kv}", s != "greedy")
             save(args, f"llama.cpp-{s}-kv{kv}", outs)
             speed = {"tokens_per_s": tokens_per_s(outs)}
+            print(f"speed: llama.cpp {s} kv={kv}: {speed['tokens_per_s']} tok/s decoding (prompt evaluation excluded), "
+                  f"{sum(len(o['output_ids']) for o in outs)} new tokens over {len(outs)} prompts", flush=True)
             if s == "greedy":
                 greedy = outs
                 if not calib:  # self-consistency's own tolerance: batched against single, no reference
                     measured[f"self kv={kv}"] = calibrate(batched, greedy, CHUNK, f"self kv={kv}")
                     print(describe(measured[f"self kv={kv}"], f"self kv={kv} (batched vs its own greedy rows)"))
-                if not args.calibrate:
+                if not args.calibrate and refs is not None:
                     runs.append(judge(refs, outs, tolerance(kv, ["single"]), setting=s, kv=kv, against="reference",
                                       **speed))
                 continue
-            runs.append(judge(refs, outs, tolerance(kv, ["single", "batched"]), setting=s, kv=kv, against="reference",
-                              **speed))
+            if refs is not None:
+                runs.append(judge(refs, outs, tolerance(kv, ["single", "batched"]), setting=s, kv=kv,
+                                  against="reference", **speed))
             if greedy is not None:
                 runs.append(judge(greedy, outs, tolerance(kv, ["self"]), setting=s, kv=kv, against="greedy"))
     for name, e in measured.items():

@@ -152,6 +152,8 @@ def outputs(url, args, texts, prompts, pieces, eos_id, tag) -> list[dict]:
 def run(args) -> list[dict]:
     if not args.url:
         raise NanospecError("--engine openai needs --url http://HOST:PORT/v1 (the server's OpenAI-compatible API)")
+    if args.self_only and not args.greedy_url:
+        raise NanospecError("--self-only compares --url with the same engine's greedy output: add --greedy-url")
     if args.calibrate:
         raise NanospecError("--engine openai cannot be calibrated here (a server returns no full logit rows): "
                             "calibrate the engine it serves (--engine llama.cpp) and pass --calibration FILE")
@@ -181,7 +183,7 @@ def run(args) -> list[dict]:
         save(args, f"openai-{name.replace(' ', '-')}", got[name])
     refs = references(args, model, prompts)
     save(args, "nanospec-ar-float32", refs)
-    for name, url in urls:
+    for name, url in urls if refs is not None else []:
         runs.append(judge(refs, got[name], setting=url, against="reference"))
     if args.greedy_url:
         runs.append(judge(got["greedy server"], got["server"], setting=args.url.rstrip("/"), against="greedy"))
