@@ -1,7 +1,9 @@
 """A Llama GGUF (llama.cpp's format) as an HF directory, once: config.json, model.safetensors
 (fp32), tokenizer.json, tokenizer_config.json (with the chat template), generation_config.json.
+And back: an HF directory as an F32 GGUF (gguf_export.py), so llama.cpp runs nanospec's weights.
 
     python -m nanospec.convert FILE.gguf DIR
+    python -m nanospec.convert DIR OUT.gguf [--layers N]
 
 Tensors are dequantized with the `gguf` library, in fp32 as llama.cpp computes them (Q4_1:
 d * q + m per weight), so the fp32 directory is the GGUF's model itself (a Q4_1 file is of course
@@ -173,10 +175,17 @@ def convert(gguf_path, out, sha256: str | None = None) -> Path:
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__)
-    p.add_argument("gguf", help="a Llama .gguf file")
-    p.add_argument("out", help="the HF directory to write (must not exist yet)")
+    p.add_argument("source", help="a Llama .gguf file, or an HF Llama directory")
+    p.add_argument("out", help="the HF directory to write (must not exist yet), or OUT.gguf for a directory")
+    p.add_argument("--layers", type=int, help="DIR -> OUT.gguf: keep only the first N layers (a draft model)")
     args = p.parse_args(argv)
-    out = convert(args.gguf, args.out)
+    if Path(args.source).is_dir():
+        from .gguf_export import export
+        out = export(args.source, args.out, args.layers)
+    elif args.layers is not None:
+        raise NanospecError("--layers applies to DIR -> OUT.gguf, not to reading a GGUF")
+    else:
+        out = convert(args.source, args.out)
     print(f"wrote {out}", file=sys.stderr)
     print(out)
     return 0

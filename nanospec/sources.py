@@ -12,6 +12,9 @@ A directory may hold drafters for a model that lives elsewhere (weights/smollm2:
 ships the drafters, not the 135M model): its base.json names the model, {"fetch": "smollm2"} or
 {"weights": PATH}, and base_of() gives the model's own directory, fetching it once if needed.
 Whatever reads model files (config, tensors, tokenizer, chat template) goes through base_of().
+
+as_gguf() goes the other way, for engines that read GGUF (llama.cpp): a .gguf as it is, a
+directory exported once (gguf_export.py) into the cache as an F32 GGUF, keyed by its files' sha256.
 """
 import json
 import hashlib
@@ -114,3 +117,24 @@ def resolve(weights, log=None) -> Path:
         return from_hub(spec)
     raise NanospecError(f"no weights directory at {path}: pass --weights DIR (an HF Llama checkpoint), "
                         "FILE.gguf or a hub id org/name")
+
+
+def as_gguf(weights, hf_dir: Path, layers: int | None = None, log=None) -> Path:
+    """A GGUF file of --weights: FILE.gguf itself, else hf_dir (its resolved directory) exported once
+    as F32 (layers: only the first N, a draft model)."""
+    path = Path(str(weights)).expanduser() if weights is not None else None
+    if path is not None and path.suffix.lower() == ".gguf" and layers is None:
+        return path
+    h = hashlib.sha256()
+    for f in sorted(hf_dir.glob("*.safetensors")) + [hf_dir / "config.json"]:
+        h.update(f.name.encode() + sha256(f).encode())
+    out = cache_root() / "gguf-f32" / f"{hf_dir.name}-{h.hexdigest()[:16]}{f'-{layers}layers' if layers else ''}.gguf"
+    if not out.is_file():
+        from .gguf_export import export
+        out.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        export(hf_dir, out, layers)
+        if log:
+            print(f"exported {hf_dir} as {out} in {time.perf_counter() - t0:.1f}s (once: later runs reuse it)",
+                  file=log, flush=True)
+    return out

@@ -130,3 +130,26 @@ def transformers_model(path: Path):
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     return transformers.LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def ascii_model(tmp: Path, seed: int = 0) -> Path:
+    """An HF directory (fp32, byte-level BPE tokenizer.json) whose greedy output never leaves the
+    tokens whose text names them alone: the rows of the rest (partial UTF-8 bytes, specials but
+    EOS) are zeroed in the tied embedding, so their logits are 0 where the others spread by
+    several units. Servers that return token texts can then be mapped back to ids."""
+    import shutil
+    from nanospec.checkpoint import load, save
+    from nanospec.convert import convert
+    from nanospec.tokenizer_json import JsonTokenizer
+    src = convert(write_gguf(tmp / "src.gguf", "F32", seed=seed), tmp / "src")
+    tok = JsonTokenizer(src)
+    texts = [tok.decode([i]) for i in range(tok.vocab_size)]
+    unclear = [i for i, t in enumerate(texts) if texts.count(t) > 1 or "\ufffd" in t or i in (0, 1)]
+    model = load(src)
+    with torch.no_grad():
+        model.embed.weight[unclear] = 0
+    out = tmp / "ascii"
+    save(model, out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / f, out / f)
+    return out

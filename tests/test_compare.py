@@ -127,7 +127,8 @@ def test_decode_trace_of_a_method_is_bitwise_the_reference(weights, tmp_path):
 
 def test_transformers_client(weights, tmp_path):
     """transformers' own generate (greedy, prompt lookup, assisted with a second small model) on the
-    same weights: compared with nanospec's exact AR, nothing is a divergence."""
+    same weights: compared with nanospec's exact AR, and its speculative settings with its own
+    greedy output (self-consistency), nothing is a divergence."""
     pytest.importorskip("transformers")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["def f(x):\n    return", "class A:"]))
@@ -138,11 +139,28 @@ def test_transformers_client(weights, tmp_path):
                           "--save", tmp_path / "traces")
     assert code == 0, out + err
     runs = json.loads(out.splitlines()[-1])["runs"]
-    assert [(r["setting"], r["dtype"]) for r in runs] == [(s, d) for d in ("float32", "bfloat16")
-                                                          for s in ("greedy", "prompt_lookup", "assisted")]
+    assert [(r["setting"], r["dtype"], r["against"]) for r in runs] == [
+        (s, d, a) for d in ("float32", "bfloat16") for s, a in (("greedy", "reference"), ("prompt_lookup", "reference"),
+                                                                ("prompt_lookup", "greedy"), ("assisted", "reference"),
+                                                                ("assisted", "greedy"))]
     assert all(r["summary"]["prompts"] == 2 and r["summary"]["divergence"] == 0 for r in runs)
+    assert "transformers prompt_lookup float32 cpu vs its own greedy: 2 prompts" in out
     saved = trace.read(tmp_path / "traces" / "transformers-greedy-float32.jsonl")
     assert len(saved) == 2 and all(0 < len(e["output_ids"]) <= 12 for e in saved)
+    assert all(len(e["positions"]) == len(e["output_ids"]) for e in saved)  # its own rows, top-k
+
+
+def test_transformers_self_consistency_alone(weights, tmp_path):
+    """--self-only: no nanospec reference, only prompt lookup against transformers' own greedy output."""
+    pytest.importorskip("transformers")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    code, out, err = call(compare.main, "--engine", "transformers", "--weights", weights, "--prompts", prompts,
+                          "--max-new-tokens", 8, "--dtype", "float32", "--settings", "greedy,prompt_lookup",
+                          "--self-only", "--json")
+    assert code == 0 and "nanospec ar exact" not in err, err
+    (run,) = json.loads(out.splitlines()[-1])["runs"]
+    assert (run["setting"], run["against"], run["summary"]["identical"]) == ("prompt_lookup", "greedy", 1)
 
 
 def test_calibration_stays_inside_the_tolerance(weights, tmp_path):

@@ -1,0 +1,139 @@
+"""transformers as the engine under test: LlamaForCausalLM.generate, greedy, on the same weights.
+
+Settings: plain greedy, prompt lookup (prompt_lookup_num_tokens=10) and assisted generation
+(assistant_model: by default the same checkpoint cut to its first --assistant-layers layers), in
+each --dtype. Each is compared with nanospec's exact AR trace in the same dtype; prompt lookup and
+assisted generation also with transformers' own greedy output (self-consistency), judged on
+transformers' own logits (generate's output_logits). --calibrate measures instead how far
+transformers' forward moves the reference's top-2 gaps (calibration.py).
+"""
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import NanospecError
+from .. import calibration as cal
+from ..checkpoint import DTYPES, fingerprint, load, load_args
+from ..compare import coarser, compare
+from ..sources import base_of, resolve
+from . import progress, prompt_texts, references, reference, save, tokenizer, top
+
+SETTINGS = {"greedy": "plain greedy", "prompt_lookup": "prompt lookup (prompt_lookup_num_tokens=10)",
+            "assisted": "assisted generation (assistant_model)"}
+
+
+def outputs(hf, prompts, setting, max_new_tokens, eos_id, assistant=None) -> list[dict]:
+    """transformers' generate, greedy, in one of SETTINGS, with the logit row of every new token."""
+    extra = {"greedy": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10},
+             "assisted": {"assistant_model": assistant}}[setting]
+    outs, t0 = [], time.perf_counter()
+    for k, p in enumerate(prompts):
+        ids = torch.tensor([p], device=hf.device)
+        with torch.no_grad():
+            y = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=eos_id, pad_token_id=eos_id, return_dict_in_generate=True,
+                            output_logits=True, **extra)
+        new = y.sequences[0, len(p):].tolist()
+        outs.append({"prompt_ids": p, "output_ids": new, "dtype": str(hf.dtype).removeprefix("torch."),
+                     "eos_id": eos_id, "positions": [top(r[0].float().cpu()) for r in y.logits[:len(new)]]})
+        progress(f"transformers {setting}", k, len(prompts), t0)
+    return outs
+
+
+def calibrate(ref: list[dict], hf, units: str) -> dict:
+    """transformers' logits, teacher-forced over the reference's sequences, against its rows."""
+    moves, t0 = [], time.perf_counter()
+    for i, e in enumerate(ref):
+        seq = torch.tensor([e["prompt_ids"] + e["output_ids"]], device=hf.device)
+        with torch.no_grad():
+            rows = hf(seq).logits[0, len(e["prompt_ids"]) - 1:-1].float().cpu()
+        moves.append(cal.movements(e["positions"], rows, units))
+        progress("calibration", i, len(ref), t0)
+    return cal.entry(torch.cat(moves), units)
+
+
+def tolerance_of(calib: dict | None, name: str) -> dict:
+    """A run's tolerance: the calibration's entry for this dtype, else ({}) the float rule."""
+    if calib and name in calib["settings"]:
+        e = calib["settings"][name]
+        return {"units": e["units"], "ulps": e["ulps"], "calibrated": name}
+    return {}
+
+
+def verdicts(refs, others, tol: dict, ulps=None) -> list[dict]:
+    return compare(refs, others, None, ulps or tol.get("ulps"), units=tol.get("units"))
+
+
+def run(args) -> list[dict]:
+    """Every (dtype, setting): nanospec's exact AR trace vs transformers' generate on the same weights."""
+    try:
+        import transformers
+    except ImportError:
+        raise NanospecError("--engine transformers needs transformers: pip install transformers") from None
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    weights = resolve(args.weights, log=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")
+    settings = args.settings.split(",") if args.settings else list(SETTINGS)
+    for s in settings:
+        if s not in SETTINGS:
+            raise NanospecError(f"unknown setting {s!r} for transformers: one of {', '.join(SETTINGS)}")
+    if args.assistant:
+        args.assistant = resolve(args.assistant, log=sys.stderr)
+    if args.assistant and "assisted" in settings and load_args(args.assistant).vocab_size != load_args(weights).vocab_size:
+        raise NanospecError(f"the assistant at {args.assistant} has another vocabulary than {weights}: "
+                            "assisted generation needs the same tokenizer")
+    tok = tokenizer(weights)
+    prompts = [tok.encode(t) for t in prompt_texts(args, weights)]
+    calib = cal.read(args.calibration) if args.calibration else None
+    runs, found = [], {}
+    for name in (args.dtype or "float32,bfloat16").split(","):
+        if name not in DTYPES:
+            raise NanospecError(f"unknown dtype {name!r}: one of {', '.join(DTYPES)}")
+        model = load(weights, DTYPES[name], args.device)
+        if calib and calib.get("model") not in (None, fingerprint(model)):
+            raise NanospecError(f"{args.calibration} calibrates other weights (fingerprint {calib['model']})")
+        hf = transformers.LlamaForCausalLM.from_pretrained(base_of(weights), dtype=DTYPES[name]).to(args.device).eval()
+        if args.calibrate:  # transformers in this dtype against nanospec in it, and against fp32 nanospec
+            for ref_model in [model] + ([load(weights, torch.float32, args.device)] if name != "float32" else []):
+                ref_dtype = str(ref_model.embed.weight.dtype).removeprefix("torch.")
+                units = coarser(name, ref_dtype)
+                e = calibrate(reference(ref_model, prompts, args.max_new_tokens), hf, units)
+                key = name if ref_dtype == name else f"{name} vs {ref_dtype} reference"
+                found[key] = e
+                runs.append({"engine": "transformers", "setting": "calibration", "dtype": name, "device": args.device,
+                             "reference_dtype": ref_dtype, **e})
+                print(f"calibration: transformers {name} vs nanospec exact AR {ref_dtype}: top-2 gaps move by at most "
+                      f"{e['max']} (p99.9 {e['p99.9']}, median {e['median']}) x eps({units}) x logit scale over "
+                      f"{e['positions']} positions ({e['flips']} flips left out); the float rule's tolerance is "
+                      f"{cal.ULPS[units]}, the calibrated one {e['ulps']}")
+            continue
+        refs = references(args, model, prompts)
+        assistant = None
+        if "assisted" in settings:
+            src = Path(args.assistant) if args.assistant else base_of(weights)
+            kw = {} if args.assistant else {"num_hidden_layers": args.assistant_layers}
+            assistant = transformers.LlamaForCausalLM.from_pretrained(src, dtype=DTYPES[name], **kw).to(args.device).eval()
+        save(args, f"nanospec-ar-{name}", refs)
+        tol = tolerance_of(calib, name)
+        greedy = None
+        for s in settings:
+            others = outputs(hf, prompts, s, args.max_new_tokens, model.args.eos_id, assistant)
+            save(args, f"transformers-{s}-{name}", others)
+            common = {"engine": "transformers", "setting": s, "dtype": name, "device": args.device}
+            if refs is not None:
+                runs.append({**common, "against": "reference", **tol,
+                             "results": verdicts(refs, others, tol, args.ulps)})
+            if s == "greedy":
+                greedy = others
+            elif greedy is not None:  # does turning speculation on change transformers' output?
+                runs.append({**common, "against": "greedy", **tol,
+                             "results": verdicts(greedy, others, tol, args.ulps)})
+    if args.calibrate and args.save_calibration:
+        cal.write(args.save_calibration, found, engine="transformers", engine_version=transformers.__version__,
+                  model=fingerprint(load(weights)), weights=str(args.weights), prompts=len(prompts),
+                  max_new_tokens=args.max_new_tokens)
+    return runs

@@ -1,0 +1,116 @@
+"""--engine llama.cpp through llama-cpp-python (skipped where it is not installed; CI does not build
+it): on a tiny F32 model exported here, every setting and KV cache type is judged with the
+calibration the run measures, which a second run reuses from its file; llama-cpp-python's own
+server is checked through --engine openai. Without the package: one line naming the install."""
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from gguf_files import ascii_model
+from helpers import call, run_cli
+from nanospec import calibration as cal, compare
+from nanospec.gguf_export import export
+
+
+def test_missing_llama_cpp_python_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now raises ImportError
+    msg = run_cli(compare.main, "--engine", "llama.cpp")
+    assert "needs llama-cpp-python" in msg and 'pip install "nanospec[llamacpp]"' in msg
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    d = ascii_model(tmp_path_factory.mktemp("llamacpp"))
+    prompts = d / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["def f(x):\n    return", "import os\n"]))
+    return d, prompts
+
+
+def test_every_setting_with_its_measured_calibration(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / "cache"))
+    d, prompts = tiny
+    common = ["--engine", "llama.cpp", "--weights", d, "--prompts", prompts, "--max-new-tokens", 12, "--json"]
+    code, out, err = call(compare.main, *common, "--save", tmp_path / "s", "--save-calibration", tmp_path / "c.json")
+    assert code == 0, out + err
+    runs = json.loads(out.splitlines()[-1])["runs"]
+    (tok,) = [r for r in runs if r.get("check") == "tokenizer"]
+    assert tok["differ"] == 0 and tok["prompts"] == 2
+    judged = [(r["setting"], r["kv"], r["against"]) for r in runs if "results" in r]
+    assert judged == [(s, kv, a) for kv in ("f16", "f32") for s, a in (
+        ("greedy", "reference"), ("prompt_lookup", "reference"), ("prompt_lookup", "greedy"),
+        ("draft", "reference"), ("draft", "greedy"))]
+    assert all(r["summary"]["divergence"] == 0 and r["calibrated"] for r in runs if "results" in r)
+    assert all(r["tokens_per_s"] > 0 for r in runs if r.get("against") == "reference")
+    c = cal.read(tmp_path / "c.json")
+    assert sorted(c["settings"]) == sorted(f"{n} kv={kv}" for n in ("single", "batched", "self") for kv in ("f16", "f32"))
+    assert c["engine"] == "llama.cpp" and all(e["units"] == "float32" for e in c["settings"].values())
+    assert "calibration: llama.cpp single kv=f16: top-2 gaps move by at most" in out
+    saved = sorted(p.name for p in (tmp_path / "s").iterdir())
+    assert "nanospec-ar-float32.jsonl" in saved and "llama.cpp-draft-kvf32.jsonl" in saved
+    # a second run: the reference and the calibration from the files, nothing measured again
+    code, out, err = call(compare.main, tmp_path / "s" / "nanospec-ar-float32.jsonl", *common, "--calibration",
+                          tmp_path / "c.json", "--settings", "greedy", "--kv", "f32")
+    assert code == 0, err
+    assert "calibration:" not in out and "nanospec ar exact" not in err
+    (run,) = [r for r in json.loads(out.splitlines()[-1])["runs"] if "results" in r]
+    assert run["ulps"] == c["settings"]["single kv=f32"]["ulps"]
+
+
+def test_bad_llama_cpp_options(tiny):
+    d, prompts = tiny
+    assert "unknown --kv 'q8'" in run_cli(compare.main, "--engine", "llama.cpp", "--weights", d, "--kv", "q8")
+    assert "unknown setting 'assisted'" in run_cli(compare.main, "--engine", "llama.cpp", "--settings", "assisted")
+    assert "no --dtype" in run_cli(compare.main, "--engine", "llama.cpp", "--dtype", "bfloat16")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(gguf, *more):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                             "--port", str(port), "--n_ctx", "256", "--type_k", "0", "--type_v", "0", *more],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/v1"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"{url}/models", timeout=1)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+    proc.kill()
+    pytest.fail("llama-cpp-python's server did not start")
+
+
+def test_llama_cpp_python_server_through_openai(tiny, tmp_path):
+    """llama-cpp-python's server takes text prompts only (--prompt-as text: the prompt's tokens are
+    checked through echo) and returns token texts; plain and with prompt lookup, F32 KV cache."""
+    pytest.importorskip("uvicorn")
+    d, prompts = tiny
+    gguf = export(d, tmp_path / "m.gguf")
+    greedy, greedy_url = serve(gguf)
+    try:
+        spec, spec_url = serve(gguf, "--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", "10")
+        try:
+            code, out, err = call(compare.main, "--engine", "openai", "--url", spec_url, "--greedy-url", greedy_url,
+                                  "--weights", d, "--prompts", prompts, "--max-new-tokens", 12, "--prompt-as", "text",
+                                  "--json")
+        finally:
+            spec.kill()
+    finally:
+        greedy.kill()
+    assert code == 0, out + err
+    runs = json.loads(out.splitlines()[-1])["runs"]
+    assert [r["against"] for r in runs] == ["reference", "reference", "greedy"]
+    assert all(r["summary"]["divergence"] == 0 and r["summary"]["empty"] == 0 for r in runs), out
