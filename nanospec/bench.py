@@ -106,7 +106,7 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     speeds = {name: sum(len(o.tokens) for o in runs) / sum(o.decode_s for o in runs) for name, runs in base.items()}
     baseline = max(speeds, key=speeds.get)
     ar_tps = speeds[baseline]
-    print(f"[bench] " + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in speeds.items()) +
+    print("[bench] " + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in speeds.items()) +
           f" over {len(prompts)} prompts; speedups are against {baseline}", file=sys.stderr, flush=True)
     results = []
     for d, runs in zip(drafters, outs):

@@ -50,9 +50,12 @@ class KVCache:
         The accepted path of a draft tree is scattered over scratch slots; this makes
         it contiguous after the committed prefix. Every other slot keeps its content.
         """
-        dst = list(range(dst_start, dst_start + len(src)))
-        if src == dst:  # decided on the host: no device sync
+        k = 0  # entries already in place (the root, and a path along the tree's first nodes) stay
+        while k < len(src) and src[k] == dst_start + k:
+            k += 1
+        if k == len(src):  # decided on the host: no device sync
             return
-        src, dst = (torch.tensor(s, device=self.k.device) for s in (src, dst))
-        self.k[:, :, :, dst] = self.k[:, :, :, src]  # the gather copies first, so overlap is safe
-        self.v[:, :, :, dst] = self.v[:, :, :, src]
+        idx = torch.tensor(src[k:], device=self.k.device)
+        lo, hi = dst_start + k, dst_start + len(src)
+        self.k[:, :, :, lo:hi] = self.k.index_select(3, idx)  # index_select copies first, so overlap is safe
+        self.v[:, :, :, lo:hi] = self.v.index_select(3, idx)

@@ -7,7 +7,6 @@ Templates are untrusted code from the hub, so they run in jinja2's immutable san
 """
 import json
 from datetime import datetime
-from pathlib import Path
 
 from . import NanospecError
 from .tokenizer_json import read_json

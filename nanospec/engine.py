@@ -31,7 +31,7 @@ from .cache import KVCache
 from .forward import Forward, Out
 from .model import Block
 from .planner import Measured
-from .tree import Sampler, Tree, accept, layout, verify
+from .tree import Sampler, Tree, accept, group_rows, layout, verify
 
 # Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
 # on another path than the first ones (tests/test_model.py checks blocks of 16 and more).
@@ -121,10 +121,28 @@ class Decoding:
         self.template = None       # a ranked drafter's tree shape for this step (its own, or the planner's)
         self.budget = None         # this step's draft budget in nodes, when a planner sets one
         self.forward_s = 0.0       # time in forwards (synchronised), for the benchmark's host time
+        self.blocks = {}           # step layouts at position 0, per shape (block())
 
-    def block(self, tree: Tree) -> Block:
-        """The tree's rows at the current position, on the device."""
-        return tree.block(self.cur, self.device)
+    def block(self, tree: Tree, hosts=(), M: int = 0, reserved=None, chained: bool = True) -> Block:
+        """The tree's rows at the current position, on the device, then (M > 0) a group of M rows
+        after each host node (tree.group_rows). Laid out once per shape at position 0 and moved to
+        cur each step: a few device ops, whatever the tree."""
+        res = tuple(reserved.tolist()) if reserved is not None else ()
+        key = (tree.parents if isinstance(tree.parents, tuple) else tuple(tree.parents), tuple(hosts), M, res, chained)
+        rel = self.blocks.get(key)
+        if rel is None:
+            rel = b = Tree([0] * len(tree), key[0]).block(0, self.device)
+            if M:
+                rel = Block.cat(b, group_rows(b, list(hosts), M, torch.tensor(res, dtype=torch.long) if res else None, chained))
+            seq = (rel.extra >= 0) & (rel.extra < self.cache.capacity)  # sequence slots move; reserved ones stay
+            if len(self.blocks) > 4096:  # Lookahead's shapes vary: keep the dict bounded
+                self.blocks.clear()
+            self.blocks[key] = rel = (rel, seq)
+        b, seq = rel
+        tokens = tree.tokens if torch.is_tensor(tree.tokens) else torch.tensor(tree.tokens)
+        tokens = F.pad(tokens.to(self.device), (0, len(b) - len(tree)))[None]
+        return Block(tokens, b.pos + self.cur, b.slots + self.cur, b.prefix + self.cur,
+                     torch.where(seq, b.extra + self.cur, b.extra))
 
     @property
     def room(self) -> int:

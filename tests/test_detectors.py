@@ -4,7 +4,6 @@ and nanospec.compare fail, with the documented exit codes."""
 import json
 
 import pytest
-import torch
 
 import decode
 from helpers import Corrupt, call, random_model

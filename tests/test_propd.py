@@ -1,7 +1,5 @@
 """ProPD: early pruning, the dynamic tree (the core planner with the paper's online costs), the
 drafter's exactness and the early-head trainer. (The planner's own tests: test_planner.py.)"""
-import math
-import random
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from nanospec.methods.medusa import Heads
 from nanospec.tree import choose_tree as medusa_tree
 from nanospec.engine import Nodes
 from nanospec.methods.propd import EarlyHead, ProPD, pruned, load_propd, samples, train_early
-from nanospec.planner import Acceptance, CostModel, FixedCost, expected_length, plan
+from nanospec.planner import FixedCost
 from nanospec.model import ModelArgs
 from nanospec.tree import Tree, layout
 

@@ -12,7 +12,6 @@ from nanospec import NanospecError
 from nanospec.methods import model_dir
 from nanospec.methods.sdsat import SDSAT, mask, sdsat_loss
 from nanospec.model import ModelArgs
-from nanospec.tree import Tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)

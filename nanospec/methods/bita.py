@@ -50,7 +50,7 @@ from ..engine import Drafter
 from ..forward import Forward, Out
 from ..model import Block
 from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
-from ..tree import Template, Tree, group_rows, product_paths
+from ..tree import Template, Tree, product_paths
 
 PROMPTING = ("deep", "shallow", "none")
 DECODING = ("efficient", "full", "straight")
@@ -117,8 +117,7 @@ class BiTA(Drafter):
         return Tree.chain(dec.last) if dec.cands is None else dec.template.tree(dec.last, dec.cands)
 
     def rows(self, dec, tree):
-        blk = dec.block(tree)
-        return Block.cat(blk, group_rows(blk, list(range(self.groups(len(tree)))), self.tune.M, dec.reserved))
+        return dec.block(tree, range(self.groups(len(tree))), self.tune.M, dec.reserved)
 
     def shape_key(self, nodes):
         return nodes.n

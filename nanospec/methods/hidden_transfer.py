@@ -54,8 +54,7 @@ from ..data import distill_args
 from ..engine import Drafter
 from ..forward import Forward, Out
 from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
-from ..model import Block
-from ..tree import Template, Tree, choose_tree, group_rows
+from ..tree import Template, Tree, choose_tree
 
 ATTENTION = ("paper", "chain", "masked")
 
@@ -127,8 +126,7 @@ class HiddenTransfer(Drafter):
         return Tree.chain(dec.last) if dec.cands is None else dec.template.tree(dec.last, dec.cands)
 
     def rows(self, dec, tree):
-        blk = dec.block(tree)
-        return Block.cat(blk, group_rows(blk, list(range(len(tree))), self.tr.k, chained=self.chained))
+        return dec.block(tree, range(len(tree)), self.tr.k, chained=self.chained)
 
     def shape_key(self, nodes):
         return nodes.n

@@ -56,7 +56,7 @@ from ..pretrain import eval_loss, val_windows, windows
 from ..tokenizer import load_tokenizer
 from ..training import Progress, adamw, cosine_lr, hardware, update
 from ..forward import Out
-from ..tree import Template, Tree, group_rows
+from ..tree import Template, Tree
 
 class SDSAT(Drafter):
     name = "sdsat"
@@ -88,10 +88,9 @@ class SDSAT(Drafter):
         self.host = 0
         while self.host + 1 < len(tree) and self.host in tree.parents[self.host + 1:]:
             self.host = tree.parents.index(self.host, self.host + 1)
-        blk = dec.block(tree)
-        rows = group_rows(blk, [self.host], self.k)
-        rows.tokens = blk.tokens.new_tensor([self.adaptive])
-        return Block.cat(blk, rows)
+        blk = dec.block(tree, [self.host], self.k)
+        blk.tokens[0, len(tree):] = blk.tokens.new_tensor(self.adaptive)
+        return blk
 
     def shape_key(self, nodes):
         return nodes.n, self.host
