@@ -148,22 +148,25 @@ class ProPD(Medusa):
 TRAIN_CMD = "python train.py --method propd"
 
 
-def load_early(model, weights, layer: int) -> EarlyHead:
+def load_early(model, weights, layer: int | None = None) -> EarlyHead:
+    """The early head after `layer` (None: the file's first, e.g. 2 for weights/pylm, 8 for weights/smollm2)."""
     tensors, meta = load_drafter_file(Path(weights) / "propd.safetensors", model, TRAIN_CMD)
+    layer = meta["layers"][0] if layer is None else layer
     if layer not in meta["layers"]:
         raise NanospecError(f"propd.safetensors has early heads for layers {meta['layers']}, not {layer}; "
                             f"train it with `{TRAIN_CMD} --early-layers {layer}`")
     a = model.args
     head = EarlyHead(a.dim, a.vocab_size, meta["rank"], a.norm_eps).to(model.embed.weight)
     head.load_state_dict({k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"layer{layer}.")})
+    head.layer = layer
     return head.eval()
 
 
-def load_propd(model, weights, layer=2, k=10, prune=True, dynamic=True, tree_size=0, replan=32) -> ProPD:
+def load_propd(model, weights, layer=None, k=10, prune=True, dynamic=True, tree_size=0, replan=32) -> ProPD:
     heads, meta = load_heads(model, weights)
     early = load_early(model, weights, layer) if prune else None
     paths = choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"]
-    return ProPD(heads, paths, meta["acc"], early, layer, k, dynamic, replan=replan)
+    return ProPD(heads, paths, meta["acc"], early, early.layer if early else layer, k, dynamic, replan=replan)
 
 
 # --- training ----------------------------------------------------------------------------------
