@@ -12,6 +12,12 @@ the budget shrinks to it. Costs come from one of:
 - FixedCost: a line, for tests.
 A drafter whose candidates are not ranked per depth (Lookahead's trie) is planned by its
 measured tokens per step at each budget instead.
+
+A forward's cost by rows is not a step's: a method adds its own work (Medusa's heads project each
+draft depth through the 49k-row lm_head; pseudo rows, host work). The planner learns, per size, the
+ratio of a step's observed time to the cost model's estimate, and plans with estimates scaled by
+it (unobserved drafting sizes take the largest ratio seen; an AR step, 1 until observed). Only
+Measured costs need it: ProPD's online model already learns from whole steps.
 """
 import bisect
 import functools
@@ -27,6 +33,7 @@ class CostModel:
     """ProPD's iteration-time model (section 4.2): per (batch size, rows) an EMA of measured step
     time, and a line T(rows) = b0 + b1 * rows fitted by least squares weighted by
     exp(-lambda * age), age being the steps since that size was last measured."""
+    forwards_only = False  # learnt from whole steps (or, FixedCost, declared): taken as it is
 
     def __init__(self, alpha: float = 0.3, lam: float = 0.01):
         self.alpha, self.lam = alpha, lam
@@ -79,6 +86,7 @@ class FixedCost(CostModel):
 class Measured(FixedCost):
     """Seconds per forward by rows, as measured (engine.measure_costs): linear between the points,
     and along the last segment's slope beyond them."""
+    forwards_only = True  # a step also pays the method's own work: the planner learns how much
 
     def __init__(self, points: dict[int, float]):
         super().__init__(0.0, 0.0)
@@ -114,13 +122,14 @@ def expected_length(paths: list[tuple[int, ...]], p: list[list[float]]) -> float
     return total
 
 
-def plan(p: list[list[float]], cost: CostModel, sizes, rows=lambda n: n, allowed=None) -> int | None:
+def plan(p: list[list[float]], cost: CostModel, sizes, rows=lambda n: n, allowed=None, scale=lambda s: 1.0) -> int | None:
     """The tree size (draft nodes) maximising expected accepted length per estimated second (None:
-    no estimate yet). rows(n): the rows a step over n tree nodes runs; size 0 is an AR step."""
+    no estimate yet). rows(n): the rows a step over n tree nodes runs; size 0 is an AR step;
+    scale(s): the observed step time over the estimate at size s."""
     if cost.estimate(1) is None:
         return None
     speed = {s: (expected_length(choose_tree(p, s, allowed), p) if s else 1.0) /
-             max(cost.estimate(rows(s + 1) if s else 1), 1e-9) for s in sizes}
+             max(cost.estimate(rows(s + 1) if s else 1) * scale(s), 1e-9) for s in sizes}
     return max(sizes, key=speed.get)
 
 
@@ -132,6 +141,8 @@ class Planner:
     def __init__(self, cost: CostModel, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
         self.used = Counter()  # planned size -> steps
+        self.ratio = {}        # planned size -> EMA of a step's seconds over the cost estimate
+        self.steps = Counter() # planned size -> steps observed
         self.accept = self.gain = None
 
     def start(self, drafter, dec) -> None:
@@ -148,9 +159,10 @@ class Planner:
         if self.at is None or abs(dec.cur - self.at) >= self.replan or self.size is None:
             rows = lambda n: drafter.size(n)
             if self.accept is not None:
-                self.size = plan(self.accept.p(), self.cost, self.sizes, rows, drafter.family)
+                self.size = plan(self.accept.p(), self.cost, self.sizes, rows, drafter.family, self.scale)
             elif self.cost.estimate(1) is not None:
-                self.size = max(self.sizes, key=lambda s: (1 + self.gain[s]) / self.cost.estimate(rows(s + 1) if s else 1))
+                self.size = max(self.sizes, key=lambda s: (1 + self.gain[s]) /
+                                (self.cost.estimate(rows(s + 1) if s else 1) * self.scale(s)))
             if self.size is None:  # an online cost model has no line yet: measure two sizes first
                 seen, static = self.cost.measured(), getattr(drafter, "template", None)
                 first = len(static) - 1 if static is not None else self.sizes[-1]
@@ -167,6 +179,13 @@ class Planner:
         another, faster kernel path on a CPU and would bend the line), and how its drafts fared."""
         if rows > 1:
             self.cost.update(rows, seconds)
+        est = self.cost.estimate(rows)
+        self.steps[size] += 1
+        if est and self.cost.forwards_only and self.steps[size] > 1:  # a size's first step may pay one-time costs
+            r = seconds / est
+            if size not in self.ratio:
+                self.at = None  # the first measure of what this size really costs: replan now
+            self.ratio[size] = r if size not in self.ratio else 0.8 * self.ratio[size] + 0.2 * r
         if self.accept is None:
             if size:
                 self.gain[size] = (1 - 4 * self.alpha) * self.gain[size] + 4 * self.alpha * accepted
@@ -177,6 +196,12 @@ class Planner:
                 self.accept.update(depth, cands.index(out[i]) if out[i] in cands else None)
         self.pending = [q for q in self.pending if q[0] >= n]
         self.pending += [(n + d, d, c) for d, c in enumerate(dec.cand_lists or [])]
+
+    def scale(self, size: int) -> float:
+        if size in self.ratio:
+            return self.ratio[size]
+        drafting = [r for s, r in self.ratio.items() if s]
+        return max(drafting) if size and drafting else 1.0
 
     def report(self) -> str:
         total = sum(self.used.values())
