@@ -106,14 +106,15 @@ def note_own_model(weights) -> None:
 
 def tune(args, model, exact: bool, drafters) -> None:
     """Fast mode on a CPU: --kernels tuned picks each product's form by row count; --budget auto
-    gives drafters without a planner one sized by this machine's measured costs (ProPD plans with
-    its own, the paper's). Exact mode keeps one kernel and static trees: its block is fixed."""
+    gives every drafter a planner sized by this machine's measured costs (ProPD's own online cost
+    line, the paper's, runs under --budget static; it cannot see an AR step's cost, which it does
+    not measure). Exact mode keeps one kernel and static trees: its block is fixed."""
     if exact:
         return
     if args.kernels == "tuned" and args.device == "cpu":
         model.kernels = kernels.tuned(model)
     for d in drafters:
-        if args.budget == "auto" and d.planner is None and type(d) is not Drafter:
+        if args.budget == "auto" and type(d) is not Drafter and (d.planner is None or not d.planner.cost.forwards_only):
             d.plan(Planner(measure_costs(model)))
 
 

@@ -16,7 +16,8 @@ measured tokens per step at each budget instead.
 A forward's cost by rows is not a step's: a method adds its own work (Medusa's heads project each
 draft depth through the 49k-row lm_head; pseudo rows, host work). The planner learns, per size, the
 ratio of a step's observed time to the cost model's estimate, and plans with estimates scaled by
-it (unobserved drafting sizes take the largest ratio seen; an AR step, 1 until observed). Only
+it (unobserved drafting sizes take the largest ratio seen); once a drafting size is measured, two
+AR steps measure an AR step's ratio too, so both pay the same machine's overheads. Only
 Measured costs need it: ProPD's online model already learns from whole steps.
 """
 import bisect
@@ -156,6 +157,9 @@ class Planner:
 
     def budget(self, drafter, dec) -> int:
         """Draft nodes for this step (0: an AR step); the tree of that size is self.tree."""
+        if 0 in self.sizes and self.steps[0] < 2 and any(self.ratio):  # drafting's real cost is known:
+            self.used[0] += 1                                             # measure an AR step's too
+            return 0
         if self.at is None or abs(dec.cur - self.at) >= self.replan or self.size is None:
             rows = lambda n: drafter.size(n)
             if self.accept is not None:
