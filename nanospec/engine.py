@@ -123,11 +123,11 @@ class Decoding:
         self.forward_s = 0.0       # time in forwards (synchronised), for the benchmark's host time
         self.blocks = {}           # step layouts at position 0, per shape (block())
 
-    def block(self, tree: Tree, hosts=(), M: int = 0, reserved=None, chained: bool = True) -> Block:
+    def block(self, tree: Tree, hosts=(), M: int = 0, reserved: bool = False, chained: bool = True) -> Block:
         """The tree's rows at the current position, on the device, then (M > 0) a group of M rows
-        after each host node (tree.group_rows). Laid out once per shape at position 0 and moved to
-        cur each step: a few device ops, whatever the tree."""
-        res = tuple(reserved.tolist()) if reserved is not None else ()
+        after each host node (tree.group_rows; reserved: they also see the drafter's reserved slots).
+        Laid out once per shape at position 0 and moved to cur each step: a few device ops."""
+        res = tuple(self.reserved.tolist()) if reserved and self.reserved is not None else ()
         key = (tree.parents if isinstance(tree.parents, tuple) else tuple(tree.parents), tuple(hosts), M, res, chained)
         rel = self.blocks.get(key)
         if rel is None:
@@ -143,6 +143,22 @@ class Decoding:
         tokens = F.pad(tokens.to(self.device), (0, len(b) - len(tree)))[None]
         return Block(tokens, b.pos + self.cur, b.slots + self.cur, b.prefix + self.cur,
                      torch.where(seq, b.extra + self.cur, b.extra))
+
+    def keep(self, keys=None, values=None, embeds=None) -> None:
+        """Fill the drafter's reserved cache slots: with per-layer keys and values as given, or with
+        those that rows of embeds compute, causal among themselves from position 0 (BiTA's deep and
+        shallow prompts)."""
+        slots = self.reserved
+        if embeds is None:
+            for i, (k, v) in enumerate(zip(keys, values)):
+                kc, vc = self.cache.layer(i)
+                kc[:, :, slots] = k
+                vc[:, :, slots] = v
+            return
+        P = len(slots)
+        extra = torch.where(torch.arange(P)[None] <= torch.arange(P)[:, None], slots[None], -1)
+        z = torch.zeros(1, P, dtype=torch.long)
+        self.run(Block(z, torch.arange(P)[None], slots, z, extra[None]), embeds=embeds[None])
 
     @property
     def room(self) -> int:

@@ -48,7 +48,6 @@ from ..checkpoint import fingerprint, load_trained, save_drafter
 from ..data import distill_args
 from ..engine import Drafter
 from ..forward import Forward, Out
-from ..model import Block
 from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
 from ..tree import Template, Tree, product_paths
 
@@ -100,24 +99,17 @@ class BiTA(Drafter):
         return n + self.groups(n) * self.tune.M
 
     def start(self, dec):
-        tune, slots = self.tune, dec.reserved
-        if tune.prompting == "deep":
-            for i in range(len(tune.key)):
-                kc, vc = dec.cache.layer(i)
-                kc[:, :, slots] = tune.key[i]
-                vc[:, :, slots] = tune.value[i]
-        elif tune.prompting == "shallow":  # P rows, causal among themselves, keys into the reserved slots
-            P = tune.P
-            extra = torch.where(torch.arange(P)[None] <= torch.arange(P)[:, None], slots[None], -1)
-            z = torch.zeros(1, P, dtype=torch.long)
-            dec.run(Block(z, torch.arange(P)[None], slots, z, extra[None]), embeds=tune.prompt[None])
+        if self.tune.prompting == "deep":  # the prompt tokens' keys and values, in every layer
+            dec.keep(self.tune.key, self.tune.value)
+        elif self.tune.prompting == "shallow":  # P rows, causal among themselves, keys into the reserved slots
+            dec.keep(embeds=self.tune.prompt)
 
     def draft(self, dec):
         """The tree over the last accepted node's mask predictions (none yet: the root alone)."""
         return Tree.chain(dec.last) if dec.cands is None else dec.template.tree(dec.last, dec.cands)
 
     def rows(self, dec, tree):
-        return dec.block(tree, range(self.groups(len(tree))), self.tune.M, dec.reserved)
+        return dec.block(tree, range(self.groups(len(tree))), self.tune.M, reserved=True)
 
     def shape_key(self, nodes):
         return nodes.n
