@@ -127,18 +127,17 @@ class Decoding:
         """The tree's rows at the current position, on the device, then (M > 0) a group of M rows
         after each host node (tree.group_rows; reserved: they also see the drafter's reserved slots).
         Laid out once per shape at position 0 and moved to cur each step: a few device ops."""
-        res = tuple(self.reserved.tolist()) if reserved and self.reserved is not None else ()
-        key = (tree.parents if isinstance(tree.parents, tuple) else tuple(tree.parents), tuple(hosts), M, res, chained)
-        rel = self.blocks.get(key)
-        if rel is None:
-            rel = b = Tree([0] * len(tree), key[0]).block(0, self.device)
+        parents = tuple(tree.parents)
+        key = (parents, tuple(hosts), M, reserved, chained)  # self.reserved is fixed for a decoding
+        if key not in self.blocks:
+            b = Tree([0] * len(tree), parents).block(0, self.device)
             if M:
-                rel = Block.cat(b, group_rows(b, list(hosts), M, torch.tensor(res, dtype=torch.long) if res else None, chained))
-            seq = (rel.extra >= 0) & (rel.extra < self.cache.capacity)  # sequence slots move; reserved ones stay
+                b = Block.cat(b, group_rows(b, list(hosts), M, self.reserved if reserved else None, chained))
+            seq = (b.extra >= 0) & (b.extra < self.cache.capacity)  # sequence slots move; reserved ones stay
             if len(self.blocks) > 4096:  # Lookahead's shapes vary: keep the dict bounded
                 self.blocks.clear()
-            self.blocks[key] = rel = (rel, seq)
-        b, seq = rel
+            self.blocks[key] = (b, seq)
+        b, seq = self.blocks[key]
         tokens = tree.tokens if torch.is_tensor(tree.tokens) else torch.tensor(tree.tokens)
         tokens = F.pad(tokens.to(self.device), (0, len(b) - len(tree)))[None]
         return Block(tokens, b.pos + self.cur, b.slots + self.cur, b.prefix + self.cur,
