@@ -18,6 +18,7 @@ In exact mode every forward runs exactly Q rows (padded) on a cache of S slots, 
 method must use the same Q and S to compare bitwise: generate() takes both, and shapes() gives
 values that fit a set of drafters.
 """
+import functools
 import hashlib
 import json
 import time
@@ -31,7 +32,7 @@ from .cache import KVCache
 from .forward import Forward, Out
 from .model import Block
 from .planner import Measured
-from .tree import Sampler, Tree, accept, group_rows, layout, verify
+from .tree import Sampler, Tree, accept, layout, step_layout, verify
 
 # Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
 # on another path than the first ones (tests/test_model.py checks blocks of 16 and more).
@@ -121,27 +122,25 @@ class Decoding:
         self.template = None       # a ranked drafter's tree shape for this step (its own, or the planner's)
         self.budget = None         # this step's draft budget in nodes, when a planner sets one
         self.forward_s = 0.0       # time in forwards (synchronised), for the benchmark's host time
-        self.blocks = {}           # step layouts at position 0, per shape (block())
+        self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
+        self.cuda = self.device.type == "cuda"
 
     def block(self, tree: Tree, hosts=(), M: int = 0, reserved: bool = False, chained: bool = True) -> Block:
         """The tree's rows at the current position, on the device, then (M > 0) a group of M rows
         after each host node (tree.group_rows; reserved: they also see the drafter's reserved slots).
-        Laid out once per shape at position 0 and moved to cur each step: a few device ops."""
-        parents = tuple(tree.parents)
-        key = (parents, tuple(hosts), M, reserved, chained)  # self.reserved is fixed for a decoding
-        if key not in self.blocks:
-            b = Tree([0] * len(tree), parents).block(0, self.device)
-            if M:
-                b = Block.cat(b, group_rows(b, list(hosts), M, self.reserved if reserved else None, chained))
-            seq = (b.extra >= 0) & (b.extra < self.cache.capacity)  # sequence slots move; reserved ones stay
-            if len(self.blocks) > 4096:  # Lookahead's shapes vary: keep the dict bounded
-                self.blocks.clear()
-            self.blocks[key] = (b, seq)
-        b, seq = self.blocks[key]
-        tokens = tree.tokens if torch.is_tensor(tree.tokens) else torch.tensor(tree.tokens)
-        tokens = F.pad(tokens.to(self.device), (0, len(b) - len(tree)))[None]
-        return Block(tokens, b.pos + self.cur, b.slots + self.cur, b.prefix + self.cur,
-                     torch.where(seq, b.extra + self.cur, b.extra))
+        Laid out once per shape at position 0 (tree.step_layout) and moved to cur: a few device ops."""
+        b, seq = step_layout(tree.parents, tuple(hosts), M, self.reserved_slots if reserved else (), chained,
+                             self.cache.capacity, self.device)
+        tokens = self.tokens(tree)
+        if len(b) > len(tree):
+            tokens = F.pad(tokens, (0, len(b) - len(tree)))
+        cur = self.cur
+        return Block(tokens.view(1, -1), b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
+
+    def tokens(self, tree: Tree) -> torch.Tensor:
+        """The tree's tokens on the device (drafted there already, or sent from the host list)."""
+        t = tree.tokens
+        return t if torch.is_tensor(t) and t.device == self.device else torch.as_tensor(t, device=self.device)
 
     def keep(self, keys=None, values=None, embeds=None) -> None:
         """Fill the drafter's reserved cache slots: with per-layer keys and values as given, or with
@@ -210,8 +209,7 @@ class Decoding:
         n = len(tree)
         block = drafter.rows(self, tree)
         lay = layout(tree.parents, self.device)
-        tokens = tree.tokens if torch.is_tensor(tree.tokens) else torch.tensor(tree.tokens)
-        tokens, real = tokens.to(self.device), torch.ones(n, dtype=torch.bool, device=self.device)
+        tokens, real = self.tokens(tree), ones(n, self.device)
         if self.exact:
             block, lay = self.fixed(block), lay.pad(self.Q)
             tokens, real = F.pad(tokens, (0, self.Q - n), value=-1), F.pad(real, (0, self.Q - n))
@@ -293,7 +291,7 @@ class Decoding:
         self.last = tokens[-1]
 
     def sync(self):
-        if self.device.type == "cuda":
+        if self.cuda:
             torch.cuda.synchronize(self.device)
 
 
@@ -364,6 +362,12 @@ def measure_costs(model, exact: bool = False, rows=COST_ROWS, context: int = 256
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda p: p.write_text(json.dumps({"key": key, "seconds": points}, indent=1)))
     return Measured(points)
+
+
+@functools.lru_cache(maxsize=256)
+def ones(n: int, device) -> torch.Tensor:
+    """n True flags on the device, made once (every real node of a fast-mode step); read-only."""
+    return torch.ones(n, dtype=torch.bool, device=device)
 
 
 def cache_for(model, n_slots: int, exact: bool) -> KVCache:

@@ -22,6 +22,7 @@ Measured costs need it: ProPD's online model already learns from whole steps.
 """
 import bisect
 import functools
+import itertools
 import math
 from collections import Counter
 
@@ -129,8 +130,11 @@ def plan(p: list[list[float]], cost: CostModel, sizes, rows=lambda n: n, allowed
     scale(s): the observed step time over the estimate at size s."""
     if cost.estimate(1) is None:
         return None
-    speed = {s: (expected_length(choose_tree(p, s, allowed), p) if s else 1.0) /
-             max(cost.estimate(rows(s + 1) if s else 1) * scale(s), 1e-9) for s in sizes}
+    # choose_tree's best s paths are the first s of its best max(sizes): one search serves every size
+    paths = choose_tree(p, max(sizes), allowed)
+    length = list(itertools.accumulate((math.prod(p[d][r] for d, r in enumerate(q)) for q in paths), initial=1.0))
+    speed = {s: length[min(s, len(paths))] / max(cost.estimate(rows(s + 1) if s else 1) * scale(s), 1e-9)
+             for s in sizes}
     return max(sizes, key=speed.get)
 
 

@@ -71,6 +71,19 @@ class Tree:
                      torch.where(lay.anc < 0, -1, lay.anc + cur)[None])
 
 
+@functools.lru_cache(maxsize=4096)
+def step_layout(parents: tuple, hosts: tuple, M: int, reserved: tuple, chained: bool, capacity: int, device):
+    """A step's rows at position 0, built once per shape (Decoding.block moves them to the current
+    position): the tree's rows, then M group rows after each host node (group_rows), which also see
+    the reserved slots if any. seq marks the visible slots that move with the position (the
+    sequence's; reserved slots stay where they are)."""
+    b = Tree([0] * len(parents), parents).block(0, device)
+    if M:
+        b = Block.cat(b, group_rows(b, list(hosts), M, torch.tensor(reserved, dtype=torch.long) if reserved else None,
+                                    chained))
+    return b, (b.extra >= 0) & (b.extra < capacity)
+
+
 @dataclass(frozen=True)
 class Layout:
     """A tree shape as tensors: each node's parent, depth, index and ancestors (its path from the
@@ -107,19 +120,31 @@ def layout(parents: tuple[int, ...], device=None) -> Layout:
 def choose_tree(acc: list[list[float]], size: int, allowed=None) -> list[tuple[int, ...]]:
     """Rank paths (r_1, ..., r_d), parents first: the `size` most probable under acc[d][r], the
     chance that depth d+1's rank-r candidate is right (Medusa's sparse tree; ProPD's expansion).
-    allowed: the paths a method's trees may use (its shape family), None for any."""
-    K, R = len(acc), len(acc[0])
+    allowed: the paths a method's trees may use (its shape family), None for any.
+
+    Best-first search. A path's children are pushed one at a time, most probable first: popping a
+    node pushes its best child and its next sibling, so the heap holds about two entries per pop
+    instead of R. Equally probable paths may come out in another order than a full expansion's."""
+    K = len(acc)
     ok = (lambda p: True) if allowed is None else set(map(tuple, allowed)).__contains__
-    heap = [(-acc[0][r], (r,)) for r in range(R) if ok((r,))]
-    heapq.heapify(heap)
-    paths = []
+    order = [sorted(range(len(row)), key=lambda r: -row[r]) for row in acc]  # ranks, most probable first
+
+    def push(heap, parent_p, parent, j):  # the j-th most probable allowed child of parent, if any
+        d = len(parent)
+        while j < len(order[d]) and not ok(parent + (order[d][j],)):
+            j += 1
+        if j < len(order[d]):
+            r = order[d][j]
+            heapq.heappush(heap, (-parent_p * acc[d][r], parent + (r,), parent_p, j))
+
+    heap, paths = [], []
+    push(heap, 1.0, (), 0)
     while heap and len(paths) < size:
-        p, path = heapq.heappop(heap)
+        p, path, parent_p, j = heapq.heappop(heap)
         paths.append(path)
+        push(heap, parent_p, path[:-1], j + 1)
         if len(path) < K:
-            for r in range(R):
-                if ok(path + (r,)):
-                    heapq.heappush(heap, (p * acc[len(path)][r], path + (r,)))
+            push(heap, -p, path, 0)
     return paths
 
 
@@ -150,9 +175,13 @@ class Template:
     def tree(self, root: int, cands: torch.Tensor) -> Tree:
         """The tree for candidates cands (D, R): ranked tokens per depth, on any device."""
         t = self.cut(len(cands))
-        flat = (t.depths * cands.shape[1] + t.ranks).to(cands.device)
-        tokens = torch.cat([cands.new_tensor([root]), cands.flatten()[flat]])
+        tokens = torch.cat([cands.new_tensor([root]), cands.flatten()]).index_select(0, t.gather(cands.shape[1], cands.device))
         return Tree(tokens, t.parents)
+
+    @functools.lru_cache(maxsize=8)
+    def gather(self, R: int, device) -> torch.Tensor:
+        """Where each node's token sits in [root, cands (D, R) flattened]: built once per R and device."""
+        return torch.cat([torch.zeros(1, dtype=torch.long), 1 + self.depths * R + self.ranks]).to(device)
 
 
 def product_paths(widths: list[int]) -> list[tuple[int, ...]]:

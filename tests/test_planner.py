@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from helpers import check_exact, random_model
 from nanospec.engine import generate
@@ -13,7 +14,7 @@ from nanospec.methods.lookahead import Lookahead
 from nanospec.methods.medusa import Heads, Medusa
 from nanospec.model import ModelArgs
 from nanospec.planner import Acceptance, CostModel, FixedCost, Measured, Planner, expected_length, plan
-from nanospec.tree import choose_tree
+from nanospec.tree import choose_tree, product_paths
 
 ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=41, hidden_dim=40)
 ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
@@ -134,3 +135,13 @@ def test_planned_trees_are_exact(dtype, row_cost, device):
     d.heads.to(device=device, dtype=dtype)
     out = check_exact(model, [1, 2, 3, 4], d, 32, fast=dtype == torch.float32, peeking=0.9, seed=1)
     assert out.mean_accepted >= 1.5 and len(d.planner.used) >= 1
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 5), st.integers(0, 40), st.randoms(use_true_random=False))
+def test_best_trees_nest(K, R, s, rnd):
+    """plan() searches once at the largest size and takes prefixes: the best s-node tree must be the
+    first s paths of the best larger one (ties included), with any allowed family."""
+    acc = [[rnd.choice([0.0, 0.1, 0.25, 0.5, rnd.random()]) for _ in range(R)] for _ in range(K)]
+    allowed = None if rnd.random() < 0.5 else product_paths([rnd.randint(1, R) for _ in range(K)])
+    assert choose_tree(acc, s, allowed) == choose_tree(acc, 64, allowed)[:s]
