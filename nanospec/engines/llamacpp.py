@@ -126,11 +126,11 @@ def calibrate(llm, entries: list[dict], chunk: int, tag: str) -> dict:
 
 
 def check_tokenizer(llm, texts: list[str], ids: list[list[int]]) -> dict:
-    """llama.cpp's tokenize() of each prompt text (BOS as the file says, no special tokens parsed)
-    against nanospec's ids for the same text."""
+    """llama.cpp's tokenize() of each prompt text (BOS as the file says; special tokens such as
+    ChatML's <|im_start|> parsed, as nanospec's tokenizer parses them) against nanospec's ids."""
     differ = []
     for k, (text, mine) in enumerate(zip(texts, ids)):
-        theirs = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+        theirs = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
         if theirs != mine:
             i = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
             differ.append({"prompt": k, "position": i, "nanospec": mine[i:i + 4], "llama.cpp": theirs[i:i + 4]})
