@@ -207,9 +207,9 @@ class Decoding:
     def prepare(self, drafter: Drafter, tree: Tree) -> tuple[Block, Nodes]:
         """A step's rows and nodes on the device; exact mode pads both to Q."""
         n = len(tree)
-        block = drafter.rows(self, tree)
-        lay = layout(tree.parents, self.device)
         tokens, real = self.tokens(tree), ones(n, self.device)
+        block = drafter.rows(self, Tree(tokens, tree.parents))  # the tokens go to the device once
+        lay = layout(tree.parents, self.device)
         if self.exact:
             block, lay = self.fixed(block), lay.pad(self.Q)
             tokens, real = F.pad(tokens, (0, self.Q - n), value=-1), F.pad(real, (0, self.Q - n))
