@@ -117,11 +117,14 @@ class Acceptance:
         return [[row[k] - (row[k - 1] if k else 0.0) for k in range(len(row))] for row in self.P]
 
 
+def expected_lengths(paths: list[tuple[int, ...]], p: list[list[float]]) -> list[float]:
+    """[i]: the expected accepted length of a tree of the first i paths: 1 for the token verification
+    always yields, plus each node's path probability (Figure 6)."""
+    return list(itertools.accumulate((math.prod(p[d][r] for d, r in enumerate(q)) for q in paths), initial=1.0))
+
+
 def expected_length(paths: list[tuple[int, ...]], p: list[list[float]]) -> float:
-    total = 1.0
-    for path in paths:
-        total += math.prod(p[d][r] for d, r in enumerate(path))
-    return total
+    return expected_lengths(paths, p)[-1]
 
 
 def plan(p: list[list[float]], cost: CostModel, sizes, rows=lambda n: n, allowed=None, scale=lambda s: 1.0) -> int | None:
@@ -132,7 +135,7 @@ def plan(p: list[list[float]], cost: CostModel, sizes, rows=lambda n: n, allowed
         return None
     # choose_tree's best s paths are the first s of its best max(sizes): one search serves every size
     paths = choose_tree(p, max(sizes), allowed)
-    length = list(itertools.accumulate((math.prod(p[d][r] for d, r in enumerate(q)) for q in paths), initial=1.0))
+    length = expected_lengths(paths, p)
     speed = {s: length[min(s, len(paths))] / max(cost.estimate(rows(s + 1) if s else 1) * scale(s), 1e-9)
              for s in sizes}
     return max(sizes, key=speed.get)
