@@ -7,7 +7,8 @@ A method is a Drafter, and reads as its paper:
   pseudo states, adaptive tokens); size(n) says how many an n-node tree needs.
 - forward(f, nodes) is the verification forward on a Forward f (forward.py); it returns an Out:
   the nodes' logits, and per node the drafts that node would make if it ended the accepted path.
-- propose(drafts) turns the last accepted node's drafts into logits per depth (K, V).
+- propose(drafts, mm) turns the last accepted node's drafts into logits per depth (K, V), its
+  vocabulary products through mm(layer, x) (fast mode's tuned kernels: kernels.py).
 - accepted(dec, tree, path) is told what was accepted (Lookahead's trie, ProPD's statistics).
 The core does the rest: it trims a tree to the cache's room, pads exact-mode blocks, verifies on
 the device and takes the next candidates' top-k there (greedy), all as one program that is one
@@ -21,6 +22,7 @@ values that fit a set of drafters.
 import functools
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -89,8 +91,9 @@ class Drafter:
     def forward(self, f: Forward, nodes) -> Out:
         return Out(f.logits(f.norm(f.layers(f.embed())), len(nodes.real)))
 
-    def propose(self, drafts: torch.Tensor) -> torch.Tensor:
-        """Logits per draft depth (K, V) from the last accepted node's drafts (K', D)."""
+    def propose(self, drafts: torch.Tensor, mm) -> torch.Tensor:
+        """Logits per draft depth (K, V) from the last accepted node's drafts (K', D); a bias-free
+        layer's product runs as mm(layer, x) (Decoding.mm)."""
         return drafts
 
     def accepted(self, dec: "Decoding", tree: Tree, path: list[int]) -> None:
@@ -194,7 +197,7 @@ class Decoding:
             head = [path, emitted]
             if out.drafts is not None:
                 last = path.max().view(1)  # the path's deepest node (indices grow along a path); no host sync
-                cands = drafter.propose(out.drafts[last][0]).topk(R, dim=-1).indices  # (K, R)
+                cands = drafter.propose(out.drafts[last][0], self.mm).topk(R, dim=-1).indices  # (K, R)
                 k = out.depths[last] if out.depths is not None else torch.full_like(last, len(cands))
                 head += [k, cands.flatten()]
             return torch.cat(head), out.logits
@@ -241,7 +244,7 @@ class Decoding:
             path, emitted = verify(tree, logits[:n], self.sampler, len(self.out), None if alive is None else alive[:n])
             cands, depth = None, 0
             if drafts is not None:
-                cands = drafter.propose(drafts[path[-1]]).topk(max(drafter.topk), dim=-1).indices
+                cands = drafter.propose(drafts[path[-1]], self.mm).topk(max(drafter.topk), dim=-1).indices
                 depth = int(depths[path[-1]]) if depths is not None else len(cands)
         self.cands = cands[:depth] if cands is not None and depth > 0 else None
         self.cand_lists = self.cands.tolist() if self.cands is not None else None
@@ -294,6 +297,12 @@ class Decoding:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
+    def mm(self, layer, x):
+        """A drafter's bias-free product layer(x), on fast mode's tuned kernels when set: on a CPU, a
+        few rows through SmolLM2's 49k-row lm_head cost 41 ms as F.linear and 12 ms weight-first."""
+        k = None if self.exact else self.model.kernels
+        return layer(x) if k is None else k.linear(layer, x)
+
 
 @dataclass
 class Output:
@@ -332,9 +341,11 @@ COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 @torch.inference_mode()
-def measure_costs(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps: int = 3) -> Measured:
+def measure_costs(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps: int = 5) -> Measured:
     """Seconds per forward of n rows after `context` tokens, on this machine, model, dtype and mode:
-    measured once (about 30 forwards) and cached under the cache root, keyed by all four."""
+    measured once and cached under the cache root, keyed by all four. The row counts take turns,
+    reps rounds, and each keeps its fastest: a busy spell of a shared machine then slows one round
+    of every count, not every round of one (on 2 shared cores, 4 rows once measured slower than 6)."""
     from .checkpoint import atomic_write, fingerprint
     from .sources import cache_root
     from .training import hardware
@@ -348,17 +359,16 @@ def measure_costs(model, exact: bool = False, rows=COST_ROWS, context: int = 256
     cache = KVCache.for_model(model, context + Q + 1)
     dec = Decoding(model, cache, exact, Q, [0] * (context + 1))
     dec.prefill(torch.randint(0, model.args.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist())
+    blocks = {n: Tree.chain(1, [1] * (n - 1)).block(dec.cur) for n in rows}
     points = {}
-    for n in rows:
-        block = Tree.chain(1, [1] * (n - 1)).block(dec.cur)
-        times = []
-        for _ in range(reps + 1):  # the first call warms up
+    for rep in range(reps + 1):  # the first round warms up
+        for n, block in blocks.items():
             dec.sync()
             t0 = time.perf_counter()
             dec.run(block)
             dec.sync()
-            times.append(time.perf_counter() - t0)
-        points[n] = min(times[1:])  # the least disturbed by whatever else the machine runs
+            if rep:
+                points[n] = min(points.get(n, math.inf), time.perf_counter() - t0)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda p: p.write_text(json.dumps({"key": key, "seconds": points}, indent=1)))
     return Measured(points)

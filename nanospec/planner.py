@@ -15,20 +15,25 @@ measured tokens per step at each budget instead.
 
 A forward's cost by rows is not a step's: a method adds its own work (Medusa's heads project each
 draft depth through the 49k-row lm_head; pseudo rows, host work). The planner learns, per size, the
-ratio of a step's observed time to the cost model's estimate, and plans with estimates scaled by
-it (unobserved drafting sizes take the largest ratio seen); once a drafting size is measured, two
-AR steps measure an AR step's ratio too, so both pay the same machine's overheads. Only
-Measured costs need it: ProPD's online model already learns from whole steps.
+ratio of a step's observed time to the cost model's estimate (the median of its last 9 steps: a
+shared machine's stalls and one-time costs are outliers, and one 536 ms AR step once made every
+drafting size look cheap), and plans with estimates scaled by it (unobserved drafting sizes take
+the largest ratio seen); once a drafting size is measured, three AR steps measure an AR step's
+ratio too, so both pay the same machine's overheads. Only Measured costs need it: ProPD's
+online model already learns from whole steps.
 """
 import bisect
 import functools
 import itertools
 import math
+import statistics
 from collections import Counter
 
 from .tree import Template, choose_tree
 
 SIZES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+RATIOS = 9  # steps per size the observed-over-estimated ratio is the median of
+MARGIN = 0.05  # drafting must promise 5% more tokens/s than an AR step: estimates err, AR never loses
 
 
 class CostModel:
@@ -87,12 +92,15 @@ class FixedCost(CostModel):
 
 class Measured(FixedCost):
     """Seconds per forward by rows, as measured (engine.measure_costs): linear between the points,
-    and along the last segment's slope beyond them."""
+    and along the last segment's slope beyond them. A count measured slower than a larger one
+    takes the larger one's time: fast mode's kernels run a product on more rows when that is
+    faster (kernels.py), and otherwise the gap is the machine's noise."""
     forwards_only = True  # a step also pays the method's own work: the planner learns how much
 
     def __init__(self, points: dict[int, float]):
         super().__init__(0.0, 0.0)
-        self.rows, self.secs = zip(*sorted((int(r), s) for r, s in points.items()))
+        rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))
+        self.rows, self.secs = rows, tuple(itertools.accumulate(secs[::-1], min))[::-1]
 
     def estimate(self, size: int, batch: int = 1) -> float:
         i = min(max(bisect.bisect_left(self.rows, size), 1), len(self.rows) - 1)
@@ -137,7 +145,7 @@ def plan(p: list[list[float]], cost: CostModel, sizes, rows=lambda n: n, allowed
     paths = choose_tree(p, max(sizes), allowed)
     length = expected_lengths(paths, p)
     speed = {s: length[min(s, len(paths))] / max(cost.estimate(rows(s + 1) if s else 1) * scale(s), 1e-9)
-             for s in sizes}
+             * (1 + MARGIN * (s == 0)) for s in sizes}
     return max(sizes, key=speed.get)
 
 
@@ -149,8 +157,10 @@ class Planner:
     def __init__(self, cost: CostModel, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
         self.used = Counter()  # planned size -> steps
-        self.ratio = {}        # planned size -> EMA of a step's seconds over the cost estimate
+        self.ratio = {}        # planned size -> median of a step's seconds over the cost estimate
+        self.ratios = {}       # planned size -> the last RATIOS of them
         self.steps = Counter() # planned size -> steps observed
+        self.rows_seen = frozenset()  # the row counts of the steps observed
         self.accept = self.gain = None
 
     def start(self, drafter, dec) -> None:
@@ -164,7 +174,7 @@ class Planner:
 
     def budget(self, drafter, dec) -> int:
         """Draft nodes for this step (0: an AR step); the tree of that size is self.tree."""
-        if 0 in self.sizes and self.steps[0] < 2 and any(self.ratio):  # drafting's real cost is known:
+        if 0 in self.sizes and self.steps[0] < 3 and any(self.ratio):  # drafting's real cost is known:
             self.used[0] += 1                                             # measure an AR step's too
             return 0
         if self.at is None or abs(dec.cur - self.at) >= self.replan or self.size is None:
@@ -172,7 +182,7 @@ class Planner:
             if self.accept is not None:
                 self.size = plan(self.accept.p(), self.cost, self.sizes, rows, drafter.family, self.scale)
             elif self.cost.estimate(1) is not None:
-                self.size = max(self.sizes, key=lambda s: (1 + self.gain[s]) /
+                self.size = max(self.sizes, key=lambda s: (1 + self.gain[s]) * (1 + MARGIN * (s == 0)) /
                                 (self.cost.estimate(rows(s + 1) if s else 1) * self.scale(s)))
             if self.size is None:  # an online cost model has no line yet: measure two sizes first
                 seen, static = self.cost.measured(), getattr(drafter, "template", None)
@@ -192,11 +202,12 @@ class Planner:
             self.cost.update(rows, seconds)
         est = self.cost.estimate(rows)
         self.steps[size] += 1
-        if est and self.cost.forwards_only and self.steps[size] > 1:  # a size's first step may pay one-time costs
-            r = seconds / est
+        first, self.rows_seen = rows not in self.rows_seen, self.rows_seen | {rows}
+        if est and self.cost.forwards_only and not first:  # a row count's first step may pay one-time costs
             if size not in self.ratio:
                 self.at = None  # the first measure of what this size really costs: replan now
-            self.ratio[size] = r if size not in self.ratio else 0.8 * self.ratio[size] + 0.2 * r
+            last = self.ratios[size] = (self.ratios.get(size, []) + [seconds / est])[-RATIOS:]
+            self.ratio[size] = statistics.median_low(last)
         if self.accept is None:
             if size:
                 self.gain[size] = (1 - 4 * self.alpha) * self.gain[size] + 4 * self.alpha * accepted

@@ -78,6 +78,9 @@ def test_measured_costs_interpolate():
     c = Measured({1: 0.010, 4: 0.016, 16: 0.040})
     assert c.estimate(1) == pytest.approx(0.010) and c.estimate(2) == pytest.approx(0.012)
     assert c.estimate(10) == pytest.approx(0.028) and c.estimate(32) == pytest.approx(0.072)  # the last slope on
+    bumpy = Measured({1: 0.010, 3: 0.030, 4: 0.020, 8: 0.025})  # 3 rows measured slower than 4
+    assert bumpy.estimate(3) == pytest.approx(0.020) and bumpy.estimate(2) == pytest.approx(0.015)
+    assert [bumpy.estimate(n) for n in range(1, 9)] == sorted(bumpy.estimate(n) for n in range(1, 9))
 
 
 def test_choose_tree_keeps_to_a_family():
@@ -145,3 +148,27 @@ def test_best_trees_nest(K, R, s, rnd):
     acc = [[rnd.choice([0.0, 0.1, 0.25, 0.5, rnd.random()]) for _ in range(R)] for _ in range(K)]
     allowed = None if rnd.random() < 0.5 else product_paths([rnd.randint(1, R) for _ in range(K)])
     assert choose_tree(acc, s, allowed) == choose_tree(acc, 64, allowed)[:s]
+
+
+def test_a_step_time_outlier_does_not_steer_the_plan():
+    """A step's observed-over-estimated ratio is the median of its last steps: one stalled or
+    one-time-cost step (here 10x) leaves it where the ordinary steps put it, and a row count's
+    first step is not counted at all."""
+    from types import SimpleNamespace
+    p = Planner(Measured({1: 0.050, 8: 0.100}))
+    p.start(SimpleNamespace(topk=None), None)
+    for seconds in (0.500, 0.060, 0.536, 0.061, 0.059):  # the first: rows=1 seen for the first time
+        p.observe(None, 0, 1, 0, seconds)
+    assert p.ratio[0] == pytest.approx(0.060 / 0.050)
+    for seconds in (0.100, 0.110, 0.105, 0.108):
+        p.observe(None, 4, 5, 1, seconds)
+    assert 1.0 < p.scale(4) < 1.6 and p.scale(8) == p.scale(4)  # unobserved drafting sizes: the largest seen
+
+
+@pytest.mark.parametrize("row_cost, drafts", [(0.0, True), (0.06, False)])
+def test_drafting_must_promise_a_margin_over_ar(row_cost, drafts):
+    """A tree expected to yield 1.1 tokens for 1.06x an AR step's time (3.8% faster on paper) is
+    not worth the estimates' error: AR. For the same step time as AR's, it drafts."""
+    p = [[0.1, 0.0]]
+    size = plan(p, FixedCost(1.0 - row_cost, row_cost), [0, 1])
+    assert size == (1 if drafts else 0)

@@ -128,8 +128,8 @@ class BiTA(Drafter):
             return Out(f.logits(h, N), drafts=drafts, depths=(M - depth).clamp(min=0))
         return Out(f.logits(h, N), drafts=masks)
 
-    def propose(self, masks):
-        return self.lm_head(masks)  # (M, V): mask i predicts the token i+1 after the next one
+    def propose(self, masks, mm):
+        return mm(self.lm_head, masks)  # (M, V): mask i predicts the token i+1 after the next one
 
 
 # --- weights on disk ---------------------------------------------------------------------------

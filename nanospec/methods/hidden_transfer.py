@@ -139,8 +139,8 @@ class HiddenTransfer(Drafter):
         pseudo = h[0, n:n * (1 + k)].view(n, k, -1)  # normed; decoded only for the last accepted node
         return Out(f.logits(h, len(nodes.real)), drafts=pseudo)
 
-    def propose(self, pseudo):
-        return self.lm_head(pseudo)  # (k, V): pseudo state i predicts the depth-i draft
+    def propose(self, pseudo, mm):
+        return mm(self.lm_head, pseudo)  # (k, V): pseudo state i predicts the depth-i draft
 
 
 # --- weights on disk ---------------------------------------------------------------------------

@@ -68,11 +68,11 @@ class Heads(nn.Module):
                 p.weight.copy_(lm_head.weight)
         return self
 
-    def forward(self, h):  # h (..., D) -> (K, ..., V)
+    def forward(self, h, mm=lambda layer, x: layer(x)):  # h (..., D) -> (K, ..., V)
         x = [h + F.silu(r(h)) for r in self.res]
         if self.proj is None:
-            return self.shared[0](torch.stack(x))  # one product for all heads
-        return torch.stack([p(y) for p, y in zip(self.proj, x)])
+            return mm(self.shared[0], torch.stack(x))  # one product for all heads
+        return torch.stack([mm(p, y) for p, y in zip(self.proj, x)])
 
 
 class Medusa(Drafter):
@@ -94,8 +94,8 @@ class Medusa(Drafter):
         N = len(nodes.real)
         return Out(f.logits(h, N), drafts=h[0, :N, None])
 
-    def propose(self, h):
-        return self.heads(h[0])  # (K, V): head k guesses the token k+1 after the next one
+    def propose(self, h, mm):
+        return self.heads(h[0], mm)  # (K, V): head k guesses the token k+1 after the next one
 
 
 # --- weights on disk ---------------------------------------------------------------------------

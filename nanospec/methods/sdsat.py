@@ -102,8 +102,8 @@ class SDSAT(Drafter):
         host = torch.arange(n, device=h.device) == self.host
         return Out(f.logits(h, len(nodes.real)), drafts=adaptive[None].expand(n, k, -1), depths=torch.where(host, k, 0))
 
-    def propose(self, adaptive):
-        return self.lm_head(adaptive)
+    def propose(self, adaptive, mm):
+        return mm(self.lm_head, adaptive)
 
     def accepted(self, dec, tree, path):
         if len(tree) > 1:

@@ -1,0 +1,73 @@
+"""Fast mode's tuned products (kernels.py): every form, padded or not, computes the linear layer,
+a table survives its cache file, and tune() fills every (shape, bucket) with a valid choice."""
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from helpers import Adversary, full_logits, random_model
+from nanospec import kernels
+from nanospec.kernels import BUCKETS, FORMS, Kernels
+from nanospec.model import ModelArgs
+
+TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
+
+
+@given(form=st.sampled_from(sorted(FORMS)), M=st.integers(1, 70), extra=st.integers(0, 8), lead=st.booleans())
+def test_every_form_and_padding_computes_the_layer(form, M, extra, lead):
+    torch.manual_seed(M)
+    layer = torch.nn.Linear(24, 33, bias=False)
+    x = torch.randn(1, M, 24) if lead else torch.randn(M, 24)
+    b = next((b for b in BUCKETS if b >= M), None)
+    k = Kernels({(33, 24, b): (form, M + extra)} if b else {})
+    y = k.linear(layer, x)
+    assert y.shape == (*x.shape[:-1], 33)
+    torch.testing.assert_close(y, layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_padding_runs_the_product_on_more_rows():
+    """The table's row count is what the product sees (zero rows added), not a no-op."""
+    seen = []
+    FORMS["spy"] = lambda x, w, wt: seen.append(x.shape[0]) or x @ w.T
+    try:
+        layer = torch.nn.Linear(8, 5, bias=False)
+        x = torch.randn(3, 8)
+        y = Kernels({(5, 8, 3): ("spy", 4)}).linear(layer, x)
+    finally:
+        del FORMS["spy"]
+    assert seen == [4] and y.shape == (3, 5)
+    torch.testing.assert_close(y, layer(x))
+
+
+def test_tuned_table_round_trips_and_keeps_fast_mode_close():
+    model = random_model(TINY)
+    table = kernels.tune(model, buckets=(1, 2, 3, 4), reps=1)
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert set(table.table) == {(*s, b) for s in shapes for b in (1, 2, 3, 4)}
+    for (_, _, b), (form, rows) in table.table.items():
+        assert form in FORMS and b <= rows <= 2 * b
+    assert Kernels.from_json(table.to_json()).table == table.table
+    ids = [1, 5, 9, 2]
+    plain = full_logits(model, ids, False)
+    model.kernels = table
+    try:
+        torch.testing.assert_close(full_logits(model, ids, False), plain, rtol=1e-4, atol=1e-4)
+    finally:
+        model.kernels = None
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_table_that_pads_every_product_changes_no_greedy_token(seed):
+    """Fast mode with every product run on padded rows decodes AR's tokens, multi-row trees
+    (drafts that get accepted, and wrong branches) included."""
+    from nanospec.engine import generate
+    model = random_model(TINY, seed=seed)
+    kw = dict(max_new_tokens=24, eos_id=-1)
+    ref = generate(model, [1, 2, 3], **kw).tokens
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    model.kernels = Kernels({(*s, b): ("weight-first", min(2 * b, 64)) for s in shapes for b in BUCKETS})
+    try:
+        out = generate(model, [1, 2, 3], Adversary(ref, TINY.vocab_size, seed), **kw)
+    finally:
+        model.kernels = None
+    assert out.tokens == ref
+    assert out.steps < len(ref)  # drafts were accepted: multi-row forwards ran
