@@ -150,9 +150,10 @@ def plan(p: list[list[float]], cost: CostModel, sizes, rows=lambda n: n, allowed
 
 
 class Planner:
-    """Each step's budget for one drafter (see the module docstring), replanned when the sequence has
-    moved `replan` tokens. Ranked drafters (those with `topk`) get the best tree of each size from
-    their allowed paths (Drafter.family: None for any ranks); others get a draft-token budget."""
+    """Each step's budget for one drafter (see the module docstring). Ranked drafters (those with
+    `topk`) get the best tree of each size from their allowed paths (Drafter.family: None for any
+    ranks), replanned when the sequence has moved `replan` tokens; others get a draft-token budget,
+    replanned every step (a budget whose gain fell would otherwise run on for `replan` tokens)."""
 
     def __init__(self, cost: CostModel, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
@@ -177,7 +178,7 @@ class Planner:
         if 0 in self.sizes and self.steps[0] < 3 and any(self.ratio):  # drafting's real cost is known:
             self.used[0] += 1                                             # measure an AR step's too
             return 0
-        if self.at is None or abs(dec.cur - self.at) >= self.replan or self.size is None:
+        if self.at is None or abs(dec.cur - self.at) >= self.replan or self.size is None or self.accept is None:
             rows = lambda n: drafter.size(n)
             if self.accept is not None:
                 self.size = plan(self.accept.p(), self.cost, self.sizes, rows, drafter.family, self.scale)
