@@ -71,3 +71,24 @@ def test_a_table_that_pads_every_product_changes_no_greedy_token(seed):
         model.kernels = None
     assert out.tokens == ref
     assert out.steps < len(ref)  # drafts were accepted: multi-row forwards ran
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_drafters_vocabulary_products_use_fast_modes_kernels(exact):
+    """Medusa's heads project through the shared lm_head in propose: in fast mode on the tuned
+    kernels (a 3-row product, here the spy form), in exact mode never (one kernel for all)."""
+    from nanospec.engine import generate
+    from nanospec.methods.medusa import Heads, Medusa
+    model = random_model(TINY, seed=3)
+    heads = Heads(TINY.dim, TINY.vocab_size, 3, model.lm_head)
+    seen = []
+    FORMS["spy"] = lambda x, w, wt: seen.append((tuple(w.shape), x.shape[0])) or x @ w.T
+    V = (TINY.vocab_size, TINY.dim)
+    model.kernels = Kernels({(*V, b): ("spy", b) for b in BUCKETS})
+    try:
+        out = generate(model, [1, 2, 3], Medusa(heads, [(0,), (0, 0)]), max_new_tokens=6, eos_id=-1, exact=exact)
+    finally:
+        del FORMS["spy"]
+        model.kernels = None
+    assert len(out.tokens) == 6
+    assert ((V, 3) in seen) == (not exact) and (seen == []) == exact
