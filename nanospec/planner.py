@@ -5,13 +5,18 @@ method gets it: a cost model of a step's time as a function of its rows, per-dep
 rates of the drafter's ranked candidates, the expected accepted length of a tree (1 for the
 token verification always yields, plus each node's path probability: Figure 6), and the size
 that maximises expected length per second. Size 0 is an AR step: when drafting does not pay,
-the budget shrinks to it. Costs come from one of:
+the budget shrinks to it. AR steps teach the acceptance estimates nothing, so a planner that
+chose them once would keep them for good (on the default model, ProPD once took AR steps on 77%
+of steps after a few poor prompts): each replan that picks AR first takes PROBE drafting steps. Costs come from one of:
 - Measured: ms per forward by rows, measured once per machine, model, dtype and mode and
   cached (engine.measure_costs): what a row costs here, not what a GPU intuition expects;
 - CostModel: ProPD's own, learnt online from step times (section 4.2);
 - FixedCost: a line, for tests.
 A drafter whose candidates are not ranked per depth (Lookahead's trie) is planned by its
-measured tokens per step at each budget instead.
+measured tokens per step at each budget instead, per context the drafter names (Drafter.context:
+Lookahead's is how long a suffix its trie matched, since a 3-token match drafts far better than
+a 1-token one); an untried budget looks as good as its size, so each gets tried, then its gain
+is the mean of its first steps and an EMA after.
 
 A forward's cost by rows is not a step's: a method adds its own work (Medusa's heads project each
 draft depth through the 49k-row lm_head; pseudo rows, host work). The planner learns, per size, the
@@ -34,6 +39,7 @@ from .tree import Template, choose_tree
 SIZES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 RATIOS = 9  # steps per size the observed-over-estimated ratio is the median of
 MARGIN = 0.05  # drafting must promise 5% more tokens/s than an AR step: estimates err, AR never loses
+PROBE = 2      # drafting steps per replan while AR is planned (one drafts, the next verifies)
 
 
 class CostModel:
@@ -163,27 +169,42 @@ class Planner:
         self.steps = Counter() # planned size -> steps observed
         self.rows_seen = frozenset()  # the row counts of the steps observed
         self.accept = self.gain = None
+        self.tries = Counter()  # (context, size) -> steps observed, for a draft-token budget's gain
+        self.probing, self.probe = 0, None  # drafting steps left to take while AR is planned, and their size
+        self.ctx = 0
 
     def start(self, drafter, dec) -> None:
         if self.accept is None and drafter.topk:  # prior: the trainer's held-out accuracies, if any
             K, R = len(drafter.topk), max(drafter.topk)
             acc = getattr(drafter, "acc", None) or [[0.6 * 0.7 ** d if r == 0 else 0.02 for r in range(R)] for d in range(K)]
             self.accept = Acceptance(K, R, self.alpha, [[sum(row[:r + 1]) for r in range(R)] for row in acc])
-        if self.gain is None and not drafter.topk:  # untried budgets look good, so each gets tried
-            self.gain = {s: float(s) for s in self.sizes}
-        self.pending, self.at, self.size, self.tree = [], None, None, None
+        if self.gain is None and not drafter.topk:
+            self.gain = {}  # (context, size) -> accepted drafts per step
+        self.pending, self.at, self.size, self.tree, self.probing = [], None, None, None, 0
 
     def budget(self, drafter, dec) -> int:
         """Draft nodes for this step (0: an AR step); the tree of that size is self.tree."""
         if 0 in self.sizes and self.steps[0] < 3 and any(self.ratio):  # drafting's real cost is known:
             self.used[0] += 1                                             # measure an AR step's too
             return 0
+        if self.probing:  # AR steps teach the acceptance estimates nothing: a few drafting steps do
+            self.probing -= 1
+            self.used[self.probe] += 1
+            return self.probe
         if self.at is None or abs(dec.cur - self.at) >= self.replan or self.size is None or self.accept is None:
             rows = lambda n: drafter.size(n)
             if self.accept is not None:
                 self.size = plan(self.accept.p(), self.cost, self.sizes, rows, drafter.family, self.scale)
+                sure = [[1.0] + [0.0] * (len(row) - 1) for row in self.accept.P]  # every top-1 right
+                if self.size == 0 and self.at is not None and plan(sure, self.cost, self.sizes, rows, drafter.family, self.scale):
+                    # AR until the next replan for want of acceptance, not of cheap rows: probe first
+                    self.probe = plan(self.accept.p(), self.cost, [s for s in self.sizes if s], rows, drafter.family, self.scale)
+                    self.probing, self.tree = PROBE, template(tuple(choose_tree(self.accept.p(), self.probe, drafter.family)))
+                    self.at = dec.cur
+                    return self.budget(drafter, dec)
             elif self.cost.estimate(1) is not None:
-                self.size = max(self.sizes, key=lambda s: (1 + self.gain[s]) * (1 + MARGIN * (s == 0)) /
+                self.ctx = c = drafter.context(dec)
+                self.size = max(self.sizes, key=lambda s: (1 + self.gain.get((c, s), s)) * (1 + MARGIN * (s == 0)) /
                                 (self.cost.estimate(rows(s + 1) if s else 1) * self.scale(s)))
             if self.size is None:  # an online cost model has no line yet: measure two sizes first
                 seen, static = self.cost.measured(), getattr(drafter, "template", None)
@@ -211,7 +232,10 @@ class Planner:
             self.ratio[size] = statistics.median_low(last)
         if self.accept is None:
             if size:
-                self.gain[size] = (1 - 4 * self.alpha) * self.gain[size] + 4 * self.alpha * accepted
+                key = (self.ctx, size)
+                self.tries[key] += 1
+                a = max(1 / self.tries[key], 4 * self.alpha)  # the mean of the first steps, then an EMA
+                self.gain[key] = (1 - a) * self.gain.get(key, 0.0) + a * accepted
             return
         n, out = len(dec.out), dec.out
         for i, depth, cands in self.pending:  # a candidate of depth d guessed output i

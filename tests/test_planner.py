@@ -118,6 +118,24 @@ def test_the_budget_shrinks_to_ar_when_drafts_fail():
     assert d.planner.size == 0 and d.planner.used[0] > 40
 
 
+def test_a_planner_at_ar_steps_still_probes_drafting():
+    """AR steps teach the acceptance estimates nothing: while AR is planned, each replan first takes
+    PROBE drafting steps, so a drafter whose candidates turn good again is seen to (and no more)."""
+    from nanospec.planner import PROBE
+    model = random_model(ARGS, 2)
+    heads = Heads(ARGS.dim, ARGS.vocab_size, 3)
+    torch.nn.init.normal_(heads.proj[0].weight, std=5.0)  # wrong guesses: AR gets planned
+    planner = Planner(FixedCost(0.01, 0.002), replan=16, alpha=0.3)
+    d = Medusa(heads, choose_tree(ACC, 6), [[0.9] * 3] * 3).plan(planner)
+    log = []  # (the step's size, the size planned for the replan period)
+    observe = planner.observe
+    planner.observe = lambda dec, size, *a: log.append((size, planner.size)) or observe(dec, size, *a)
+    generate(model, [3, 4, 5], d, max_new_tokens=200, eos_id=-1)
+    probes = sum(1 for size, planned in log if size and planned == 0)
+    assert sum(1 for size, _ in log if size == 0) > 100
+    assert PROBE >= 2 and PROBE <= probes <= PROBE * (200 // 16 + 1)  # some, and at most PROBE per replan
+
+
 def test_lookahead_budget_from_its_own_gains():
     """Lookahead has no ranked candidates: each budget is judged by the drafts it got accepted."""
     model = random_model(ARGS, 3)
@@ -126,8 +144,13 @@ def test_lookahead_budget_from_its_own_gains():
     d = Lookahead(decoding_length=16)
     d.warm_up([prompt[-1:] + ar.tokens])  # the trie knows the continuation: long drafts pay
     d.plan(Planner(FixedCost(0.01, 1e-5), replan=8))
+    steps = []
+    observe = d.planner.observe
+    d.planner.observe = lambda dec, size, rows, *a: steps.append((size, rows)) or observe(dec, size, rows, *a)
     out = generate(model, prompt, d, max_new_tokens=48, eos_id=-1)
     assert out.tokens == ar.tokens and max(d.planner.used) >= 8 and out.mean_accepted > 3
+    assert all(rows <= size + 1 for size, rows in steps if size)  # a budget caps the draft
+    assert {c for c, _ in d.planner.gain} & {2, 3}  # gains are kept per matched-suffix length
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

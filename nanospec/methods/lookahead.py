@@ -21,7 +21,8 @@ tree: shared prefixes merged), "parallel" (whole branches side by side, unmerged
 the same token budget) and "single" (the one highest-frequency branch).
 
 Choices where the paper is silent, and why:
-- decoding_length counts draft tokens: a step's forward runs 1 + decoding_length rows.
+- decoding_length counts draft tokens: a step's forward runs 1 + decoding_length rows. Under
+  the planner (`--budget auto`), the step's budget takes its place.
 - The trie is partitioned by first token and `capacity` (default 16 x decoding
   length, Table 4) bounds each first token's sub-trie, as in the authors' release:
   a single bound of 512 nodes over the whole trie would not hold one response's
@@ -209,6 +210,7 @@ class Lookahead(Drafter):
         self.min_nodes = min_nodes if min_nodes is not None else decoding_length
         self.max_rows = decoding_length + 1
         self.trie = Trie(capacity or 16 * decoding_length, prompt_weight)
+        self.found = (None, 0, None)  # (dec.cur, matched suffix length, its node) of this step's retrieval
 
     def windows(self, seq: list[int]) -> list[list[int]]:
         return [seq[i:i + self.branch_length] for i in range(len(seq) - 1)]
@@ -223,13 +225,24 @@ class Lookahead(Drafter):
         for w in self.prompt_branches:
             self.trie.insert(w, prompt=True)
         self.seen = 0  # tokens of the response (the prompt's last token, then the output) inserted
+        self.found = (None, 0, None)  # a new sequence: no retrieval of the last one's is reused
+
+    def retrieve(self, dec) -> tuple[int, Node | None]:
+        if self.found[0] != dec.cur:  # once per step: context() and draft() share it
+            m = self.max_prefix
+            self.found = (dec.cur, *self.trie.retrieve((dec.prompt[-m:] + dec.out[-m:])[-m:], m, self.min_nodes))
+        return self.found[1:]
+
+    def context(self, dec):
+        """The planner's context: how long a suffix the trie matched, up to 3 (0: none, and the step
+        is an AR step whatever its budget)."""
+        return min(self.retrieve(dec)[0], 3)
 
     def draft(self, dec):
-        m = self.max_prefix
-        j, node = self.trie.retrieve((dec.prompt[-m:] + dec.out[-m:])[-m:], m, self.min_nodes)
+        j, node = self.retrieve(dec)
         if node is None:
             return Tree.chain(dec.last)
-        picked = self.trie.select(node, self.decoding_length, self.strategy)
+        picked = self.trie.select(node, dec.budget or self.decoding_length, self.strategy)
         return Tree([dec.last] + [t for t, _ in picked], [-1] + [p + 1 for _, p in picked])
 
     def accepted(self, dec, tree, path):
