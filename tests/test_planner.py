@@ -119,8 +119,9 @@ def test_the_budget_shrinks_to_ar_when_drafts_fail():
 
 
 def test_a_planner_at_ar_steps_still_probes_drafting():
-    """AR steps teach the acceptance estimates nothing: while AR is planned, each replan first takes
-    PROBE drafting steps, so a drafter whose candidates turn good again is seen to (and no more)."""
+    """AR steps teach the acceptance estimates nothing: while AR is planned, replans take PROBE drafting
+    steps first, so a drafter whose candidates turn good again is seen to; ever more rarely while the
+    probes confirm AR (replans 1, 2, 4, 8, ... in a row), so a drafter that never pays loses little."""
     from nanospec.planner import PROBE
     model = random_model(ARGS, 2)
     heads = Heads(ARGS.dim, ARGS.vocab_size, 3)
@@ -130,10 +131,10 @@ def test_a_planner_at_ar_steps_still_probes_drafting():
     log = []  # (the step's size, the size planned for the replan period)
     observe = planner.observe
     planner.observe = lambda dec, size, *a: log.append((size, planner.size)) or observe(dec, size, *a)
-    generate(model, [3, 4, 5], d, max_new_tokens=200, eos_id=-1)
+    generate(model, [3, 4, 5], d, max_new_tokens=600, eos_id=-1)
     probes = sum(1 for size, planned in log if size and planned == 0)
-    assert sum(1 for size, _ in log if size == 0) > 100
-    assert PROBE >= 2 and PROBE <= probes <= PROBE * (200 // 16 + 1)  # some, and at most PROBE per replan
+    assert sum(1 for size, _ in log if size == 0) > 400
+    assert PROBE >= 2 and 2 * PROBE <= probes <= PROBE * 10  # some, far fewer than one per replan (37)
 
 
 def test_lookahead_budget_from_its_own_gains():
