@@ -166,8 +166,7 @@ class Planner:
     def __init__(self, cost: CostModel, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
         self.used = Counter()  # planned size -> steps
-        self.ratio = {}        # planned size -> median of a step's seconds over the cost estimate
-        self.ratios = {}       # planned size -> the last RATIOS of them
+        self.ratios = {}       # planned size -> the last RATIOS of a step's seconds over the cost estimate
         self.steps = Counter() # planned size -> steps observed
         self.rows_seen = frozenset()  # the row counts of the steps observed
         self.accept = self.gain = None
@@ -187,7 +186,7 @@ class Planner:
 
     def budget(self, drafter, dec) -> int:
         """Draft nodes for this step (0: an AR step); the tree of that size is self.tree."""
-        if 0 in self.sizes and self.steps[0] < 3 and any(self.ratio):  # drafting's real cost is known:
+        if 0 in self.sizes and self.steps[0] < 3 and any(self.ratios):  # drafting's real cost is known:
             self.used[0] += 1                                             # measure an AR step's too
             return 0
         if self.probing:  # AR steps teach the acceptance estimates nothing: a few drafting steps do
@@ -198,10 +197,10 @@ class Planner:
             rows = lambda n: drafter.size(n)
             if self.accept is not None:
                 self.size = plan(self.accept.p(), self.cost, self.sizes, rows, drafter.family, self.scale)
-                sure = [[1.0] + [0.0] * (len(row) - 1) for row in self.accept.P]  # every top-1 right
                 self.ar_plans = self.ar_plans + 1 if self.size == 0 else 0
                 self.wait = self.wait if self.size == 0 else 1
-                if self.ar_plans >= self.wait and self.at is not None and plan(sure, self.cost, self.sizes, rows, drafter.family, self.scale):
+                sure = lambda: [[1.0] + [0.0] * (len(row) - 1) for row in self.accept.P]  # every top-1 right
+                if self.ar_plans >= self.wait and self.at is not None and plan(sure(), self.cost, self.sizes, rows, drafter.family, self.scale):
                     # AR until the next replan for want of acceptance, not of cheap rows: probe first,
                     # ever more rarely while the probes keep confirming AR (replans 1, 2, 4, 8, ...)
                     self.wait *= 2
@@ -233,10 +232,9 @@ class Planner:
         self.steps[size] += 1
         first, self.rows_seen = rows not in self.rows_seen, self.rows_seen | {rows}
         if est and self.cost.forwards_only and not first:  # a row count's first step may pay one-time costs
-            if size not in self.ratio:
+            if size not in self.ratios:
                 self.at = None  # the first measure of what this size really costs: replan now
-            last = self.ratios[size] = (self.ratios.get(size, []) + [seconds / est])[-RATIOS:]
-            self.ratio[size] = statistics.median_low(last)
+            self.ratios[size] = (self.ratios.get(size, []) + [seconds / est])[-RATIOS:]
         if self.accept is None:
             if size:
                 key = (self.ctx, size)
@@ -252,9 +250,9 @@ class Planner:
         self.pending += [(n + d, d, c) for d, c in enumerate(dec.cand_lists or [])]
 
     def scale(self, size: int) -> float:
-        if size in self.ratio:
-            return self.ratio[size]
-        drafting = [r for s, r in self.ratio.items() if s]
+        if size in self.ratios:
+            return statistics.median_low(self.ratios[size])
+        drafting = [statistics.median_low(r) for s, r in self.ratios.items() if s]
         return max(drafting) if size and drafting else 1.0
 
     def report(self) -> str:

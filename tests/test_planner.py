@@ -183,7 +183,7 @@ def test_a_step_time_outlier_does_not_steer_the_plan():
     p.start(SimpleNamespace(topk=None), None)
     for seconds in (0.500, 0.060, 0.536, 0.061, 0.059):  # the first: rows=1 seen for the first time
         p.observe(None, 0, 1, 0, seconds)
-    assert p.ratio[0] == pytest.approx(0.060 / 0.050)
+    assert p.scale(0) == pytest.approx(0.060 / 0.050)
     for seconds in (0.100, 0.110, 0.105, 0.108):
         p.observe(None, 4, 5, 1, seconds)
     assert 1.0 < p.scale(4) < 1.6 and p.scale(8) == p.scale(4)  # unobserved drafting sizes: the largest seen

@@ -210,7 +210,6 @@ class Lookahead(Drafter):
         self.min_nodes = min_nodes if min_nodes is not None else decoding_length
         self.max_rows = decoding_length + 1
         self.trie = Trie(capacity or 16 * decoding_length, prompt_weight)
-        self.found = (None, 0, None)  # (dec.cur, matched suffix length, its node) of this step's retrieval
 
     def windows(self, seq: list[int]) -> list[list[int]]:
         return [seq[i:i + self.branch_length] for i in range(len(seq) - 1)]
@@ -225,7 +224,7 @@ class Lookahead(Drafter):
         for w in self.prompt_branches:
             self.trie.insert(w, prompt=True)
         self.seen = 0  # tokens of the response (the prompt's last token, then the output) inserted
-        self.found = (None, 0, None)  # a new sequence: no retrieval of the last one's is reused
+        self.found = (None, 0, None)  # (dec.cur, matched suffix length, its node) of this step's retrieval
 
     def retrieve(self, dec) -> tuple[int, Node | None]:
         if self.found[0] != dec.cur:  # once per step: context() and draft() share it
