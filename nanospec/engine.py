@@ -60,6 +60,7 @@ class Drafter:
     topk: list[int] = []  # candidates kept per draft depth
     family = None       # the rank paths a planned tree may use (None: any; see planner.Planner)
     planner = None      # the draft budget per step (planner.py); None: the method's static tree
+    nested = False      # unranked drafts only: the first s+1 nodes of a budget-B tree are its budget-s tree
 
     def plan(self, planner) -> "Drafter":
         """Size each step's tree with planner: ranked drafters may then use any of their top-R ranks."""
@@ -460,7 +461,8 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         dec.commit(path, toks)
         drafter.accepted(dec, tree, path)
         if planner is not None:
-            planner.observe(dec, dec.budget, step.size(len(tree)), len(path) - 1, time.perf_counter() - ts)
+            planner.observe(dec, dec.budget, step.size(len(tree)), len(path) - 1, time.perf_counter() - ts,
+                            path, len(tree) - 1)
         res.steps += 1
         res.accepted.append(len(toks))
         if eos in toks:

@@ -154,6 +154,40 @@ def test_lookahead_budget_from_its_own_gains():
     assert {c for c, _ in d.planner.gain} & {2, 3}  # gains are kept per matched-suffix length
 
 
+def test_a_nested_step_teaches_every_smaller_budget():
+    """Lookahead's budget-s draft is the first s nodes of a larger budget's: a step at 16 that accepted
+    nodes 2, 5 and 9 tells what budgets 1..12 would have got; larger budgets only if the trie ran dry."""
+    from types import SimpleNamespace
+    for drafted, larger in ((16, False), (10, True)):
+        p = Planner(FixedCost(0.01, 1e-4))
+        p.start(SimpleNamespace(topk=None, nested=True), None)
+        p.ctx = 2
+        p.observe(None, 16, drafted + 1, 3, 0.01, [0, 2, 5, 9], drafted)
+        assert {s: p.gain[(2, s)] for s in (1, 2, 4, 8, 12, 16)} == {1: 0, 2: 1, 4: 1, 8: 2, 12: 3, 16: 3}
+        assert ((2, 24) in p.gain) == larger and ((2, 64) in p.gain) == larger
+
+
+@pytest.mark.parametrize("first", [[0], [0, 1]])
+def test_unlucky_first_steps_do_not_lock_a_budget_out(first):
+    """A nested drafter whose first 3 steps accept nothing (or node 1 only) and whose drafts pay from
+    budget 13 on (node 1, then a chain at nodes 8..13): gains from a budget's own steps alone kept AR
+    (or budget 1) for good. Probes find it out: at AR, on replans 1, 2, 4, ...; while drafting, every
+    EXPLORE-th step of a context."""
+    from types import SimpleNamespace
+    p = Planner(FixedCost(0.01, 1e-4))
+    drafter = SimpleNamespace(topk=None, nested=True, context=lambda dec: 1, size=lambda n: n)
+    p.start(drafter, None)
+    sizes = []
+    for i in range(400):
+        s = p.budget(drafter, SimpleNamespace(cur=i))
+        path = first if i < 3 else [0, 1] + [j for j in range(8, 14) if j <= s]
+        path = [j for j in path if j <= s]
+        p.observe(None, s, s + 1, len(path) - 1, p.cost.estimate(s + 1), path, s)
+        sizes.append(s)
+    late = sizes[200:]
+    assert sum(s >= 13 for s in late) > 0.8 * len(late)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("row_cost", [1e-5, 2e-3])
 def test_planned_trees_are_exact(dtype, row_cost, device):

@@ -198,6 +198,7 @@ def count(node: Node, limit: int) -> int:
 
 class Lookahead(Drafter):
     name = "lookahead"
+    nested = True  # select() picks best-first (or branch by branch): a smaller budget's picks are a prefix
 
     def __init__(self, decoding_length=16, branch_length=12, strategy="hierarchical", capacity=None,
                  prompt_weight=10.0, max_prefix=6, min_nodes=None):
