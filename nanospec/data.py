@@ -18,6 +18,7 @@ import sys
 import sysconfig
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +83,9 @@ def split_bytes(split: str, max_files: int | None = None) -> int:
 def functions(text: str, max_chars: int = 600) -> list[tuple[str, str]]:
     """(signature + docstring, body) of each function with a body of 3+ lines after its docstring."""
     try:
-        tree = ast.parse(text)
+        with warnings.catch_warnings():  # a corpus file's own invalid escapes are not ours to report
+            warnings.simplefilter("ignore", (DeprecationWarning, SyntaxWarning))
+            tree = ast.parse(text)
     except (SyntaxError, ValueError):
         return []
     lines, out = text.splitlines(keepends=True), []

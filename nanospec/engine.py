@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import NanospecError, graphs
+from . import NanospecError, graphs, kernels
 from .cache import KVCache
 from .forward import Forward, Out
 from .model import Block
@@ -306,8 +306,7 @@ class Decoding:
     def mm(self, layer, x):
         """A drafter's bias-free product layer(x), on fast mode's tuned kernels when set: on a CPU, a
         few rows through SmolLM2's 49k-row lm_head cost 41 ms as F.linear and 12 ms weight-first."""
-        k = None if self.exact else self.model.kernels
-        return layer(x) if k is None else k.linear(layer, x)
+        return kernels.mm(None if self.exact else self.model.kernels, layer, x)
 
 
 @dataclass

@@ -34,6 +34,12 @@ FORMS = {
 }
 
 
+def mm(kernels, layer, x):
+    """layer(x) for a bias-free layer: in the form fastest for x's rows when kernels (fast mode's
+    tuned Kernels) are given, else as the layer computes it (exact mode: AR's one kernel)."""
+    return layer(x) if kernels is None else kernels.linear(layer, x)
+
+
 class Kernels:
     """{(out, in, rows bucket): (form, rows)}: the fastest form of each product on this machine,
     and the row count to run it at (the bucket's, or a larger one's, zero rows added)."""

@@ -19,6 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import kernels
+
 # Fast mode's SDPA backends, chosen explicitly: on CUDA, PyTorch may pick cuDNN, which plans
 # anew for every new key length (6.7 ms of CPU per call on an H100: 14 tok/s in bf16).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -165,8 +167,8 @@ class Context:
         """Matmul input: in exact mode, each row laid out 64-byte aligned (see `aligned`)."""
         return aligned(x) if self.exact else x
 
-    def mm(self, layer, x):  # layer(x); in fast mode with tuned kernels, in the form fastest for its rows
-        return layer(x) if self.kernels is None else self.kernels.linear(layer, x)
+    def mm(self, layer, x):
+        return kernels.mm(self.kernels, layer, x)
 
     def map(self, fn, x):
         """An elementwise fn; in exact mode each row's result is independent of its index (see `rowwise`)."""
