@@ -125,6 +125,19 @@ def test_early_head_training_reduces_the_loss():
 W = Path(__file__).parent.parent / "weights" / "pylm"
 
 
+def test_k_keeps_most_right_tokens_or_pruning_is_off(monkeypatch):
+    """The default k is the smallest whose held-out hit rate keeps KEEP of the right tokens (top-10
+    after layer 2 of the default model: 98.1%); where none does, pruning is off and the report says so."""
+    from nanospec.methods import propd
+    model = load(W)
+    d = load_propd(model, W)
+    assert d.early is not None and d.k == 10 and d.early.hits[5] < propd.KEEP <= d.early.hits[10]
+    assert load_propd(model, W, k=5).k == 5
+    monkeypatch.setattr(propd, "KEEP", 0.9999)
+    d = load_propd(model, W)
+    assert d.early is None and "pruning off" in d.report() and "top-100" in d.report()
+
+
 def test_early_heads_for_another_layer_are_refused():
     model = load(W)
     with pytest.raises(NanospecError, match="layers"):

@@ -39,6 +39,13 @@ Choices where the paper is silent, and why:
   persist across generations (the decoding conditions they estimate do).
 - The early head scores every row (each row's guesses for its children) rather than only the rows
   that have children: fixed shapes, no host sync.
+- k: the paper's is where acceptance stays close to Medusa's (layer 4, top-50, Table 2). Here it
+  is the smallest k whose held-out hit rate (the trainer's, for the head's layer) keeps KEEP = 97%
+  of the right tokens: top-10 after layer 2 of weights/pylm (98.1%). Where no measured k does, the
+  pruning costs more acceptance than its rows save, and it is off (the report says so): SmolLM2's
+  head after layer 8, trained on CPU, keeps 67% at top-10 and 82% at top-100, and on its 20
+  held-out prompts ProPD ran at 0.99x AR with top-10, 1.01x with top-100 and 1.06x unpruned
+  (Medusa 1.07x), in one run. `k=N` prunes at top-N regardless.
 
 What runs where: the forward with its pruning, verification and the heads' candidates are one
 device program (a CUDA graph in exact mode on a GPU); planning and the acceptance statistics
@@ -60,6 +67,7 @@ from ..tree import choose_tree
 from .medusa import Medusa, load_heads
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # the paper's candidates: ProPD always drafts
+KEEP = 0.97  # the share of right tokens the pruning's top-k must keep, held out (see the header)
 
 
 # --- early pruning (section 4.1) ---------------------------------------------------------------
@@ -109,6 +117,7 @@ class ProPD(Medusa):
     (dynamic=False: Medusa's static tree `paths`) planned from online step times (the paper's;
     cost=...: another cost model, e.g. planner.Measured)."""
     name = "propd"
+    off = None  # why the loader turned pruning off, for the report
 
     def __init__(self, heads, paths, acc, early: EarlyHead | None = None, layer: int = 2, k: int = 10,
                  dynamic: bool = True, sizes=SIZES, replan: int = 32, alpha: float = 0.3, lam: float = 0.01,
@@ -136,7 +145,7 @@ class ProPD(Medusa):
         return int(self.pruning[1])
 
     def report(self) -> str:
-        parts = []
+        parts = [self.off] if self.off else []
         if self.early is not None:
             rows, gone = self.pruning.tolist()
             parts.append(f"pruned {gone}/{rows} draft rows ({100 * gone / max(rows, 1):.1f}%) after layer "
@@ -158,15 +167,26 @@ def load_early(model, weights, layer: int | None = None) -> EarlyHead:
     a = model.args
     head = EarlyHead(a.dim, a.vocab_size, meta["rank"], a.norm_eps).to(model.embed.weight)
     head.load_state_dict({k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"layer{layer}.")})
-    head.layer = layer
+    head.layer, head.hits = layer, {int(k): v for k, v in meta.get("topk_hits", {}).get(str(layer), {}).items()}
     return head.eval()
 
 
-def load_propd(model, weights, layer=None, k=10, prune=True, dynamic=True, tree_size=0, replan=32) -> ProPD:
+def load_propd(model, weights, layer=None, k=None, prune=True, dynamic=True, tree_size=0, replan=32) -> ProPD:
+    """k=None: the smallest k whose held-out hit rate keeps KEEP of the right tokens; none: no pruning."""
     heads, meta = load_heads(model, weights)
     early = load_early(model, weights, layer) if prune else None
+    off = None
+    if early is not None and k is None:
+        k = min((n for n, hit in early.hits.items() if hit >= KEEP), default=None)
+        if k is None:
+            best = max(early.hits, default=0)
+            off = (f"pruning off: the early head after layer {early.layer} keeps {100 * early.hits.get(best, 0):.0f}% "
+                   f"of right tokens at top-{best} (needs {100 * KEEP:.0f}%)")
+            early = None
     paths = choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"]
-    return ProPD(heads, paths, meta["acc"], early, early.layer if early else layer, k, dynamic, replan=replan)
+    d = ProPD(heads, paths, meta["acc"], early, early.layer if early else layer, k or 10, dynamic, replan=replan)
+    d.off = off
+    return d
 
 
 # --- training ----------------------------------------------------------------------------------
