@@ -198,7 +198,11 @@ def train(args):
     out = base_dir.with_name(base_dir.name + "-sdsat")
     model = load(base_dir, torch.float32, args.device)
     tok = load_tokenizer(base_dir)
-    ids = [tok.reserved(i) for i in range(args.window if args.diverse else 1)]  # the adaptive tokens
+    try:
+        ids = [tok.reserved(i) for i in range(args.window if args.diverse else 1)]  # the adaptive tokens
+    except NanospecError as e:
+        raise NanospecError(f"{e}: SDSAT's adaptive tokens are the tokenizer's reserved ones, and this model's "
+                            "vocabulary has none to spare (the default model's has; README, SDSAT)") from None
     base_fp = fingerprint(model)
     train_ids, val_ids = token_stream(tok, "train", args.max_files), token_stream(tok, "val", args.max_files)
     val = val_windows(val_ids, args.seq_len)
