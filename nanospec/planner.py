@@ -7,9 +7,12 @@ token verification always yields, plus each node's path probability: Figure 6), 
 that maximises expected length per second. Size 0 is an AR step: when drafting does not pay,
 the budget shrinks to it. AR steps teach the acceptance estimates nothing, so a planner that
 chose them once would keep them for good (on the default model, ProPD once took AR steps on 77%
-of steps after a few poor prompts): a replan that picks AR first takes PROBE drafting steps, at
-the 1st, 2nd, 4th, 8th... replan in a row that picks AR (probes at every replan cost BiTA and
-Hidden Transfer about 4% on SmolLM2, where their drafts do not pay). Costs come from one of:
+of steps after a few poor prompts): a replan that picks AR first takes PROBE drafting steps, and
+replans at once on their outcomes; probes grow rarer while they confirm AR, up to one in WAIT
+replans (probes at every replan cost BiTA and Hidden Transfer about 4% on SmolLM2, where their
+drafts do not pay). A probe's outcomes replace the stale estimates (the mean of its observations, not
+an EMA's nudge): with 2-step probes nudging an EMA, one poor stretch of a SmolLM2 prompt kept
+Medusa at AR for the 12 prompts after it (1.06x, against 1.16x drafting). Costs come from one of:
 - Measured: ms per forward by rows, measured once per machine, model, dtype and mode and
   cached (engine.measure_costs): what a row costs here, not what a GPU intuition expects;
 - CostModel: ProPD's own, learnt online from step times (section 4.2);
@@ -45,7 +48,8 @@ SIZES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 RATIOS = 9  # steps per size the observed-over-estimated ratio is the median of
 MARGIN = 0.05  # drafting must promise 5% more tokens/s than an AR step: estimates err, AR never loses
 EXPLORE = 8    # a nested drafter's drafting steps per context per probe (see Planner.budget)
-PROBE = 2      # drafting steps per replan while AR is planned (one drafts, the next verifies)
+PROBE = 8      # drafting steps per probe while AR is planned: enough outcomes to estimate from
+WAIT = 8       # at most this many replans at AR between probes
 
 
 class CostModel:
@@ -127,11 +131,12 @@ class Acceptance:
         self.alpha = alpha
         self.P = [list(row) for row in prior] if prior else [[0.0] * topk for _ in range(heads)]
 
-    def update(self, head: int, rank: int | None) -> None:
-        """rank: where the true token was in the depth's ranking (None: beyond top-k)."""
-        row = self.P[head]
+    def update(self, head: int, rank: int | None, w: float | None = None) -> None:
+        """rank: where the true token was in the depth's ranking (None: beyond top-k); w: the new
+        outcome's weight (default alpha)."""
+        row, w = self.P[head], self.alpha if w is None else w
         for k in range(len(row)):
-            row[k] = (1 - self.alpha) * row[k] + self.alpha * (rank is not None and rank <= k)
+            row[k] = (1 - w) * row[k] + w * (rank is not None and rank <= k)
 
     def p(self) -> list[list[float]]:
         return [[row[k] - (row[k - 1] if k else 0.0) for k in range(len(row))] for row in self.P]
@@ -176,6 +181,8 @@ class Planner:
         self.accept = self.gain = None
         self.tries = Counter()  # (context, size) -> steps observed, for a draft-token budget's gain
         self.probing, self.probe = 0, None  # drafting steps left to take while AR is planned, and their size
+        self.probed = False     # this step is a probe's
+        self.fresh = Counter()  # depth -> outcomes resolved since the last probe began
         self.ar_plans, self.wait = 0, 1     # replans in a row that chose AR; how many before the next probe
         self.ctx = 0
         self.idle, self.waits = Counter(), Counter()  # per context: replans in a row at AR; the next probe's
@@ -193,11 +200,14 @@ class Planner:
 
     def budget(self, drafter, dec) -> int:
         """Draft nodes for this step (0: an AR step); the tree of that size is self.tree."""
+        self.probed = bool(self.probing)
         if 0 in self.sizes and self.steps[0] < 3 and any(self.ratios):  # drafting's real cost is known:
             self.used[0] += 1                                             # measure an AR step's too
             return 0
         if self.probing:  # AR steps teach the acceptance estimates nothing: a few drafting steps do
             self.probing -= 1
+            if not self.probing:
+                self.at = None  # replan on the probe's outcomes
             self.used[self.probe] += 1
             return self.probe
         if self.at is None or abs(dec.cur - self.at) >= self.replan or self.size is None or self.accept is None:
@@ -209,8 +219,8 @@ class Planner:
                 sure = lambda: [[1.0] + [0.0] * (len(row) - 1) for row in self.accept.P]  # every top-1 right
                 if self.ar_plans >= self.wait and self.at is not None and plan(sure(), self.cost, self.sizes, rows, drafter.family, self.scale):
                     # AR until the next replan for want of acceptance, not of cheap rows: probe first,
-                    # ever more rarely while the probes keep confirming AR (replans 1, 2, 4, 8, ...)
-                    self.wait *= 2
+                    # more rarely while the probes keep confirming AR (after 1, 2, 4, then every 8 replans)
+                    self.ar_plans, self.wait, self.fresh = 0, min(2 * self.wait, WAIT), Counter()
                     self.probe = plan(self.accept.p(), self.cost, [s for s in self.sizes if s], rows, drafter.family, self.scale)
                     self.probing, self.tree = PROBE, template(tuple(choose_tree(self.accept.p(), self.probe, drafter.family)))
                     self.at = dec.cur
@@ -266,11 +276,13 @@ class Planner:
                     self.gain[key] = (1 - w) * self.gain.get(key, 0.0) + w * a
             return
         n, out = len(dec.out), dec.out
-        for i, depth, cands in self.pending:  # a candidate of depth d guessed output i
+        for i, depth, cands, probed in self.pending:  # a candidate of depth d guessed output i
             if i < n:
-                self.accept.update(depth, cands.index(out[i]) if out[i] in cands else None)
+                self.fresh[depth] += probed  # a probe's outcomes: their mean, then the EMA
+                w = max(1 / self.fresh[depth], self.accept.alpha) if probed else None
+                self.accept.update(depth, cands.index(out[i]) if out[i] in cands else None, w)
         self.pending = [q for q in self.pending if q[0] >= n]
-        self.pending += [(n + d, d, c) for d, c in enumerate(dec.cand_lists or [])]
+        self.pending += [(n + d, d, c, self.probed) for d, c in enumerate(dec.cand_lists or [])]
 
     def scale(self, size: int) -> float:
         if size in self.ratios:

@@ -120,8 +120,8 @@ def test_the_budget_shrinks_to_ar_when_drafts_fail():
 
 def test_a_planner_at_ar_steps_still_probes_drafting():
     """AR steps teach the acceptance estimates nothing: while AR is planned, replans take PROBE drafting
-    steps first, so a drafter whose candidates turn good again is seen to; ever more rarely while the
-    probes confirm AR (replans 1, 2, 4, 8, ... in a row), so a drafter that never pays loses little."""
+    steps first, so a drafter whose candidates turn good again is seen to; more rarely while the
+    probes confirm AR (up to one in WAIT replans), so a drafter that never pays loses little."""
     from nanospec.planner import PROBE
     model = random_model(ARGS, 2)
     heads = Heads(ARGS.dim, ARGS.vocab_size, 3)
@@ -135,6 +135,36 @@ def test_a_planner_at_ar_steps_still_probes_drafting():
     probes = sum(1 for size, planned in log if size and planned == 0)
     assert sum(1 for size, _ in log if size == 0) > 400
     assert PROBE >= 2 and 2 * PROBE <= probes <= PROBE * 10  # some, far fewer than one per replan (37)
+
+
+def test_a_probe_that_finds_good_drafts_brings_drafting_back():
+    """A ranked drafter whose candidates are all wrong for a stretch (AR gets planned), then right at
+    top-1 on 3 of 5 tokens: a probe's outcomes replace the stale estimates, so drafting comes back at
+    the first probe. An EMA nudged by a probe's few outcomes kept a SmolLM2 Medusa at AR for good."""
+    from types import SimpleNamespace
+    from nanospec.planner import PROBE, WAIT
+    K, R = 2, 3
+    d = SimpleNamespace(topk=[R] * K, acc=[[0.5, 0.1, 0.1]] * K, size=lambda n: n, family=None)
+    planner = Planner(FixedCost(0.01, 0.004), sizes=(0, 1, 2, 4), replan=8)  # 3 rows cost 2.2x 1 row
+    planner.start(d, None)
+    seq = list(range(1000))
+    dec = SimpleNamespace(out=[], cur=0, cand_lists=None)
+    sizes = []
+    for step in range(600):
+        size = planner.budget(d, dec)
+        good = len(dec.out) >= 300
+        dec.out.append(seq[len(dec.out)])
+        dec.cur += 1
+        n = len(dec.out)
+        right = lambda i: good and i % 5 < 3
+        dec.cand_lists = [[seq[n + k] if right(n + k) else -1, -2, -3] for k in range(K)] if size else None
+        planner.observe(dec, size, d.size(size + 1), 0, 0.01)
+        sizes.append((good, size))
+    bad = [s for g, s in sizes if not g]
+    assert bad[-40:].count(0) >= 30  # wrong drafts: AR
+    good = [s for g, s in sizes if g]
+    back = next(i for i in range(len(good)) if all(good[i:i + 20]))  # drafting again, for good
+    assert back <= (WAIT + 1) * planner.replan + PROBE  # the first probe of the good stretch
 
 
 def test_lookahead_budget_from_its_own_gains():
