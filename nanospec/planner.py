@@ -32,7 +32,8 @@ ratio of a step's observed time to the cost model's estimate (the median of its 
 shared machine's stalls and one-time costs are outliers, and one 536 ms AR step once made every
 drafting size look cheap), and plans with estimates scaled by it (unobserved drafting sizes take
 the largest ratio seen); once a drafting size is measured, three AR steps measure an AR step's
-ratio too, so both pay the same machine's overheads. Only Measured costs need it: ProPD's
+ratio too, so both pay the same machine's overheads. A drafting step's ratio is kept relative to
+AR's at the time (see Planner.scale): the machine's speed drifts, and hits both alike. Only Measured costs need it: ProPD's
 online model already learns from whole steps.
 """
 import bisect
@@ -175,7 +176,7 @@ class Planner:
     def __init__(self, cost: CostModel, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
         self.used = Counter()  # planned size -> steps
-        self.ratios = {}       # planned size -> the last RATIOS of a step's seconds over the cost estimate
+        self.ratios = {}       # planned size -> the last RATIOS (a step's seconds over the cost estimate, AR's then)
         self.steps = Counter() # planned size -> steps observed
         self.rows_seen = frozenset()  # the row counts of the steps observed
         self.accept = self.gain = None
@@ -263,7 +264,8 @@ class Planner:
         if est and self.cost.forwards_only and not first:  # a row count's first step may pay one-time costs
             if size not in self.ratios:
                 self.at = None  # the first measure of what this size really costs: replan now
-            self.ratios[size] = (self.ratios.get(size, []) + [seconds / est])[-RATIOS:]
+            ar = self.scale(0) if size and 0 in self.ratios else None
+            self.ratios[size] = (self.ratios.get(size, []) + [(seconds / est, ar)])[-RATIOS:]
         if self.accept is None:
             if size:  # a nested draft's step also tells what every smaller budget would have got, and,
                       # when the drafter ran out of nodes below its budget, what every larger one would
@@ -285,10 +287,18 @@ class Planner:
         self.pending += [(n + d, d, c, self.probed) for d, c in enumerate(dec.cand_lists or [])]
 
     def scale(self, size: int) -> float:
+        """The observed step time over the estimate at size. A drafting step's counts relative to an
+        AR step's at the time it was taken: the machine's speed drifts (a shared VM's stalls, a
+        longer context) and hits both alike, so stale drafting times must not be set against fresh
+        AR ones (on SmolLM2 one slow stretch of AR steps made Hidden Transfer draft at 0.9x)."""
+        ar = statistics.median_low([r for r, _ in self.ratios[0]]) if 0 in self.ratios else 1.0
+        rel = lambda obs: statistics.median_low([r / (then or ar) for r, then in obs])
+        if not size:
+            return ar
         if size in self.ratios:
-            return statistics.median_low(self.ratios[size])
-        drafting = [statistics.median_low(r) for s, r in self.ratios.items() if s]
-        return max(drafting) if size and drafting else 1.0
+            return ar * rel(self.ratios[size])
+        drafting = [rel(obs) for s, obs in self.ratios.items() if s]
+        return ar * (max(drafting) if drafting else 1.0)
 
     def report(self) -> str:
         total = sum(self.used.values())

@@ -253,6 +253,24 @@ def test_a_step_time_outlier_does_not_steer_the_plan():
     assert 1.0 < p.scale(4) < 1.6 and p.scale(8) == p.scale(4)  # unobserved drafting sizes: the largest seen
 
 
+def test_a_drift_in_machine_speed_does_not_make_drafting_look_cheap():
+    """Drafting steps are timed at other moments than AR steps: when the machine slows down (a
+    shared VM's stall, a longer context) after the drafting size was measured, fresh AR times must
+    not be set against stale drafting ones. A drafting step's cost is kept relative to AR's."""
+    from types import SimpleNamespace
+    p = Planner(Measured({1: 0.050, 8: 0.100}))
+    p.start(SimpleNamespace(topk=None), None)
+    for seconds in (0.050, 0.050, 0.050):  # rows=1's first step is not counted
+        p.observe(None, 0, 1, 0, seconds)
+    for seconds in (0.060, 0.060, 0.060, 0.060):  # size 4 (5 rows): 1.2x its estimate, AR at 1.0x
+        p.observe(None, 4, 5, 1, seconds)
+    before = p.scale(4) / p.scale(0)
+    for _ in range(9):  # then the machine runs 1.5x slower: every AR step shows it
+        p.observe(None, 0, 1, 0, 0.075)
+    assert p.scale(0) == pytest.approx(1.5)
+    assert p.scale(4) / p.scale(0) == pytest.approx(before)  # was 1.2 / 1.5: drafting looked 25% cheaper
+
+
 @pytest.mark.parametrize("row_cost, drafts", [(0.0, True), (0.06, False)])
 def test_drafting_must_promise_a_margin_over_ar(row_cost, drafts):
     """A tree expected to yield 1.1 tokens for 1.06x an AR step's time (3.8% faster on paper) is
