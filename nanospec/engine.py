@@ -345,6 +345,9 @@ def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None)
 COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
+COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached measures are then stale
+
+
 @torch.inference_mode()
 def measure_costs(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps: int = 5) -> Measured:
     """Seconds per forward of n rows after `context` tokens, on this machine, model, dtype and mode:
@@ -356,7 +359,7 @@ def measure_costs(model, exact: bool = False, rows=COST_ROWS, context: int = 256
     from .training import hardware
     w = model.embed.weight
     forms = "" if exact or model.kernels is None else "-" + hashlib.sha256(model.kernels.to_json().encode()).hexdigest()[:8]
-    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}"
+    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}-{COSTS_VERSION}"
     path = cache_root() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
         return Measured({int(r): t for r, t in json.loads(path.read_text())["seconds"].items()})

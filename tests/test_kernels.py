@@ -21,6 +21,7 @@ def test_every_form_and_padding_computes_the_layer(form, M, extra, lead):
     k = Kernels({(33, 24, b): (form, M + extra)} if b else {})
     y = k.linear(layer, x)
     assert y.shape == (*x.shape[:-1], 33)
+    assert y.is_contiguous()  # row-major, as F.linear's: a transposed layout slows the ops after it
     torch.testing.assert_close(y, layer(x), rtol=1e-5, atol=1e-5)
 
 
