@@ -10,10 +10,7 @@ chose them once would keep them for good (on the default model, ProPD once took 
 of steps after a few poor prompts): a replan that picks AR first takes PROBE drafting steps, and
 replans at once on their outcomes; probes grow rarer while they confirm AR, up to one in WAIT
 replans (probes at every replan cost BiTA and Hidden Transfer about 4% on SmolLM2, where their
-drafts do not pay); none at all where drafts as good as the drafter's held-out ones (the trainer's
-accuracies) would not pay for the forward's rows on this machine: probes cost BiTA and Hidden
-Transfer 3-4% on SmolLM2,
-whose one-node steps run 4-8 rows at up to 2x an AR step. A probe's outcomes replace the stale estimates (the mean of its observations, not
+drafts do not pay). A probe's outcomes replace the stale estimates (the mean of its observations, not
 an EMA's nudge): with 2-step probes nudging an EMA, one poor stretch of a SmolLM2 prompt kept
 Medusa at AR for the 12 prompts after it (1.06x, against 1.16x drafting). Costs come from one of:
 - Measured: ms per forward by rows, measured once per machine, model, dtype and mode and
@@ -195,12 +192,8 @@ class Planner:
     def start(self, drafter, dec) -> None:
         if self.accept is None and drafter.topk:  # prior: the trainer's held-out accuracies, if any
             K, R = len(drafter.topk), max(drafter.topk)
-            held = getattr(drafter, "acc", None)
-            acc = held or [[0.6 * 0.7 ** d if r == 0 else 0.02 for r in range(R)] for d in range(K)]
+            acc = getattr(drafter, "acc", None) or [[0.6 * 0.7 ** d if r == 0 else 0.02 for r in range(R)] for d in range(K)]
             self.accept = Acceptance(K, R, self.alpha, [[sum(row[:r + 1]) for r in range(R)] for row in acc])
-            # what a probe hopes for: the drafter's held-out accuracy, or, without one, every top-1 right
-            self.hope = [list(row[:R]) + [0.0] * (R - len(row)) for row in held] if held else \
-                [[1.0] + [0.0] * (R - 1) for _ in range(K)]
         if self.gain is None and not drafter.topk:
             self.gain = {}  # (context, size) -> accepted drafts per step
         self.nested = getattr(drafter, "nested", False)
@@ -224,11 +217,10 @@ class Planner:
                 self.size = plan(self.accept.p(), self.cost, self.sizes, rows, drafter.family, self.scale)
                 self.ar_plans = self.ar_plans + 1 if self.size == 0 else 0
                 self.wait = self.wait if self.size == 0 else 1
-                if self.ar_plans >= self.wait and self.at is not None and plan(self.hope, self.cost, self.sizes, rows, drafter.family):
-                    # AR until the next replan for want of acceptance, though drafts as good as the drafter's
-                    # held-out ones would pay for the forward's rows (the cost curve alone: a step ratio only
-                    # drafting refreshes, once raised by a slow stretch, shut Medusa's probes for good): probe
-                    # first, more rarely while the probes keep confirming AR (after 1, 2, 4, then every 8 replans)
+                sure = lambda: [[1.0] + [0.0] * (len(row) - 1) for row in self.accept.P]  # every top-1 right
+                if self.ar_plans >= self.wait and self.at is not None and plan(sure(), self.cost, self.sizes, rows, drafter.family, self.scale):
+                    # AR until the next replan for want of acceptance, not of cheap rows: probe first,
+                    # more rarely while the probes keep confirming AR (after 1, 2, 4, then every 8 replans)
                     self.ar_plans, self.wait, self.fresh = 0, min(2 * self.wait, WAIT), Counter()
                     self.probe = plan(self.accept.p(), self.cost, [s for s in self.sizes if s], rows, drafter.family, self.scale)
                     self.probing, self.tree = PROBE, template(tuple(choose_tree(self.accept.p(), self.probe, drafter.family)))

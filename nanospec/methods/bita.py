@@ -141,11 +141,9 @@ def load_bita(model, weights, decoding="efficient", k=3, prompting="deep") -> Bi
     if prompting not in PROMPTING:
         raise NanospecError(f"bita prompting {prompting!r}: choose from {', '.join(PROMPTING)}")
     cmd = "python train.py --method bita" + ("" if prompting == "deep" else f" --prompting {prompting}")
-    tune, meta = load_trained(model, Path(weights) / filename(prompting), cmd,
-                              lambda meta: Tuning(model.args, meta["masks"], meta["prompts"], prompting))
-    d = BiTA(tune, model.lm_head, decoding, k)
-    d.acc = meta.get("acc")  # held-out accuracy per mask and rank: the planner's prior
-    return d
+    tune, _ = load_trained(model, Path(weights) / filename(prompting), cmd,
+                           lambda meta: Tuning(model.args, meta["masks"], meta["prompts"], prompting))
+    return BiTA(tune, model.lm_head, decoding, k)
 
 
 # --- training ----------------------------------------------------------------------------------

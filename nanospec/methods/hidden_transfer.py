@@ -152,9 +152,7 @@ def load_transfer(model, weights):
 def load_hidden_transfer(model, weights, tree_size=0, chained=True) -> HiddenTransfer:
     tr, meta = load_transfer(model, weights)
     paths = choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"]
-    d = HiddenTransfer(tr, [p for p in paths if len(p) <= tr.k], model.lm_head, chained)
-    d.acc = meta["acc"]  # held-out accuracy per step and rank: the planner's prior
-    return d
+    return HiddenTransfer(tr, [p for p in paths if len(p) <= tr.k], model.lm_head, chained)
 
 
 # --- training ----------------------------------------------------------------------------------
