@@ -343,8 +343,6 @@ def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None)
 
 
 COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-
-
 COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached measures are then stale
 
 

@@ -33,8 +33,8 @@ shared machine's stalls and one-time costs are outliers, and one 536 ms AR step 
 drafting size look cheap), and plans with estimates scaled by it (unobserved drafting sizes take
 the largest ratio seen); once a drafting size is measured, three AR steps measure an AR step's
 ratio too, so both pay the same machine's overheads. A drafting step's ratio is kept relative to
-AR's at the time (see Planner.scale): the machine's speed drifts, and hits both alike. Only Measured costs need it: ProPD's
-online model already learns from whole steps.
+AR's at the time (see Planner.scale): the machine's speed drifts, and hits both alike. Only
+Measured costs need it: ProPD's online model already learns from whole steps.
 """
 import bisect
 import functools
