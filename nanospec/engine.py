@@ -218,6 +218,8 @@ class Decoding:
         n = len(tree)
         tokens, real = self.tokens(tree), ones(n, self.device)
         block = drafter.rows(self, Tree(tokens, tree.parents))  # the tokens go to the device once
+        # rows write slots cur..cur+len-1: past the capacity lie the reserved slots and the trash slot
+        assert len(block) <= self.room, f"a step of {len(block)} rows overruns the cache ({self.room} slots left)"
         lay = layout(tree.parents, self.device)
         if self.exact:
             block, lay = self.fixed(block), lay.pad(self.Q)

@@ -27,6 +27,16 @@ def test_movements_measure_top2_gaps_and_flag_flips():
         cal.entry(m[1:], "bfloat16")
 
 
+def test_tolerance_is_four_times_the_largest_movement(tmp_path):
+    """FACTOR pinned as a literal (the tests above compute from it, so a changed FACTOR passes them):
+    an entry's ulps is 4 x its largest non-flip movement, and a written file records factor 4."""
+    assert cal.FACTOR == 4
+    moves = torch.tensor([[6.4, 0.5, 0.0], [2.0, 0.1, 0.0], [100.0, 3.0, 1.0]])  # the flip's 100 sets nothing
+    assert cal.entry(moves, "float32")["ulps"] == pytest.approx(25.6)
+    cal.write(tmp_path / "c.json", {"s": {"units": "float32", "ulps": 25.6}})
+    assert cal.read(tmp_path / "c.json")["factor"] == 4
+
+
 def test_file_round_trip_and_bad_files(tmp_path):
     f = tmp_path / "c.json"
     settings = {"single kv=f16": {"units": "float32", "ulps": 1000.0, "max": 250.0},

@@ -1,10 +1,12 @@
 """Every method at the engine's edges: a cache just large enough for the prompt and the new
 tokens, so the last steps have room for a few rows only and every "no room" path runs, in exact
-mode (bitwise AR) and fast mode (AR's tokens), with drafts that do get accepted."""
+mode (bitwise AR) and fast mode (AR's tokens), with drafts that do get accepted; and caches too
+small for the new tokens, where every method must stop where AR stops, with AR's bits."""
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-from helpers import check_exact, random_model
+from helpers import check_exact, peek, random_model
 from nanospec.engine import generate, shapes
 from nanospec.methods.bita import BiTA, Tuning
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
@@ -67,5 +69,34 @@ def test_lookahead_in_a_near_full_cache(exact, device):
     d.warm_up([prompt[-1:] + ar.tokens])  # the trie knows the continuation: long drafts to the very end
     out = generate(model, prompt, d, **kw)
     assert out.tokens == ar.tokens and out.stop == "max_new_tokens" and out.mean_accepted > 3
+    if exact:
+        assert torch.equal(out.logits, ar.logits)
+
+
+METHODS = ["medusa", "propd", "propd-dynamic", "bita-deep", "bita-shallow-full", "bita-straight",
+           "hidden_transfer", "sdsat", "lookahead"]
+
+
+@given(name=st.sampled_from(METHODS), seed=st.integers(0, 2**16), plen=st.integers(1, 12),
+       room=st.integers(1, 40), exact=st.booleans())
+def test_a_full_cache_stops_every_method_where_ar_stops(device, name, seed, plen, room, exact):
+    """A cache with room for fewer tokens than asked: the method stops on "cache_full" after as
+    many tokens as AR at the same capacity, with AR's tokens (and, in exact mode, AR's bits).
+    The drafts peek at the truth, so long accepted trees run into the cache's end."""
+    model = random_model(ARGS, seed=seed % 7, device=device)
+    prompt = torch.randint(0, ARGS.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
+    n = room + 16
+    d = Lookahead(decoding_length=12, branch_length=6) if name == "lookahead" else drafter(name, model)
+    Q, _ = shapes([d], plen, n)
+    kw = dict(max_new_tokens=n, exact=exact, Q=Q, eos_id=-1, record_logits=True)
+    capacity = plen - 1 + room  # the prompt but its last token, then `room` new tokens
+    ar = generate(model, prompt, n_slots=capacity + 1, **kw)
+    if name == "lookahead":
+        d.warm_up([prompt[-1:] + ar.tokens])
+    else:
+        peek(d, ar.tokens, 0.9, seed)
+    out = generate(model, prompt, d, n_slots=capacity + d.reserved_slots + 1, **kw)
+    assert ar.stop == out.stop == "cache_full" and len(ar.tokens) == room
+    assert out.tokens == ar.tokens
     if exact:
         assert torch.equal(out.logits, ar.logits)

@@ -1,12 +1,14 @@
 """tokenizer.json tokenizers: the ids transformers' AutoTokenizer gives on the same directory,
 over a few thousand lines of code, prose, unicode and special tokens; BOS as the file says."""
+import json
 import random
 
 import pytest
 from hypothesis import given, strategies as st
+from tokenizers import Tokenizer
 
 from gguf_files import ROOT, SPECIALS, write_gguf
-from nanospec import NanospecError
+from nanospec import NanospecError, gguf_tokenizer
 from nanospec.convert import convert
 from nanospec.tokenizer import load_tokenizer
 
@@ -76,6 +78,21 @@ def test_identity_and_reserved(tiny):
     with pytest.raises(NanospecError, match="no <reserved_0> token"):
         tok.reserved(0)
     assert tok.token_id("<|im_end|>") == 2 and tok.token_id("<no such token>") is None
+
+
+def test_control_tokens_are_special_user_defined_ones_are_not(tiny):
+    """llama.cpp's CONTROL tokens (type 3) become special added tokens, dropped by skip_special_tokens;
+    USER_DEFINED ones (4) are matched whole but not special; normal ones (1) are no added tokens."""
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab", "<|im_end|>", "<tool>"],
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [1, 1, 1, 3, 4]}
+    text, _ = gguf_tokenizer.build(meta)
+    added = json.loads(text)["added_tokens"]
+    assert {t["content"]: t["special"] for t in added} == {"<|im_end|>": True, "<tool>": False}
+    tk = Tokenizer.from_str(text)
+    ids = tk.encode("ab<|im_end|><tool>a").ids
+    assert ids == [2, 3, 4, 0] and tk.decode(ids, skip_special_tokens=True) == "ab<tool>a"
+    added = json.loads((tiny[0] / "tokenizer.json").read_text())["added_tokens"]  # from a GGUF file
+    assert {t["content"]: t["special"] for t in added} == dict.fromkeys(SPECIALS, True)
 
 
 def test_tokenizer_json_without_a_model(tmp_path):
