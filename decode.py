@@ -14,12 +14,13 @@ import torch
 
 from nanospec import ArgumentParser, NanospecError, chat, cli, kernels, trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
-from nanospec.checkpoint import DTYPES, fingerprint, load
+from nanospec.checkpoint import DTYPES, load
+from nanospec.files import fingerprint
 from nanospec.engine import Drafter, check_prompt, check_room, generate, measure_costs, shapes
 from nanospec.peers import transformers_peers
 from nanospec.planner import Planner
-from nanospec.methods import METHODS, check_method, load_drafter, model_dir, split_specs
-from nanospec.sources import resolve
+from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, model_dir, split_specs
+from nanospec.sources import base_of, resolve
 from nanospec.tokenizer import load_tokenizer
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "pylm"
@@ -34,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--weights", default=None, help="HF Llama directory, FILE.gguf (converted once, cached) or a hub "
                    f"id org/name (default: {DEFAULT_WEIGHTS.relative_to(Path(__file__).parent)})")
+    p.add_argument("--drafters", help="the directory of the method's trained weights (default: the --weights "
+                   "directory, else the shipped one trained for this model's fingerprint)")
     p.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template as one user "
                    "message, and stop at the template's end-of-turn token")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -89,14 +92,15 @@ def setup(args):
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     weights = resolve(args.weights or DEFAULT_WEIGHTS, log=sys.stderr)
     own = model_dir(split_specs(args.methods) if args.bench else [args.method], weights)
-    tok = load_tokenizer(own)
-    args.weights_dir, args.eos_id = own, None
+    base = base_of(own)  # the model's files (weights/smollm2 ships drafters only: base.json names its model)
+    tok = load_tokenizer(base)
+    args.weights_dir, args.eos_id = base, None
     if args.chat:  # the template is checked before the weights are loaded
         if tok is None:
-            raise NanospecError(f"--chat needs a tokenizer: {own} has no tokenizer.json or tokenizer.model")
-        args.eos_id = chat.end_of_turn(tok, chat.template(own))
-    model = load(own, dtype, args.device)
-    return own, model, dtype, tok, own != weights
+            raise NanospecError(f"--chat needs a tokenizer: {base} has no tokenizer.json or tokenizer.model")
+        args.eos_id = chat.end_of_turn(tok, chat.template(base))
+    model = load(base, dtype, args.device)
+    return drafters_for(model, own, args.drafters), model, dtype, tok, own != weights
 
 
 def note_own_model(weights) -> None:

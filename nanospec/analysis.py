@@ -21,7 +21,7 @@ from .methods import load_drafter
 from .methods import propd
 from .methods.hidden_transfer import accuracy, load_transfer, ordered, pseudo_states
 from .methods.medusa import accuracy as medusa_accuracy, load_heads, samples as medusa_samples
-from .sources import resolve
+from .sources import base_of, resolve
 from .tokenizer import load_tokenizer
 from .training import distilled
 
@@ -85,8 +85,8 @@ def hidden_transfer(args):
 def propd_grid(args):
     """Table 2: Medusa's static tree with early pruning only, per early layer and top-k, in one
     benchmark run (fast mode on the weights' held-out prompts)."""
-    model = load(args.out)
-    tok = load_tokenizer(args.out)
+    model = load(base_of(args.out))
+    tok = load_tokenizer(base_of(args.out))
     prompts = [tok.encode(p) for p in load_prompts(Path(args.out) / "prompts.jsonl")[:args.limit]]
     specs = ["medusa"] + [f"propd:dynamic=false,layer={L},k={k}" for L in args.layers.split(",")
                           for k in args.topk.split(",")]

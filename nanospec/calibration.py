@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import NanospecError
-from .checkpoint import atomic_write
+from .files import atomic_write
 
 FORMAT = "nanospec-calibration/1"
 FACTOR = 4

@@ -7,6 +7,7 @@ Templates are untrusted code from the hub, so they run in jinja2's immutable san
 """
 import json
 from datetime import datetime
+from pathlib import Path
 
 from . import NanospecError
 from .tokenizer_json import read_json
@@ -16,8 +17,7 @@ END_OF_TURN = ["<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoft
 
 
 def template(path) -> str:
-    from .sources import base_of
-    path = base_of(path)
+    path = Path(path)
     if (path / "chat_template.jinja").is_file():
         return (path / "chat_template.jinja").read_text(encoding="utf-8")
     t = read_json(path / "tokenizer_config.json").get("chat_template")
@@ -70,7 +70,6 @@ def end_of_turn(tok, tmpl: str) -> int:
 def prompt_ids(path, tok, text: str, system: str | None = None) -> tuple[list[int], int]:
     """(ids of the rendered prompt, the end-of-turn id to stop at). The template writes any BOS
     itself, so the text is encoded without special tokens (as transformers does)."""
-    from .sources import base_of
     tmpl = template(path)
-    config = getattr(tok, "config", None) or read_json(base_of(path) / "tokenizer_config.json")
+    config = getattr(tok, "config", None) or read_json(Path(path) / "tokenizer_config.json")
     return tok.encode(render(text, tmpl, config, system), bos=False), end_of_turn(tok, tmpl)

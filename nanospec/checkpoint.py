@@ -4,9 +4,7 @@ Our module names differ from HF's in a few places; HF_NAMES is the one map betwe
 Q/K need no permutation: HF checkpoints already use the rotate-half RoPE layout we use.
 Methods' trained weights are separate files that record the fingerprint of their base model.
 """
-import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -14,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from . import NanospecError
+from .files import atomic_write, fingerprint, hash_tensors
 from .model import Llama, ModelArgs, rope_inv_freq
-from .sources import base_of
 
 HF_NAMES = [  # (HF, ours); lm_head, mlp.*_proj and self_attn.*_proj keep their leaf names
     ("model.embed_tokens.", "embed."), ("model.norm.", "norm."), ("model.layers.", "layers."),
@@ -40,28 +38,8 @@ def to_hf_name(name: str) -> str:
     return name
 
 
-def atomic_write(path: Path, write) -> None:
-    """write(tmp_path) then rename over path: a crash never leaves a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def fingerprint(model: Llama) -> str:
-    """A short hash of the base weights (as fp32, so a bf16 file loaded in either dtype agrees).
-    Drafter weights record it; loading them against another base model is refused."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def load_args(path) -> ModelArgs:
-    path = base_of(path)
+    path = Path(path)
     if not path.is_dir():
         raise NanospecError(f"no weights directory at {path}: pass --weights DIR with an HF Llama checkpoint")
     cfg_file = path / "config.json"
@@ -78,7 +56,7 @@ def load_args(path) -> ModelArgs:
 
 
 def load_tensors(path: Path) -> dict:
-    path = base_of(path)
+    path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -96,10 +74,12 @@ def load_tensors(path: Path) -> dict:
 
 
 def load(path, dtype=torch.float32, device="cpu") -> Llama:
-    """Load an HF Llama directory; weights are cast to dtype (upcasting bf16 to fp32 is exact)."""
+    """Load an HF Llama directory; weights are cast to dtype (upcasting bf16 to fp32 is exact). The
+    model's fingerprint names the stored weights, before the cast (files.fingerprint)."""
     path = Path(path)
     args = load_args(path)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in load_tensors(path).items()}
+    stored = load_tensors(path)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in stored.items()}
     if args.tie_embeddings:
         state.setdefault("lm_head.weight", state.get("embed.weight"))
     with torch.device("meta"):
@@ -113,6 +93,7 @@ def load(path, dtype=torch.float32, device="cpu") -> Llama:
     if args.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_inv_freq(args).to(device)
+    model.fingerprint = hash_tensors({k: stored.get(k, stored.get("embed.weight")) for k in model.state_dict()})
     return model.eval()
 
 

@@ -28,16 +28,10 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import save_file
 
 from . import ArgumentParser, NanospecError, cli, gguf_tokenizer
+from .gguf_export import LAYER_NAMES, TOP_NAMES, export
 from .model import ModelArgs
 
 SUPPORTED = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def open_gguf(path: Path):
@@ -180,7 +174,6 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, help="DIR -> OUT.gguf: keep only the first N layers (a draft model)")
     args = p.parse_args(argv)
     if Path(args.source).is_dir():
-        from .gguf_export import export
         out = export(args.source, args.out, args.layers)
     elif args.layers is not None:
         raise NanospecError("--layers applies to DIR -> OUT.gguf, not to reading a GGUF")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from . import ArgumentParser, NanospecError, cli
-from .checkpoint import atomic_write
+from .files import atomic_write
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 VAL_PERCENT = 5
@@ -151,7 +151,7 @@ def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64, c
     function prompts; with a chat encoder (chat_encoder), every other one is a chat request to
     implement the function instead, and its reply is cut after the end of the turn. Generated
     batched once, then cached under .cache/ by the model's fingerprint."""
-    from .checkpoint import fingerprint
+    from .files import fingerprint
     from .engine import generate_batch
     path = CACHE / f"distill-{fingerprint(model)}-{n}-{new_tokens}{'-chat' if chat else ''}.pt"
     if path.is_file():
@@ -191,7 +191,9 @@ def main(argv=None):
         if args.chat:  # the first half as code, the second as chat requests (rendered: any engine can take them)
             from .chat import render, template
             from .tokenizer import load_tokenizer
-            tmpl, config = template(args.chat), load_tokenizer(args.chat).config
+            from .sources import base_of
+            base = base_of(args.chat)
+            tmpl, config = template(base), load_tokenizer(base).config
             half = len(prompts) // 2
             prompts = prompts[:half] + [render(instruction(p), tmpl, config) for p in prompts[half:2 * half]]
         body = "".join(json.dumps({"prompt": p}) + "\n" for p in prompts)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from . import NanospecError, graphs, kernels
 from .cache import KVCache
+from .files import atomic_write, cache_root, fingerprint, hardware
 from .forward import Forward, Out
 from .model import Block
 from .planner import Measured
@@ -66,7 +67,8 @@ class Drafter:
         """Size each step's tree with planner: ranked drafters may then use any of their top-R ranks."""
         self.planner = planner
         if self.topk and self.family is None:
-            R = len(getattr(self, "acc", None) or [[0] * 10][0])
+            acc = getattr(self, "acc", None)  # held-out accuracy per depth and rank
+            R = len(acc[0]) if acc else 10
             self.topk = [max(R, *self.topk)] * len(self.topk)
         self.max_rows = max(self.max_rows, self.size(1 + max(planner.sizes)))
         return self
@@ -111,6 +113,9 @@ class Drafter:
     def report(self) -> str:
         """A line of method statistics for the benchmark (e.g. ProPD's pruning rate, the budgets)."""
         return self.planner.report() if self.planner is not None else ""
+
+
+AR = Drafter()  # the one AR drafter: every AR step (budget 0, no room to draft) reuses its step program
 
 
 class Decoding:
@@ -179,7 +184,7 @@ class Decoding:
         while m > 1 and drafter.size(m) > self.room:
             m -= 1
         if drafter.size(m) > self.room:
-            return Drafter(), tree.prefix(1)
+            return AR, tree.prefix(1)
         return drafter, tree.prefix(m)
 
     def program(self, drafter: Drafter, block: Block, nodes: Nodes, greedy: bool):
@@ -354,9 +359,6 @@ def measure_costs(model, exact: bool = False, rows=COST_ROWS, context: int = 256
     measured once and cached under the cache root, keyed by all four. The row counts take turns,
     reps rounds, and each keeps its fastest: a busy spell of a shared machine then slows one round
     of every count, not every round of one (on 2 shared cores, 4 rows once measured slower than 6)."""
-    from .checkpoint import atomic_write, fingerprint
-    from .sources import cache_root
-    from .training import hardware
     w = model.embed.weight
     forms = "" if exact or model.kernels is None else "-" + hashlib.sha256(model.kernels.to_json().encode()).hexdigest()[:8]
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}-{COSTS_VERSION}"
@@ -428,7 +430,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)).
     eos_id None uses the model's; pass -1 to never stop on EOS.
     """
-    drafter = drafter or Drafter()
+    drafter = drafter or AR
     prompt = check_prompt(prompt, model.args.vocab_size)
     Q, S = shapes([drafter], len(prompt), max_new_tokens, Q, n_slots)
     eos = model.args.eos_id if eos_id is None else eos_id
@@ -456,7 +458,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         if planner is not None:
             dec.budget = planner.budget(drafter, dec)
             dec.template = planner.tree or dec.template
-        step = drafter if dec.budget != 0 else Drafter()  # budget 0: drafting does not pay, an AR step
+        step = drafter if dec.budget != 0 else AR  # budget 0: drafting does not pay, an AR step
         tree, path, toks, rows = dec.step(step, step.draft(dec), record_logits)
         if record_logits:
             logits.append(rows)

@@ -17,10 +17,17 @@ from pathlib import Path
 import numpy as np
 
 from . import NanospecError
-from .checkpoint import atomic_write, load_args, load_tensors, to_hf_name
-from .convert import LAYER_NAMES, TOP_NAMES
+from .checkpoint import load_args, load_tensors, to_hf_name
+from .files import atomic_write
 from .model import ModelArgs
 
+LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GGUF_LAYER = {hf: g for g, hf in LAYER_NAMES.items()}
 GGUF_TOP = {hf: g for g, hf in TOP_NAMES.items()}
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types

@@ -25,6 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .files import atomic_write, cache_root, fingerprint, hardware
+
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PAD_MARGIN = 0.1  # run a product on more rows only if that measured at least 10% faster
 FORMS = {
@@ -75,9 +77,6 @@ class Kernels:
 
 def tuned(model) -> Kernels:
     """The model's table on this machine: tuned once, then read from the cache root."""
-    from .checkpoint import atomic_write, fingerprint
-    from .sources import cache_root
-    from .training import hardware
     w = model.embed.weight
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-padded"
     path = cache_root() / "kernels" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")

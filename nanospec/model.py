@@ -144,11 +144,6 @@ class Block:
     def to(self, device) -> "Block":
         return Block(*(getattr(self, f.name).to(device) for f in fields(self)))
 
-    def select(self, rows: torch.Tensor) -> "Block":
-        """The subset of rows (e.g. survivors of pruning); their visibility is unchanged."""
-        return Block(self.tokens[:, rows], self.pos[:, rows], self.slots[rows],
-                     self.prefix[:, rows], self.extra[:, rows])
-
 
 @dataclass
 class Context:
@@ -370,19 +365,17 @@ class Llama(nn.Module):
             ctx.mask = None if bool(mask.all()) else mask
         return ctx
 
-    def forward(self, block: Block, cache=None, exact: bool = False, embeds=None, hidden=False):
-        """Logits (B, T, V) for the block's rows; with hidden=True also the final normed states.
+    def forward(self, block: Block, cache=None, exact: bool = False):
+        """Logits (B, T, V) for the block's rows.
 
         cache=None (training): no KV cache; row t's key is slot t, so the block's slots must
         be 0..T-1 and visibility refers to rows (`causal` builds the plain LM block).
         """
         ctx = self.context(block, cache.n_slots if cache else len(block), exact)
-        x = self.embed(block.tokens) if embeds is None else embeds
+        x = self.embed(block.tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, *(cache.layer(i) if cache else (None, None)))
-        h = self.norm(x)
-        logits = ctx.mm(self.lm_head, ctx.rows(h))
-        return (logits, h) if hidden else logits
+        return ctx.mm(self.lm_head, ctx.rows(self.norm(x)))
 
 
 @torch.no_grad()

@@ -149,10 +149,6 @@ def expected_lengths(paths: list[tuple[int, ...]], p: list[list[float]]) -> list
     return list(itertools.accumulate((math.prod(p[d][r] for d, r in enumerate(q)) for q in paths), initial=1.0))
 
 
-def expected_length(paths: list[tuple[int, ...]], p: list[list[float]]) -> float:
-    return expected_lengths(paths, p)[-1]
-
-
 def plan(p: list[list[float]], cost: CostModel, sizes, rows=lambda n: n, allowed=None, scale=lambda s: 1.0) -> int | None:
     """The tree size (draft nodes) maximising expected accepted length per estimated second (None:
     no estimate yet). rows(n): the rows a step over n tree nodes runs; size 0 is an AR step;

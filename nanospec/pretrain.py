@@ -22,11 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from . import NanospecError
-from .checkpoint import atomic_write, load, save
+from .checkpoint import load, save
+from .files import atomic_write, hardware
 from .data import STDLIB, documents, split_bytes, token_stream
 from .model import Block, Llama, ModelArgs
 from .tokenizer import Tokenizer, train_tokenizer
-from .training import Progress, adamw, cosine_lr, hardware, load_state, save_state, update
+from .training import Progress, adamw, cosine_lr, load_state, save_state, update
 
 
 def add_args(p):

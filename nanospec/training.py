@@ -1,12 +1,13 @@
 """What every trainer shares: the LR schedule, progress lines, resumable checkpoints."""
-import platform
 import time
 from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_write, load
+from .checkpoint import load
+from .files import atomic_write
 from .data import chat_encoder, distill
+from .sources import base_of
 from .tokenizer import load_tokenizer
 
 
@@ -30,10 +31,11 @@ def distilled(args):
     """What the drafter trainers start from: the frozen base model in args.out and its
     self-distillation data, every 10th sequence held out. Returns (model, train, held)."""
     out = Path(args.out)
-    model = load(out)
+    base = base_of(out)  # the model's files (a drafters-only directory names its model in base.json)
+    model = load(base)
     for p in model.parameters():
         p.requires_grad_(False)
-    data = distill(model, load_tokenizer(out), args.distill_prompts, args.new_tokens, chat=chat_encoder(out))
+    data = distill(model, load_tokenizer(base), args.distill_prompts, args.new_tokens, chat=chat_encoder(base))
     train, n = [d for i, d in enumerate(data) if i % 10], getattr(args, "train_seqs", None)
     if n and n < len(train):  # spread evenly: the data is sorted by prompt length
         train = [train[i * len(train) // n] for i in range(n)]
@@ -72,18 +74,6 @@ class RankAccuracy:
 
     def result(self) -> list[list[float]]:
         return (self.hits / self.count.clamp(min=1)[:, None]).tolist()
-
-
-def hardware(device) -> str:
-    """A line naming what a job ran on, for the records trainers write."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    name = platform.machine()
-    try:
-        name = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {torch.get_num_threads()} threads"
 
 
 def fmt_time(s: float) -> str:

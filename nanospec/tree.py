@@ -33,33 +33,12 @@ class Tree:
     def chain(cls, root: int, drafts=()) -> "Tree":
         return cls([root, *drafts], range(-1, len(drafts)))
 
-    @classmethod
-    def from_branches(cls, root: int, branches: list[list[int]]) -> "Tree":
-        """Merge token sequences that continue the root into one tree; shared prefixes share nodes."""
-        tokens, parents, index = [root], [-1], {}
-        for branch in branches:
-            node = 0
-            for tok in branch:
-                if (node, tok) not in index:
-                    index[node, tok] = len(tokens)
-                    tokens.append(tok)
-                    parents.append(node)
-                node = index[node, tok]
-        return cls(tokens, parents)
-
     def token_list(self) -> list[int]:
         return self.tokens.tolist() if torch.is_tensor(self.tokens) else list(self.tokens)
 
     def prefix(self, m: int) -> "Tree":
         """The first m nodes: still a tree, since parents come first (the engine trims to the room left)."""
         return self if m == len(self) else Tree(self.tokens[:m], self.parents[:m])
-
-    def path_to(self, i: int) -> list[int]:
-        path = []
-        while i >= 0:
-            path.append(i)
-            i = self.parents[i]
-        return path[::-1]
 
     def block(self, cur: int, device=None) -> Block:
         """Rows for this tree at committed length cur: node i writes slot cur+i."""

@@ -29,6 +29,34 @@ def random_model(args: ModelArgs, seed=0, dtype=torch.float32, device="cpu") -> 
     return model.to(device=device, dtype=dtype).eval()
 
 
+def from_branches(root: int, branches: list[list[int]]) -> Tree:
+    """Token sequences that continue the root merged into one tree; shared prefixes share nodes."""
+    tokens, parents, index = [root], [-1], {}
+    for branch in branches:
+        node = 0
+        for tok in branch:
+            if (node, tok) not in index:
+                index[node, tok] = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+            node = index[node, tok]
+    return Tree(tokens, parents)
+
+
+def path_to(tree: Tree, i: int) -> list[int]:
+    """Node i's path from the root, root first."""
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = tree.parents[i]
+    return path[::-1]
+
+
+def pruned_rows(propd) -> int:
+    """Rows ProPD's early head removed so far."""
+    return int(propd.pruning[1])
+
+
 def full_logits(model, ids, exact):
     """Logits for every position of ids, as one chain block."""
     cache = KVCache.for_model(model, len(ids) + 1)
@@ -118,7 +146,7 @@ class KeepTruth(torch.nn.Module):
         table = torch.randn(self.table.shape, generator=g)
         tokens = tree.token_list()
         for node in range(len(tree)):
-            path = tree.path_to(node)
+            path = path_to(tree, node)
             d = len(path) - 1
             if d < len(truth) and [tokens[i] for i in path[1:]] == truth[:d]:
                 table[node, truth[d]] = 1e4
@@ -211,7 +239,7 @@ class Adversary(Drafter):
         for _ in range(r.randint(0, 5)):
             keep = r.randint(0, len(true))
             branches.append(true[:keep] + [r.randrange(self.V) for _ in range(r.randint(0, 3))])
-        tree = Tree.from_branches(dec.last, branches)
+        tree = from_branches(dec.last, branches)
         return tree.prefix(min(len(tree), self.max_nodes))  # the engine trims it to the cache's room
 
     def size(self, n):

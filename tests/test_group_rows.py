@@ -4,11 +4,10 @@ their own chain, nothing else. So a host's group computes what it computes when 
 is decoded alone as a chain, up to rounding (Hidden Transfer's maps multiply all hosts' states at
 once, a product whose shape is the tree's): a group row that also sees a sibling branch, another
 host's node or another group moves its states far past rounding."""
-import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import one_forward, random_model
+from helpers import one_forward, path_to, random_model
 from nanospec.methods.bita import BiTA, Tuning
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
 from nanospec.methods.sdsat import SDSAT
@@ -62,7 +61,7 @@ def test_each_group_computes_what_its_path_alone_computes(name, seed, plen, data
     _, drafts = one_forward(model, d, tree, prompt, exact=True)
     tokens = tree.token_list()
     for h in hosts(d, tree):
-        path = tree.path_to(h)
+        path = path_to(tree, h)
         chain = Tree.chain(tokens[0], [tokens[i] for i in path[1:]])
         _, alone = one_forward(model, d, chain, prompt, exact=True)
         torch.testing.assert_close(drafts[h], alone[len(path) - 1], atol=1e-5, rtol=1e-5,

@@ -7,7 +7,8 @@ from hypothesis import given, strategies as st
 
 from helpers import check_exact, model_args, random_model
 from nanospec import NanospecError
-from nanospec.checkpoint import fingerprint, save, save_drafter
+from nanospec.checkpoint import save, save_drafter
+from nanospec.files import fingerprint
 from nanospec.engine import generate, generate_batch
 from nanospec.methods.medusa import Heads, Medusa, load_medusa, loss_fn, samples
 from nanospec.tree import choose_tree

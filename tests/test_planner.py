@@ -13,7 +13,7 @@ from nanospec.engine import generate
 from nanospec.methods.lookahead import Lookahead
 from nanospec.methods.medusa import Heads, Medusa
 from nanospec.model import ModelArgs
-from nanospec.planner import Acceptance, CostModel, FixedCost, Measured, Planner, expected_length, plan
+from nanospec.planner import Acceptance, CostModel, FixedCost, Measured, Planner, expected_lengths, plan
 from nanospec.tree import choose_tree, product_paths
 
 ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=41, hidden_dim=40)
@@ -47,8 +47,8 @@ def test_expected_length_matches_figure_6():
     # probability 0.6 and 0.1 ('b', 'c'), head 2 with 0.3 and 0.1 ('d', 'e'); l('ab') = 0.6,
     # l('abe') = 0.06, and the tree 'abd' + 'ac' expects 1 + 0.6 + 0.6 * 0.3 + 0.1 = 1.88.
     p = [[0.6, 0.1], [0.3, 0.1]]
-    assert expected_length([(0,), (0, 0), (1,)], p) == pytest.approx(1.88)
-    assert expected_length([(0,), (0, 1)], p) == pytest.approx(1.66)
+    assert expected_lengths([(0,), (0, 0), (1,)], p)[-1] == pytest.approx(1.88)
+    assert expected_lengths([(0,), (0, 1)], p)[-1] == pytest.approx(1.66)
 
 
 def test_acceptance_ema_and_rank_probabilities():
@@ -71,7 +71,7 @@ def test_plan_picks_the_best_speed():
     assert plan(p, cheap_rows, [1, 3, 7, 15]) == 15  # rows are free: the biggest tree
     assert plan(p, expensive_rows, [1, 3, 7, 15]) in (1, 3)
     assert plan(p, CostModel(), [3, 7]) is None  # nothing measured yet
-    assert math.isclose(expected_length([], p), 1.0)
+    assert math.isclose(expected_lengths([], p)[-1], 1.0)
 
 
 def test_measured_costs_interpolate():
@@ -105,6 +105,26 @@ def test_budgets_follow_what_a_row_costs(row_cost, expect):
         assert max(sizes) >= 16 and sizes[0] == 0
     else:
         assert set(sizes) == {0} and out.steps == 40  # exactly AR's steps
+
+
+def test_a_planned_ranked_drafter_may_use_every_rank_it_was_measured_at():
+    """Planning widens a ranked drafter's candidates per depth to the ranks its accuracy table has
+    (7 here), not to its number of heads (3)."""
+    acc = [[0.5, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02]] * 3
+    d = Medusa(Heads(ARGS.dim, ARGS.vocab_size, 3), [(0,), (0, 0), (0, 0, 0)], acc)
+    assert d.plan(Planner(FixedCost(0.01, 1e-5))).topk == [7, 7, 7]
+
+
+def test_ar_steps_reuse_one_drafter(monkeypatch):
+    """Budget-0 steps run the engine's one AR drafter (in exact mode on a GPU, one captured step
+    program), not a new one per step."""
+    from nanospec import engine
+    model = random_model(ARGS, 1)
+    d = medusa(model).plan(Planner(FixedCost(0.01, 1.0), replan=8))
+    seen, step = [], engine.Decoding.step
+    monkeypatch.setattr(engine.Decoding, "step", lambda dec, drafter, *a: seen.append(drafter) or step(dec, drafter, *a))
+    generate(model, [3, 4, 5], d, max_new_tokens=10, eos_id=-1)
+    assert len(seen) == 10 and all(s is engine.AR for s in seen)
 
 
 def test_the_budget_shrinks_to_ar_when_drafts_fail():

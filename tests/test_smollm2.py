@@ -12,7 +12,7 @@ from nanospec import chat, fetch
 from nanospec.checkpoint import load
 from nanospec.convert import convert
 from nanospec.engine import generate
-from nanospec.sources import cache_root
+from nanospec.files import cache_root
 from nanospec.tokenizer import load_tokenizer
 from test_tokenizer_json import mixed_lines
 

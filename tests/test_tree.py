@@ -1,6 +1,7 @@
 import torch
 from hypothesis import given, strategies as st
 
+from helpers import from_branches, path_to
 from nanospec.model import Llama, ModelArgs
 from nanospec.tree import Sampler, Template, Tree, accept, layout, product_paths, verify
 
@@ -9,10 +10,10 @@ branches_st = st.lists(st.lists(st.integers(0, 4), max_size=5), max_size=8)
 
 @given(branches_st)
 def test_from_branches_merges_shared_prefixes(branches):
-    t = Tree.from_branches(9, branches)
+    t = from_branches(9, branches)
     prefixes = {tuple(b[:i]) for b in branches for i in range(1, len(b) + 1)}
     assert len(t) == 1 + len(prefixes)
-    paths = {tuple(t.tokens[j] for j in t.path_to(i)[1:]): i for i in range(len(t))}
+    paths = {tuple(t.tokens[j] for j in path_to(t, i)[1:]): i for i in range(len(t))}
     assert len(paths) == len(t)  # no two nodes carry the same branch
     for b in branches:  # every branch is a path from the root
         assert tuple(b) in paths
@@ -32,14 +33,14 @@ def test_product_and_sparse_templates():
 
 @given(branches_st, st.integers(0, 30))
 def test_block_rows_see_exactly_prefix_ancestors_and_self(branches, cur):
-    t = Tree.from_branches(9, branches)
+    t = from_branches(9, branches)
     blk = t.block(cur)
     assert blk.slots.tolist() == list(range(cur, cur + len(t)))
     model = Llama(ModelArgs(dim=8, n_layers=1, n_heads=2, vocab_size=10, hidden_dim=8))
     S = cur + len(t) + 1
     exact, fast = model.context(blk, S, True), model.context(blk, S, False)
     for i in range(len(t)):
-        path = t.path_to(i)
+        path = path_to(t, i)
         assert blk.pos[0, i] == cur + len(path) - 1
         canonical = list(range(cur)) + [cur + a for a in path]  # committed, ancestors by depth, self
         assert exact.idx[0, i][exact.valid[0, i]].tolist() == canonical
@@ -49,14 +50,14 @@ def test_block_rows_see_exactly_prefix_ancestors_and_self(branches, cur):
 
 @given(branches_st, st.integers(0, 2**31))
 def test_greedy_verify_accepts_longest_path_ar_agrees_with(branches, seed):
-    t = Tree.from_branches(1, branches)
+    t = from_branches(1, branches)
     logits = torch.randn(len(t), 5, generator=torch.Generator().manual_seed(seed))
     target = logits.argmax(-1).tolist()
     path, out = verify(t, logits, Sampler(), 0)
     # brute force: a node is acceptable when every edge on its path carries its parent's target
-    ok = [i for i in range(len(t)) if all(t.tokens[c] == target[p] for p, c in zip(t.path_to(i), t.path_to(i)[1:]))]
-    best = max(len(t.path_to(i)) for i in ok)
-    assert len(path) == best and path == t.path_to(path[-1])
+    ok = [i for i in range(len(t)) if all(t.tokens[c] == target[p] for p, c in zip(path_to(t, i), path_to(t, i)[1:]))]
+    best = max(len(path_to(t, i)) for i in ok)
+    assert len(path) == best and path == path_to(t, path[-1])
     assert out == [t.tokens[i] for i in path[1:]] + [target[path[-1]]]
     # the device version (padded as exact mode pads it) accepts the same path
     N = len(t) + 3
@@ -98,5 +99,5 @@ def test_parallel_branches_are_each_verified():
     assert path == [0, 4, 5] and out == [on, a, chair]
     dpath, demitted = accept(torch.tensor(t.tokens), layout(t.parents), logits)
     assert dpath.tolist() == [0, 4, 5, -1] and demitted.tolist() == [on, a, chair, -1]  # -1: padding
-    merged = Tree.from_branches(sits, [[on, my, knee], [on, a, table]])
+    merged = from_branches(sits, [[on, my, knee], [on, a, table]])
     assert len(merged) == len(t) - 1

@@ -20,8 +20,9 @@ import numpy as np
 from .. import NanospecError
 from .. import trace as traces
 from ..bench import load_prompts
-from ..checkpoint import fingerprint
+from ..files import fingerprint
 from ..engine import generate
+from ..sources import base_of
 from ..tokenizer import load_tokenizer
 
 MODULES = {"transformers": "hf", "llama.cpp": "llamacpp", "openai": "openai"}
@@ -42,7 +43,7 @@ def prompt_texts(args, weights: Path) -> list[str]:
 
 
 def tokenizer(weights: Path):
-    tok = load_tokenizer(weights)
+    tok = load_tokenizer(base_of(weights))
     if tok is None:
         raise NanospecError(f"{weights} has no tokenizer.json or tokenizer.model to encode the prompts with")
     return tok

@@ -15,8 +15,9 @@ import torch
 
 from .. import NanospecError
 from .. import calibration as cal
-from ..checkpoint import DTYPES, fingerprint, load, load_args
-from ..compare import coarser, compare
+from ..checkpoint import DTYPES, load, load_args
+from ..files import fingerprint
+from ..verdict import coarser, compare
 from ..sources import base_of, resolve
 from . import progress, prompt_texts, references, reference, save, tokenizer, top
 
@@ -83,7 +84,7 @@ def run(args) -> list[dict]:
             raise NanospecError(f"unknown setting {s!r} for transformers: one of {', '.join(SETTINGS)}")
     if args.assistant:
         args.assistant = resolve(args.assistant, log=sys.stderr)
-    if args.assistant and "assisted" in settings and load_args(args.assistant).vocab_size != load_args(weights).vocab_size:
+    if args.assistant and "assisted" in settings and load_args(args.assistant).vocab_size != load_args(base_of(weights)).vocab_size:
         raise NanospecError(f"the assistant at {args.assistant} has another vocabulary than {weights}: "
                             "assisted generation needs the same tokenizer")
     tok = tokenizer(weights)
@@ -93,12 +94,12 @@ def run(args) -> list[dict]:
     for name in (args.dtype or "float32,bfloat16").split(","):
         if name not in DTYPES:
             raise NanospecError(f"unknown dtype {name!r}: one of {', '.join(DTYPES)}")
-        model = load(weights, DTYPES[name], args.device)
+        model = load(base_of(weights), DTYPES[name], args.device)
         if calib and calib.get("model") not in (None, fingerprint(model)):
             raise NanospecError(f"{args.calibration} calibrates other weights (fingerprint {calib['model']})")
         hf = transformers.LlamaForCausalLM.from_pretrained(base_of(weights), dtype=DTYPES[name]).to(args.device).eval()
         if args.calibrate:  # transformers in this dtype against nanospec in it, and against fp32 nanospec
-            for ref_model in [model] + ([load(weights, torch.float32, args.device)] if name != "float32" else []):
+            for ref_model in [model] + ([load(base_of(weights), torch.float32, args.device)] if name != "float32" else []):
                 ref_dtype = str(ref_model.embed.weight.dtype).removeprefix("torch.")
                 units = coarser(name, ref_dtype)
                 e = calibrate(reference(ref_model, prompts, args.max_new_tokens), hf, units)
@@ -134,6 +135,6 @@ def run(args) -> list[dict]:
                              "results": verdicts(greedy, others, tol, args.ulps)})
     if args.calibrate and args.save_calibration:
         cal.write(args.save_calibration, found, engine="transformers", engine_version=transformers.__version__,
-                  model=fingerprint(load(weights)), weights=str(args.weights), prompts=len(prompts),
+                  model=fingerprint(load(base_of(weights))), weights=str(args.weights), prompts=len(prompts),
                   max_new_tokens=args.max_new_tokens)
     return runs

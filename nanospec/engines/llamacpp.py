@@ -29,8 +29,9 @@ import torch
 
 from .. import NanospecError
 from .. import calibration as cal
-from ..checkpoint import fingerprint, load
-from ..compare import compare
+from ..checkpoint import load
+from ..files import fingerprint
+from ..verdict import compare
 from ..sources import as_gguf, base_of, resolve
 from . import progress, prompt_texts, references, save, tokenizer, tokens_per_s, top
 
@@ -159,7 +160,7 @@ def run(args) -> list[dict]:
     if args.device != "cpu":
         raise NanospecError("--engine llama.cpp runs here on the CPU (llama-cpp-python's CPU build): no --device")
     weights = resolve(args.weights, log=sys.stderr)
-    model = load(weights)
+    model = load(base_of(weights))
     fp = fingerprint(model)
     gguf = as_gguf(args.weights, base_of(weights), log=sys.stderr)
     draft_gguf = None

@@ -33,8 +33,8 @@ from pathlib import Path
 from .. import NanospecError
 from .. import calibration as cal
 from ..checkpoint import load
-from ..compare import compare
-from ..sources import resolve
+from ..verdict import compare
+from ..sources import base_of, resolve
 from . import progress, prompt_texts, references, save, tokenizer
 
 TOP_LOGPROBS = 5  # OpenAI's own API allows at most 5
@@ -160,7 +160,7 @@ def run(args) -> list[dict]:
     if args.dtype and args.dtype not in cal.EPS:
         raise NanospecError(f"unknown dtype {args.dtype!r}: one of {', '.join(cal.EPS)}")
     weights = resolve(args.weights, log=sys.stderr)
-    model = load(weights)
+    model = load(base_of(weights))
     tok = tokenizer(weights)
     pieces = Pieces(tok)
     texts = prompt_texts(args, weights)

@@ -6,9 +6,14 @@ keyword arguments. Each method file registers itself here as it lands; `ar` is
 the baseline every method must reproduce.
 """
 import inspect
+import json
+from pathlib import Path
+
+from safetensors import safe_open
 
 from .. import NanospecError
 from ..engine import Drafter
+from ..files import fingerprint
 from . import bita, hidden_transfer, lookahead, medusa, propd, sdsat
 
 METHODS = {
@@ -76,6 +81,34 @@ def model_dir(specs: list[str], weights):
         raise NanospecError(f"{', '.join(sorted(names))} decode different models ({', '.join(map(str, sorted(dirs)))}); "
                             "benchmark them in separate runs")
     return dirs.pop()
+
+
+SHIPPED = Path(__file__).resolve().parents[2] / "weights"  # the repository's drafters, one directory per base model
+
+
+def trained_for(path: Path) -> str | None:
+    """The base fingerprint a drafter file names (its metadata only; no tensor is read)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return json.loads((f.metadata() or {}).get("base_fingerprint", "null"))
+    except Exception:  # not a drafter file (a model's weights, a damaged file)
+        return None
+
+
+def drafters_for(model, weights, given=None) -> Path:
+    """Where the model's drafters are: `given` (--drafters), else the weights directory if it holds a
+    drafter trained for this model, else the shipped directory (weights/*/) that does, found by the
+    model's fingerprint, whatever the weights came from (a directory, a GGUF, a hub id) and whatever
+    dtype they run in. Else the weights directory: a missing drafter is reported there."""
+    if given is not None:
+        if not Path(given).is_dir():
+            raise NanospecError(f"--drafters {given}: no such directory")
+        return Path(given)
+    fp = fingerprint(model)
+    for d in [Path(weights), *sorted(p for p in SHIPPED.glob("*") if p.is_dir())]:
+        if any(trained_for(f) == fp for f in d.glob("*.safetensors") if f.name != "model.safetensors"):
+            return d
+    return Path(weights)
 
 
 def load_drafter(spec: str, model, weights) -> Drafter:

@@ -45,6 +45,7 @@ from pathlib import Path
 
 from .. import NanospecError
 from ..engine import Drafter
+from ..sources import base_of
 from ..tokenizer import Tokenizer, load_tokenizer
 from ..tree import Tree
 
@@ -276,5 +277,5 @@ def load(model, weights, decoding_length=16, branch_length=12, strategy="hierarc
     d = Lookahead(decoding_length, branch_length, strategy, capacity or None, prompt_weight, max_prefix,
                   None if min_nodes < 0 else min_nodes)
     if warmup:
-        d.warm_up(read_responses(warmup, load_tokenizer(weights)))
+        d.warm_up(read_responses(warmup, load_tokenizer(base_of(weights))))
     return d

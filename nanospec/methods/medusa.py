@@ -39,7 +39,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checkpoint import fingerprint, load_trained, save_drafter
+from ..checkpoint import load_trained, save_drafter
+from ..files import fingerprint
 from ..data import distill_args
 from ..engine import Drafter
 from ..forward import Out

@@ -58,7 +58,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..checkpoint import fingerprint, load_drafter_file, save_drafter
+from ..checkpoint import load_drafter_file, save_drafter
+from ..files import fingerprint
 from ..forward import Out
 from ..model import RMSNorm, hidden_states
 from ..planner import CostModel, Planner
@@ -139,10 +140,6 @@ class ProPD(Medusa):
         drafts[0] = False
         self.pruning.add_(torch.stack([drafts.sum(), (drafts & ~alive).sum()]))
         return Out(f.logits(h, N), drafts=h[0, :N, None], alive=alive)
-
-    @property
-    def pruned_rows(self) -> int:
-        return int(self.pruning[1])
 
     def report(self) -> str:
         parts = [self.off] if self.off else []

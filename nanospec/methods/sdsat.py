@@ -48,13 +48,14 @@ import torch
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..checkpoint import atomic_write, fingerprint, load, save
+from ..checkpoint import load, save
+from ..files import atomic_write, fingerprint, hardware
 from ..data import distill, distill_args, token_stream
 from ..engine import Drafter
 from ..model import Block
 from ..pretrain import eval_loss, val_windows, windows
 from ..tokenizer import load_tokenizer
-from ..training import Progress, adamw, cosine_lr, hardware, update
+from ..training import Progress, adamw, cosine_lr, update
 from ..forward import Out
 from ..tree import Template, Tree
 

@@ -1,0 +1,88 @@
+"""The package's imports point down: every import of a nanospec module by another, lazy ones inside
+functions included, read from the source; no cycle, and no module imports from a higher layer."""
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "nanospec"
+
+# Lowest first. A module may import its own layer's modules (without a cycle) and lower layers'.
+LAYERS = [
+    {"nanospec", "files", "tokenizer_json", "gguf_tokenizer"},                  # leaves: nothing of the package
+    {"model", "cache", "tree", "planner", "kernels", "graphs", "forward"},       # the model and its parts
+    {"checkpoint", "tokenizer", "chat", "gguf_export", "convert", "sources",    # weights and text in and out
+     "fetch", "calibration", "trace", "verdict"},
+    {"engine"},                                                                 # the loop
+    {"data", "training", "pretrain", "methods", "methods.lookahead", "methods.medusa", "methods.propd",
+     "methods.bita", "methods.hidden_transfer", "methods.sdsat"},               # drafters and their trainers
+    {"bench", "peers", "analysis", "engines", "engines.hf", "engines.llamacpp", "engines.openai",
+     "compare"},                                                                # command lines and the oracle
+]
+LEVEL = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+
+
+def name_of(path: Path) -> str:
+    parts = path.relative_to(PKG).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts) or "nanospec"
+
+
+def imports(path: Path) -> set[str]:
+    """The package modules `path` imports, anywhere in its body."""
+    me = name_of(path)
+    pkg = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
+    pkg = [] if pkg == ["nanospec"] else pkg
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = pkg[:len(pkg) - node.level + 1] + (node.module.split(".") if node.module else [])
+            cands = [".".join(base)] + [".".join(base + [a.name]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nanospec"):
+            base = node.module.split(".")[1:]
+            cands = [".".join(base) or "nanospec"] + [".".join(base + [a.name]) for a in node.names]
+        elif isinstance(node, ast.Import):
+            cands = [a.name.removeprefix("nanospec.") for a in node.names if a.name.startswith("nanospec")]
+        else:
+            continue
+        found |= {c or "nanospec" for c in cands if c in LEVEL and c != me}
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {name_of(p): imports(p) for p in PKG.rglob("*.py")}
+
+
+def test_every_module_has_a_layer():
+    assert set(graph()) == set(LEVEL)
+
+
+def test_imports_point_down():
+    up = [f"{m} -> {n}" for m, deps in graph().items() for n in deps if LEVEL[n] > LEVEL[m]]
+    assert not up, "imports from a higher layer: " + ", ".join(sorted(up))
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected part that has one (depth-first search)."""
+    found, state = [], {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        for n in sorted(g.get(m, ())):
+            if state.get(n) == "open":
+                found.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+    return found
+
+
+def test_no_import_cycle():
+    assert cycles(graph()) == []
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_import():
+    g = graph()
+    g["model"] = g["model"] | {"checkpoint"}  # checkpoint imports model: a cycle, and an import upward
+    assert cycles(g) and LEVEL["checkpoint"] > LEVEL["model"]
+    assert "kernels" in imports(PKG / "model.py")  # the parser sees the real imports
