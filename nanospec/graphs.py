@@ -4,7 +4,7 @@ Exact mode runs every forward with the same shapes: Q rows against a cache of S 
 each row's visible keys padded to a fixed width. That is what a CUDA graph needs. A
 forward is captured once per shape (and per method variant, e.g. "with hidden states")
 and then replayed: one launch instead of ~300 kernel launches from Python, which bound
-an eager step on an H100 (4.6 ms of wall time for 0.6 ms of GPU work).
+an eager step on a GPU (its wall time is the host's launches, not the GPU's work).
 
 Bitwise equality with AR survives by construction: AR's exact forward replays the
 same captured graph (same kernels, same shapes) as every method's, and a replay runs

@@ -1,18 +1,16 @@
 """Fast mode's matrix products, chosen by row count (`--kernels tuned`, the default on a CPU).
 
 A forward of a few rows on a CPU is bound by reading the weights, yet eager `F.linear` handles
-a small row count almost row by row: on 2 cores, SmolLM2's 49,152 x 576 lm_head took 11 ms for
-one row and 33 ms for four. The same product written weight-first, `(W @ x.T).T`, took 12 ms for
-four; a one-row product against a transposed copy of the weight, `x @ W.T`, took 5.5 ms. Which
-wins depends on the shape, the row count and the machine, so nothing is assumed: tune() times
-each form on the model's own weights (every layer of a shape, streamed, as a forward reads
+a small row count almost row by row. The same product written weight-first, `(W @ x.T).T`, or
+against a transposed copy of the weight, `x @ W.T`, can cost a fraction of that at a few rows.
+Which wins depends on the shape, the row count and the machine, so nothing is assumed: tune()
+times each form on the model's own weights (every layer of a shape, streamed, as a forward reads
 them), per row bucket, once, and the table is cached beside the cost measurements.
 
-A row count can also be slow in every form: on that machine 3 rows of the layers' products cost
-more than 4, and 5 more than 8 (the BLAS kernels favour some widths). So a product may run on
-more rows than it has, zero rows added and their results dropped, when tune() measured the
-larger count faster: a forward's cost then never rises from n rows to n+1 below a bucket edge,
-and the planner gets the rows it pays for (engine.measure_costs sees the padded forward).
+A row count can also be slow in every form (BLAS kernels favour some widths). So a product may
+run on more rows than it has, zero rows added and their results dropped, when tune() measured
+the larger count faster: a forward's cost then never rises from n rows to n+1 below a bucket
+edge, and the planner gets the rows it pays for (engine.measure_costs sees the padded forward).
 
 Exact mode never comes here: there AR and every method share one kernel. Fast mode promises
 AR's tokens, not its bits (the benchmark counts mismatches), and AR runs the same table at one row.
@@ -62,8 +60,7 @@ class Kernels:
         if rows > M:
             x2 = torch.cat([x2, x2.new_zeros(rows - M, x2.shape[1])])
         # row-major out, as F.linear's: a weight-first product's transposed result would make the
-        # next ops keep its layout, and SmolLM2's down_proj then took 4.6x as long on 2 rows (a
-        # forward of 2 rows: 52 ms, against 37 contiguous and 36 for one row)
+        # next ops keep its layout, on which the following products run several times slower
         y = FORMS[form](x2, w, self.t.get(id(w)))[:M].contiguous()
         return y.reshape(*x.shape[:-1], -1)
 

@@ -5,36 +5,24 @@ method gets it: a cost model of a step's time as a function of its rows, per-dep
 rates of the drafter's ranked candidates, the expected accepted length of a tree (1 for the
 token verification always yields, plus each node's path probability: Figure 6), and the size
 that maximises expected length per second. Size 0 is an AR step: when drafting does not pay,
-the budget shrinks to it. AR steps teach the acceptance estimates nothing, so a planner that
-chose them once would keep them for good (on the default model, ProPD once took AR steps on 77%
-of steps after a few poor prompts): a replan that picks AR first takes PROBE drafting steps, and
-replans at once on their outcomes; probes grow rarer while they confirm AR, up to one in WAIT
-replans (probes at every replan cost BiTA and Hidden Transfer about 4% on SmolLM2, where their
-drafts do not pay). A probe's outcomes replace the stale estimates (the mean of its observations, not
-an EMA's nudge): with 2-step probes nudging an EMA, one poor stretch of a SmolLM2 prompt kept
-Medusa at AR for the 12 prompts after it (1.06x, against 1.16x drafting). Costs come from one of:
+the budget shrinks to it. Costs come from one of:
 - Measured: ms per forward by rows, measured once per machine, model, dtype and mode and
   cached (engine.measure_costs): what a row costs here, not what a GPU intuition expects;
 - CostModel: ProPD's own, learnt online from step times (section 4.2);
 - FixedCost: a line, for tests.
-A drafter whose candidates are not ranked per depth (Lookahead's trie) is planned by its
-measured tokens per step at each budget instead, per context the drafter names (Drafter.context:
-Lookahead's is how long a suffix its trie matched, since a 3-token match drafts far better than
-a 1-token one); an untried budget looks as good as its size, so each gets tried, then its gain
-is the mean of its first steps and an EMA after. A nested draft (a smaller budget's is a prefix of a
-larger one's) teaches every smaller budget at each step: which of the accepted nodes it held. Else a
-budget's one unlucky first step (0 accepted) kept it untried for good: on the default model that
-cost Lookahead 2.54x -> 2.15x against its static tree.
 
-A forward's cost by rows is not a step's: a method adds its own work (Medusa's heads project each
-draft depth through the 49k-row lm_head; pseudo rows, host work). The planner learns, per size, the
-ratio of a step's observed time to the cost model's estimate (the median of its last 9 steps: a
-shared machine's stalls and one-time costs are outliers, and one 536 ms AR step once made every
-drafting size look cheap), and plans with estimates scaled by it (unobserved drafting sizes take
-the largest ratio seen); once a drafting size is measured, three AR steps measure an AR step's
-ratio too, so both pay the same machine's overheads. A drafting step's ratio is kept relative to
-AR's at the time (see Planner.scale): the machine's speed drifts, and hits both alike. Only
-Measured costs need it: ProPD's online model already learns from whole steps.
+Beyond the paper (RESULTS.md has the runs behind each):
+- Probes. AR steps teach the acceptance estimates nothing, so a replan that picks AR for want of
+  acceptance first takes PROBE drafting steps and replans on their outcomes, which replace the
+  stale estimates; probes grow rarer while they confirm AR, up to one in WAIT replans.
+- Unranked drafters (Lookahead's trie) are planned by their measured tokens per step at each
+  budget, per context the drafter names (Drafter.context: how long a suffix the trie matched);
+  an untried budget looks as good as its size, and a nested draft (a smaller budget's is a prefix
+  of a larger one's) teaches every smaller budget at each step.
+- Step ratios. A forward's cost by rows is not a step's (Medusa's heads, pseudo rows, host work):
+  per size, the median of the last RATIOS observed-over-estimated step times scales the estimate
+  (robust to a shared machine's stalls); a drafting step's ratio is kept relative to AR's at the
+  time, since the machine's speed drifts and hits both alike. Only Measured costs need it.
 """
 import bisect
 import functools
@@ -286,7 +274,7 @@ class Planner:
         """The observed step time over the estimate at size. A drafting step's counts relative to an
         AR step's at the time it was taken: the machine's speed drifts (a shared VM's stalls, a
         longer context) and hits both alike, so stale drafting times must not be set against fresh
-        AR ones (on SmolLM2 one slow stretch of AR steps made Hidden Transfer draft at 0.9x)."""
+        AR ones."""
         ar = statistics.median_low([r for r, _ in self.ratios[0]]) if 0 in self.ratios else 1.0
         rel = lambda obs: statistics.median_low([r / (then or ar) for r, then in obs])
         if not size:
