@@ -16,7 +16,7 @@ from nanospec import ArgumentParser, NanospecError, chat, cli, kernels, trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.checkpoint import DTYPES, load
 from nanospec.files import fingerprint
-from nanospec.engine import Drafter, check_prompt, check_room, generate, measure_costs, shapes
+from nanospec.engine import AR, Drafter, check_prompt, check_room, generate, measure_costs, shapes
 from nanospec.peers import transformers_peers
 from nanospec.planner import Planner
 from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, model_dir, split_specs
@@ -62,9 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--kernels", choices=["tuned", "eager"], default="tuned",
                    help="fast mode's matrix products: the form fastest for each row count on this machine "
                    "(timed once, cached), or always F.linear")
-    p.add_argument("--budget", choices=["auto", "static"], default="auto",
-                   help="auto (fast mode): each step's tree size from what a row costs on this machine (measured "
-                   "once, cached) and how the method's drafts fare; static: the method's own tree")
+    p.add_argument("--planner", choices=["measured", "none"], default="measured",
+                   help="measured (fast mode): the core planner sizes each step's tree (0: an AR step) from what a "
+                   "row costs on this machine (measured once, cached) and how the method's drafts fare; none: "
+                   "each method's own tree. ProPD plans its own trees either way (its paper's online cost line; "
+                   "propd:planner=measured hands it to the core planner)")
     p.add_argument("--trace", help="write FILE.jsonl (nanospec-trace/1): per prompt the emitted ids and, per "
                    "position, its logit row's top-k, log-sum-exp and sha256 (the reference: --method ar --mode exact)")
     p.add_argument("--trace-k", type=int, default=8, help="top-k logits per position in --trace")
@@ -109,16 +111,15 @@ def note_own_model(weights) -> None:
 
 
 def tune(args, model, exact: bool, drafters) -> None:
-    """Fast mode on a CPU: --kernels tuned picks each product's form by row count; --budget auto
-    gives every drafter a planner sized by this machine's measured costs (ProPD's own online cost
-    line, the paper's, runs under --budget static; it cannot see an AR step's cost, which it does
-    not measure). Exact mode keeps one kernel and static trees: its block is fixed."""
+    """Fast mode on a CPU: --kernels tuned picks each product's form by row count; --planner measured
+    gives every drafter without a planner of its own the core planner on this machine's measured
+    row costs. Exact mode keeps one kernel and static trees: its block is fixed."""
     if exact:
         return
     if args.kernels == "tuned" and args.device == "cpu":
         model.kernels = kernels.tuned(model)
     for d in drafters:
-        if args.budget == "auto" and type(d) is not Drafter and (d.planner is None or not d.planner.cost.forwards_only):
+        if args.planner == "measured" and type(d) is not Drafter and d.planner is None:
             d.plan(Planner(measure_costs(model)))
 
 
@@ -185,7 +186,7 @@ def main(argv=None):
     prompts = [encode(args, tok, text) for text in texts]
     for prompt in prompts:  # bad input ends here, before any tuning
         check_prompt(prompt, model.args.vocab_size)
-        S = shapes([drafter, Drafter()], len(prompt), args.max_new_tokens, args.block, args.max_len)[1]
+        S = shapes([drafter, AR], len(prompt), args.max_new_tokens, args.block, args.max_len)[1]
         check_room(len(prompt), S - 1 - drafter.reserved_slots)
     tune(args, model, exact, [drafter])
     for i, (text, prompt) in enumerate(zip(texts, prompts)):
@@ -199,7 +200,7 @@ def main(argv=None):
 
 
 def decode_one(args, model, tok, drafter, text, prompt, info, exact, sampling, meta, entries) -> int:
-    Q, S = shapes([drafter, Drafter()], len(prompt), args.max_new_tokens, args.block, args.max_len)
+    Q, S = shapes([drafter, AR], len(prompt), args.max_new_tokens, args.block, args.max_len)
     kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S, eos_id=args.eos_id,
               record_logits=args.check or meta is not None, **sampling)
     out = generate(model, prompt, drafter, **kw)
@@ -216,7 +217,7 @@ def decode_one(args, model, tok, drafter, text, prompt, info, exact, sampling, m
         print(f"note: stopped early: the cache of {S} slots is full; raise --max-len", file=sys.stderr)
     identical = None
     if args.check:
-        ref = generate(model, prompt, Drafter(), **kw)
+        ref = generate(model, prompt, AR, **kw)
         identical = same_as_ar(out, ref, exact)
         what = "tokens and logits (bitwise)" if exact else "tokens"
         speed = f"; AR {ref.tokens_per_s:.1f} tok/s, so {out.tokens_per_s / ref.tokens_per_s:.2f}x" if args.method != "ar" else ""

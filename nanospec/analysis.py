@@ -88,7 +88,7 @@ def propd_grid(args):
     model = load(base_of(args.out))
     tok = load_tokenizer(base_of(args.out))
     prompts = [tok.encode(p) for p in load_prompts(Path(args.out) / "prompts.jsonl")[:args.limit]]
-    specs = ["medusa"] + [f"propd:dynamic=false,layer={L},k={k}" for L in args.layers.split(",")
+    specs = ["medusa"] + [f"propd:planner=static,layer={L},k={k}" for L in args.layers.split(",")
                           for k in args.topk.split(",")]
     results = bench(model, prompts, [load_drafter(s, model, args.out) for s in specs],
                     max_new_tokens=args.max_new_tokens)

@@ -93,7 +93,7 @@ def test_shipped_drafters_are_exact_and_accept(spec, dtype, device):
 # fp32, static trees (no planner), as measured when the weights were trained (tests/test_default_model.py
 # prints them: `python tests/test_default_model.py`). A drafter that loses over 10% fails, and so does
 # one that gains as much: then its weights or its code changed, and the figure is updated on purpose.
-TOKENS_PER_STEP = {"lookahead": 2.639, "medusa": 3.160, "propd:layer=2,k=10,dynamic=false": 3.160, "bita": 2.151,
+TOKENS_PER_STEP = {"lookahead": 2.639, "medusa": 3.160, "propd:layer=2,k=10,planner=static": 3.160, "bita": 2.151,
                    "bita:prompting=shallow": 1.620, "bita:prompting=none": 1.552, "hidden_transfer": 3.122,
                    "sdsat": 2.415}
 

@@ -12,12 +12,12 @@ from pathlib import Path
 from safetensors import safe_open
 
 from .. import NanospecError
-from ..engine import Drafter
+from ..engine import AR, Drafter
 from ..files import fingerprint
 from . import bita, hidden_transfer, lookahead, medusa, propd, sdsat
 
 METHODS = {
-    "ar": lambda model, weights: Drafter(),
+    "ar": lambda model, weights: AR,
     "lookahead": lookahead.load,
     "medusa": medusa.load_medusa,
     "propd": propd.load_propd,

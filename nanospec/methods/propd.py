@@ -168,8 +168,16 @@ def load_early(model, weights, layer: int | None = None) -> EarlyHead:
     return head.eval()
 
 
-def load_propd(model, weights, layer=None, k=None, prune=True, dynamic=True, tree_size=0, replan=32) -> ProPD:
-    """k=None: the smallest k whose held-out hit rate keeps KEEP of the right tokens; none: no pruning."""
+PLANNERS = ("online", "measured", "static")
+
+
+def load_propd(model, weights, layer=None, k=None, prune=True, planner="online", tree_size=0, replan=32) -> ProPD:
+    """k=None: the smallest k whose held-out hit rate keeps KEEP of the right tokens; none: no pruning.
+    planner: online (the paper's section 4.2: sizes 1-64 from step times learnt as it runs), measured
+    (none of its own: decode.py's core planner on measured row costs, AR steps allowed) or static
+    (Medusa's tree every step)."""
+    if planner not in PLANNERS:
+        raise NanospecError(f"propd planner {planner!r}: choose from {', '.join(PLANNERS)}")
     heads, meta = load_heads(model, weights)
     early = load_early(model, weights, layer) if prune else None
     off = None
@@ -181,7 +189,8 @@ def load_propd(model, weights, layer=None, k=None, prune=True, dynamic=True, tre
                    f"of right tokens at top-{best} (needs {100 * KEEP:.0f}%)")
             early = None
     paths = choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"]
-    d = ProPD(heads, paths, meta["acc"], early, early.layer if early else layer, k or 10, dynamic, replan=replan)
+    d = ProPD(heads, paths, meta["acc"], early, early.layer if early else layer, k or 10, planner == "online",
+              replan=replan)
     d.off = off
     return d
 
