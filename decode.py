@@ -16,7 +16,8 @@ from nanospec import ArgumentParser, NanospecError, chat, cli, kernels, trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.checkpoint import DTYPES, load
 from nanospec.files import fingerprint
-from nanospec.engine import AR, Drafter, check_prompt, check_room, generate, measure_costs, shapes
+from nanospec.costs import measure as measure_costs
+from nanospec.engine import AR, Drafter, check_prompt, check_room, generate, shapes
 from nanospec.peers import transformers_peers
 from nanospec.planner import Planner
 from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, model_dir, split_specs

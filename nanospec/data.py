@@ -25,7 +25,9 @@ import numpy as np
 import torch
 
 from . import ArgumentParser, NanospecError, cli
+from .cache import KVCache
 from .files import atomic_write
+from .model import Block
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 VAL_PERCENT = 5
@@ -152,7 +154,6 @@ def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64, c
     implement the function instead, and its reply is cut after the end of the turn. Generated
     batched once, then cached under .cache/ by the model's fingerprint."""
     from .files import fingerprint
-    from .engine import generate_batch
     path = CACHE / f"distill-{fingerprint(model)}-{n}-{new_tokens}{'-chat' if chat else ''}.pt"
     if path.is_file():
         return torch.load(path)
@@ -209,3 +210,34 @@ def main(argv=None):
 
 if __name__ == "__main__":
     cli(main)
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy AR continuations of many prompts at once, in fast mode (self-distillation data).
+
+    Prompts are left-padded: prompt b fills slots start_b..P-1 with positions from 0. Every
+    row lists what it sees in `extra` (its own prompt's slots up to itself); a padding row
+    sees only itself, so nothing it computes reaches a real row.
+    """
+    B, P = len(prompts), max(map(len, prompts))
+    dev = model.embed.weight.device
+    cache = KVCache.for_model(model, P + max_new_tokens, batch=B)
+    start = torch.tensor([P - len(p) for p in prompts], device=dev)[:, None, None]  # (B, 1, 1)
+
+    def block(tokens, lo):  # rows for slots lo..lo+T-1 of every sequence
+        hi = lo + tokens.shape[1]
+        slots = torch.arange(lo, hi, device=dev)
+        j = torch.arange(hi, device=dev)
+        own = slots[None, :, None] < start  # (B, T, 1): padding rows
+        vis = torch.where(own, j == slots[:, None], (j >= start) & (j <= slots[:, None]))  # (B, T, hi)
+        pos = (slots - start[:, :, 0]).clamp(min=0)
+        return Block(tokens, pos, slots, torch.zeros_like(pos), torch.where(vis, j, -1))
+
+    x = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], device=dev)
+    out = []
+    for i in range(max_new_tokens):
+        nxt = model(block(x, P + i - x.shape[1] if i else 0), cache, False)[:, -1].argmax(-1)
+        out.append(nxt)
+        x = nxt[:, None]
+    return torch.stack(out, 1).tolist()

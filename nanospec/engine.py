@@ -1,28 +1,16 @@
 """The decoding loop: prefill, then draft -> verify -> commit until a stop.
 
-A method is a Drafter, and reads as its paper:
-- draft(dec) proposes a tree rooted at the last emitted token, usually from dec.cands: the
-  ranked candidates per depth that the last accepted node drafted in the previous step.
-- rows(dec, tree) lays the step out as rows: the tree's, then the method's own (mask tokens,
-  pseudo states, adaptive tokens); size(n) says how many an n-node tree needs.
-- forward(f, nodes) is the verification forward on a Forward f (forward.py); it returns an Out:
-  the nodes' logits, and per node the drafts that node would make if it ended the accepted path.
-- propose(drafts, mm) turns the last accepted node's drafts into logits per depth (K, V), its
-  vocabulary products through mm(layer, x) (fast mode's tuned kernels: kernels.py).
-- accepted(dec, tree, path) is told what was accepted (Lookahead's trie, ProPD's statistics).
-The core does the rest: it trims a tree to the cache's room, pads exact-mode blocks, verifies on
-the device and takes the next candidates' top-k there (greedy), all as one program that is one
-CUDA graph in exact mode on a GPU, and reads back the accepted path and the candidates: one
-host-device synchronisation per step. Plain AR is the base Drafter: a tree of the root alone.
+A method is a Drafter (drafter.py: the contract, one hook per step of the paper). The core does
+the rest: it trims a tree to the cache's room, pads exact-mode blocks, verifies on the device and
+takes the next candidates' top-k there (greedy), all as one program that is one CUDA graph in
+exact mode on a GPU, and reads back the accepted path and the candidates (pack, unpack): one
+host-device synchronisation per step.
 
 In exact mode every forward runs exactly Q rows (padded) on a cache of S slots, so AR and every
 method must use the same Q and S to compare bitwise: generate() takes both, and shapes() gives
 values that fit a set of drafters.
 """
 import functools
-import hashlib
-import json
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -31,10 +19,9 @@ import torch.nn.functional as F
 
 from . import NanospecError, graphs, kernels
 from .cache import KVCache
-from .files import atomic_write, cache_root, fingerprint, hardware
-from .forward import Forward, Out
+from .drafter import AR, Drafter, Nodes
+from .forward import Forward
 from .model import Block
-from .planner import Measured
 from .tree import Sampler, Tree, accept, layout, step_layout, verify
 
 # Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
@@ -42,80 +29,6 @@ from .tree import Sampler, Tree, accept, layout, step_layout, verify
 MIN_BLOCK = 16
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 SLOT_BUCKET = 64  # default cache sizes are rounded up to this: prompts of similar length share CUDA graphs
-
-
-@dataclass
-class Nodes:
-    """A step's tree as the forward sees it, on the device (padded to Q nodes in exact mode)."""
-    tokens: torch.Tensor  # (N,) -1 for padding
-    lay: object           # tree.Layout
-    real: torch.Tensor    # (N,) bool
-    n: int                # real nodes
-
-
-class Drafter:
-    """Plain autoregressive decoding; every method subclasses this (see the module docstring)."""
-    name = "ar"
-    max_rows = 1        # the most rows one step's forward runs (sizes the exact-mode block)
-    reserved_slots = 0  # cache slots for method-owned keys
-    topk: list[int] = []  # candidates kept per draft depth
-    family = None       # the rank paths a planned tree may use (None: any; see planner.Planner)
-    planner = None      # the draft budget per step (planner.py); None: the method's static tree
-    nested = False      # unranked drafts only: the first s+1 nodes of a budget-B tree are its budget-s tree
-
-    def plan(self, planner) -> "Drafter":
-        """Size each step's tree with planner: ranked drafters may then use any of their top-R ranks."""
-        self.planner = planner
-        if self.topk and self.family is None:
-            acc = getattr(self, "acc", None)  # held-out accuracy per depth and rank
-            R = len(acc[0]) if acc else 10
-            self.topk = [max(R, *self.topk)] * len(self.topk)
-        self.max_rows = max(self.max_rows, self.size(1 + max(planner.sizes)))
-        return self
-
-    def start(self, dec: "Decoding") -> None:
-        """Called once after prefill, before the first step."""
-
-    def draft(self, dec: "Decoding") -> Tree:
-        return Tree.chain(dec.last)
-
-    def size(self, n: int) -> int:
-        """Rows a step over a tree of n nodes runs."""
-        return n
-
-    def rows(self, dec: "Decoding", tree: Tree) -> Block:
-        return dec.block(tree)
-
-    def shape_key(self, nodes: Nodes):
-        """What the forward's computation depends on besides its inputs' shapes (nodes.n, the tree size
-        when the method's rows depend on it): exact mode captures a CUDA graph per key."""
-        return None
-
-    def forward(self, f: Forward, nodes) -> Out:
-        return Out(f.logits(f.norm(f.layers(f.embed())), len(nodes.real)))
-
-    def context(self, dec: "Decoding") -> int:
-        """For a drafter without ranked candidates, what its planner conditions a budget's gain on
-        (planner.Planner): one context unless the method knows better."""
-        return 0
-
-    def propose(self, drafts: torch.Tensor, mm) -> torch.Tensor:
-        """Logits per draft depth (K, V) from the last accepted node's drafts (K', D); a bias-free
-        layer's product runs as mm(layer, x) (Decoding.mm)."""
-        return drafts
-
-    def accepted(self, dec: "Decoding", tree: Tree, path: list[int]) -> None:
-        """Called after commit with the accepted path (node indices, root first)."""
-
-    def finish(self, dec: "Decoding") -> None:
-        """Called once when the generation stops."""
-
-    def report(self) -> str:
-        """A line of method statistics for the benchmark (e.g. ProPD's pruning rate, the budgets)."""
-        return self.planner.report() if self.planner is not None else ""
-
-
-AR = Drafter()  # the one AR drafter: every AR step (budget 0, no room to draft) reuses its step program
 
 
 class Decoding:
@@ -133,8 +46,6 @@ class Decoding:
         self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
         self.cands = None          # (D, R) on the device: ranked candidates per depth from the last step
         self.cand_lists = None     # the same, on the host
-        self.template = None       # a ranked drafter's tree shape for this step (its own, or the planner's)
-        self.budget = None         # this step's draft budget in nodes, when a planner sets one
         self.forward_s = 0.0       # time in forwards (synchronised), for the benchmark's host time
         self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
         self.cuda = self.device.type == "cuda"
@@ -196,7 +107,7 @@ class Decoding:
         def run(tokens, pos, slots, prefix, extra, node_tokens, parent, depth, index, anc, real):
             f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact)
             lay = type(nodes.lay)(parent, depth, index, anc)
-            out = drafter.forward(f, Nodes(node_tokens, lay, real, nodes.n))
+            out = drafter.forward(f, Nodes(node_tokens, lay, real, nodes.n, nodes.parents))
             N = len(node_tokens)  # drafts may cover the real nodes only: pad them to the padded tree
             if out.drafts is not None and len(out.drafts) < N:
                 out.drafts = F.pad(out.drafts, (0, 0, 0, 0, 0, N - len(out.drafts)))
@@ -205,13 +116,12 @@ class Decoding:
             if not greedy:
                 return out.logits, out.drafts, out.depths, out.alive
             path, emitted = accept(node_tokens, lay, out.logits, out.alive)
-            head = [path, emitted]
-            if out.drafts is not None:
-                last = path.max().view(1)  # the path's deepest node (indices grow along a path); no host sync
-                cands = drafter.propose(out.drafts[last][0], self.mm).topk(R, dim=-1).indices  # (K, R)
-                k = out.depths[last] if out.depths is not None else torch.full_like(last, len(cands))
-                head += [k, cands.flatten()]
-            return torch.cat(head), out.logits
+            if out.drafts is None:
+                return pack(path, emitted), out.logits
+            last = path.max().view(1)  # the path's deepest node (indices grow along a path); no host sync
+            cands = drafter.propose(out.drafts[last][0], self.mm).topk(R, dim=-1).indices  # (K, R)
+            depth = out.depths[last] if out.depths is not None else torch.full_like(last, len(cands))
+            return pack(path, emitted, depth, cands), out.logits
         lay = nodes.lay
         args = (*(block.tokens, block.pos, block.slots, block.prefix, block.extra),
                 nodes.tokens, lay.parent, lay.depth, lay.index, lay.anc, nodes.real)
@@ -229,7 +139,7 @@ class Decoding:
         if self.exact:
             block, lay = self.fixed(block), lay.pad(self.Q)
             tokens, real = F.pad(tokens, (0, self.Q - n), value=-1), F.pad(real, (0, self.Q - n))
-        return block, Nodes(tokens, lay, real, n)
+        return block, Nodes(tokens, lay, real, n, tree.parents)
 
     def step(self, drafter: Drafter, tree: Tree, record: bool):
         """Verify a tree: the method's forward, greedy verification on the device and its next
@@ -244,14 +154,9 @@ class Decoding:
         res = self.program(drafter, block, nodes, greedy)
         self.sync()
         self.forward_s += time.perf_counter() - t0
-        E = nodes.lay.anc.shape[1]
         if greedy:
             packed, logits = res
-            head = packed.tolist()  # the step's one read-back
-            path = [i for i in head[:E] if i >= 0]
-            emitted = head[E:E + len(path)]
-            cands = packed[2 * E + 1:].view(-1, max(drafter.topk, default=1)) if len(head) > 2 * E else None
-            depth = head[2 * E] if cands is not None else 0
+            path, emitted, cands, depth = unpack(packed, nodes.lay.anc.shape[1], max(drafter.topk, default=1))
         else:
             logits, drafts, depths, alive = res
             path, emitted = verify(tree, logits[:n], self.sampler, len(self.out), None if alive is None else alive[:n])
@@ -316,6 +221,23 @@ class Decoding:
         return kernels.mm(None if self.exact else self.model.kernels, layer, x)
 
 
+def pack(path, emitted, depth=None, cands=None) -> torch.Tensor:
+    """A greedy step's results as one tensor, for its one read-back: the accepted path (E,) and its
+    tokens (E,), both -1 padded, then, for a method that drafts, the depths drafted (1,) and the
+    next candidates (K, R)."""
+    return torch.cat([path, emitted] + ([depth, cands.flatten()] if cands is not None else []))
+
+
+def unpack(packed: torch.Tensor, E: int, R: int):
+    """pack's results, read back once: (path, emitted tokens, candidates (K, R) left on the device
+    or None, depths drafted)."""
+    head = packed.tolist()  # the step's one read-back
+    path = [i for i in head[:E] if i >= 0]
+    if len(head) == 2 * E:
+        return path, head[E:E + len(path)], None, 0
+    return path, head[E:E + len(path)], packed[2 * E + 1:].view(-1, R), head[2 * E]
+
+
 @dataclass
 class Output:
     tokens: list[int]
@@ -347,41 +269,6 @@ def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None)
         raise NanospecError(f"the exact-mode block must have at least {MIN_BLOCK} rows (got --block {Q})")
     S = prompt_len + max_new_tokens + Q + max(d.reserved_slots for d in drafters) + 1
     return Q, n_slots or -(-S // SLOT_BUCKET) * SLOT_BUCKET
-
-
-COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached measures are then stale
-
-
-@torch.inference_mode()
-def measure_costs(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps: int = 5) -> Measured:
-    """Seconds per forward of n rows after `context` tokens, on this machine, model, dtype and mode:
-    measured once and cached under the cache root, keyed by all four. The row counts take turns,
-    reps rounds, and each keeps its fastest: a busy spell of a shared machine then slows one round
-    of every count, not every round of one."""
-    w = model.embed.weight
-    forms = "" if exact or model.kernels is None else "-" + hashlib.sha256(model.kernels.to_json().encode()).hexdigest()[:8]
-    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}-{COSTS_VERSION}"
-    path = cache_root() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
-    if path.is_file():
-        return Measured({int(r): t for r, t in json.loads(path.read_text())["seconds"].items()})
-    Q = max(MIN_BLOCK, *rows)
-    cache = KVCache.for_model(model, context + Q + 1)
-    dec = Decoding(model, cache, exact, Q, [0] * (context + 1))
-    dec.prefill(torch.randint(0, model.args.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist())
-    blocks = {n: Tree.chain(1, [1] * (n - 1)).block(dec.cur) for n in rows}
-    points = {}
-    for rep in range(reps + 1):  # the first round warms up
-        for n, block in blocks.items():
-            dec.sync()
-            t0 = time.perf_counter()
-            dec.run(block)
-            dec.sync()
-            if rep:
-                points[n] = min(points.get(n, math.inf), time.perf_counter() - t0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda p: p.write_text(json.dumps({"key": key, "seconds": points}, indent=1)))
-    return Measured(points)
 
 
 @functools.lru_cache(maxsize=256)
@@ -454,18 +341,16 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
             res.stop = "cache_full"
             break
         ts = time.perf_counter()
-        dec.template = getattr(drafter, "template", None)
-        if planner is not None:
-            dec.budget = planner.budget(drafter, dec)
-            dec.template = planner.tree or dec.template
-        step = drafter if dec.budget != 0 else AR  # budget 0: drafting does not pay, an AR step
-        tree, path, toks, rows = dec.step(step, step.draft(dec), record_logits)
+        budget, template = planner.budget(drafter, dec) if planner is not None else (None, None)
+        step = drafter if budget != 0 else AR  # budget 0: drafting does not pay, an AR step
+        tree = step.draft(dec, dec.cands, template or getattr(drafter, "template", None), budget)
+        tree, path, toks, rows = dec.step(step, tree, record_logits)
         if record_logits:
             logits.append(rows)
         dec.commit(path, toks)
         drafter.accepted(dec, tree, path)
         if planner is not None:
-            planner.observe(dec, dec.budget, step.size(len(tree)), len(path) - 1, time.perf_counter() - ts,
+            planner.observe(dec, budget, step.size(len(tree)), len(path) - 1, time.perf_counter() - ts,
                             path, len(tree) - 1)
         res.steps += 1
         res.accepted.append(len(toks))
@@ -484,34 +369,3 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     if record_logits:
         res.logits = torch.cat(logits)[:n]
     return res
-
-
-@torch.inference_mode()
-def generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy AR continuations of many prompts at once, in fast mode (self-distillation data).
-
-    Prompts are left-padded: prompt b fills slots start_b..P-1 with positions from 0. Every
-    row lists what it sees in `extra` (its own prompt's slots up to itself); a padding row
-    sees only itself, so nothing it computes reaches a real row.
-    """
-    B, P = len(prompts), max(map(len, prompts))
-    dev = model.embed.weight.device
-    cache = KVCache.for_model(model, P + max_new_tokens, batch=B)
-    start = torch.tensor([P - len(p) for p in prompts], device=dev)[:, None, None]  # (B, 1, 1)
-
-    def block(tokens, lo):  # rows for slots lo..lo+T-1 of every sequence
-        hi = lo + tokens.shape[1]
-        slots = torch.arange(lo, hi, device=dev)
-        j = torch.arange(hi, device=dev)
-        own = slots[None, :, None] < start  # (B, T, 1): padding rows
-        vis = torch.where(own, j == slots[:, None], (j >= start) & (j <= slots[:, None]))  # (B, T, hi)
-        pos = (slots - start[:, :, 0]).clamp(min=0)
-        return Block(tokens, pos, slots, torch.zeros_like(pos), torch.where(vis, j, -1))
-
-    x = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], device=dev)
-    out = []
-    for i in range(max_new_tokens):
-        nxt = model(block(x, P + i - x.shape[1] if i else 0), cache, False)[:, -1].argmax(-1)
-        out.append(nxt)
-        x = nxt[:, None]
-    return torch.stack(out, 1).tolist()

@@ -10,7 +10,7 @@ them), per row bucket, once, and the table is cached beside the cost measurement
 A row count can also be slow in every form (BLAS kernels favour some widths). So a product may
 run on more rows than it has, zero rows added and their results dropped, when tune() measured
 the larger count faster: a forward's cost then never rises from n rows to n+1 below a bucket
-edge, and the planner gets the rows it pays for (engine.measure_costs sees the padded forward).
+edge, and the planner gets the rows it pays for (costs.measure sees the padded forward).
 
 Exact mode never comes here: there AR and every method share one kernel. Fast mode promises
 AR's tokens, not its bits (the benchmark counts mismatches), and AR runs the same table at one row.

@@ -7,7 +7,7 @@ token verification always yields, plus each node's path probability: Figure 6), 
 that maximises expected length per second. Size 0 is an AR step: when drafting does not pay,
 the budget shrinks to it. Costs come from one of:
 - Measured: ms per forward by rows, measured once per machine, model, dtype and mode and
-  cached (engine.measure_costs): what a row costs here, not what a GPU intuition expects;
+  cached (costs.measure): what a row costs here, not what a GPU intuition expects;
 - CostModel: ProPD's own, learnt online from step times (section 4.2);
 - FixedCost: a line, for tests.
 
@@ -96,7 +96,7 @@ class FixedCost(CostModel):
 
 
 class Measured(FixedCost):
-    """Seconds per forward by rows, as measured (engine.measure_costs): linear between the points,
+    """Seconds per forward by rows, as measured (costs.measure): linear between the points,
     and along the last segment's slope beyond them. A count measured slower than a larger one
     takes the larger one's time: fast mode's kernels run a product on more rows when that is
     faster (kernels.py), and otherwise the gap is the machine's noise."""
@@ -183,8 +183,12 @@ class Planner:
         self.nested = getattr(drafter, "nested", False)
         self.pending, self.at, self.size, self.tree, self.probing = [], None, None, None, 0
 
-    def budget(self, drafter, dec) -> int:
-        """Draft nodes for this step (0: an AR step); the tree of that size is self.tree."""
+    def budget(self, drafter, dec) -> tuple[int, Template | None]:
+        """This step's draft nodes (0: an AR step) and, for a ranked drafter, the best tree of that size."""
+        size = self.choose(drafter, dec)
+        return size, self.tree if size else None
+
+    def choose(self, drafter, dec) -> int:
         self.probed = bool(self.probing)
         if 0 in self.sizes and self.steps[0] < 3 and any(self.ratios):  # drafting's real cost is known:
             self.used[0] += 1                                             # measure an AR step's too
@@ -209,7 +213,7 @@ class Planner:
                     self.probe = plan(self.accept.p(), self.cost, [s for s in self.sizes if s], rows, drafter.family, self.scale)
                     self.probing, self.tree = PROBE, template(tuple(choose_tree(self.accept.p(), self.probe, drafter.family)))
                     self.at = dec.cur
-                    return self.budget(drafter, dec)
+                    return self.choose(drafter, dec)
             elif self.cost.estimate(1) is not None:
                 self.ctx = c = drafter.context(dec)
                 secs = lambda s: self.cost.estimate(rows(s + 1) if s else 1) * self.scale(s)

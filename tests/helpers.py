@@ -115,15 +115,14 @@ def peek(drafter, truth: list[int], p: float = 0.9, seed: int = 0):
     if early is not None:  # ProPD: an early head that prunes at random but keeps the true path
         drafter.early = KeepTruth(early.up.out_features, early.up.weight, rng)
 
-    def drafting(dec):
+    def drafting(dec, cands, template, budget):
         n = len(dec.out)
-        if dec.cands is not None:
-            c = dec.cands.clone()
-            for d in range(len(c)):
+        if cands is not None:
+            cands = cands.clone()
+            for d in range(len(cands)):
                 if n + d < len(truth) and (d == 0 or rng.random() < p):
-                    c[d, 0 if d == 0 or rng.random() < 0.8 else rng.randrange(c.shape[1])] = truth[n + d]
-            dec.cands, dec.cand_lists = c, c.tolist()
-        tree = draft(drafter, dec)
+                    cands[d, 0 if d == 0 or rng.random() < 0.8 else rng.randrange(cands.shape[1])] = truth[n + d]
+        tree = draft(drafter, dec, cands, template, budget)
         if early is not None:
             drafter.early.aim(tree, truth[n:])
         return tree
@@ -169,9 +168,9 @@ class Corrupt(Drafter):
     def start(self, dec):
         self.step = 0
 
-    def draft(self, dec):
+    def draft(self, dec, *a):
         self.step += 1
-        return super().draft(dec)
+        return super().draft(dec, *a)
 
     def forward(self, f, nodes):
         out = super().forward(f, nodes)
@@ -232,7 +231,7 @@ class Adversary(Drafter):
             for k in (dec.cache.k, dec.cache.v):
                 k[:, :, :, self.slots] = torch.randn_like(k[:, :, :, self.slots])
 
-    def draft(self, dec):
+    def draft(self, dec, cands, template, budget):
         r, n = self.rng, len(dec.out)
         true = self.truth[n:n + 8]
         branches = []

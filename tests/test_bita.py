@@ -77,9 +77,8 @@ def test_draft_tree_shapes():
 
     class Dec:
         last = 5
-    Dec.cands = cands
     eff, full, straight = (BiTA(tune, None, v, 3) for v in ("efficient", "full", "straight"))
-    draft = lambda d: (setattr(Dec, "template", d.template), d.draft(Dec))[1]
+    draft = lambda d: d.draft(Dec, cands, d.template, None)
     t = draft(eff)
     assert len(t) == 1 + 9 == len(eff.template)
     kids = [sum(p == i for p in t.parents) for i in range(len(t))]

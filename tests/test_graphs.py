@@ -124,9 +124,9 @@ def test_a_forward_reading_unkeyed_state_is_caught(simulate):
             super().start(dec)
             self.k = 0
 
-        def draft(self, dec):
+        def draft(self, dec, *a):
             self.k += 1
-            return super().draft(dec)
+            return super().draft(dec, *a)
 
         def forward(self, f, nodes):
             out = super().forward(f, nodes)

@@ -11,8 +11,8 @@ LAYERS = [
     {"model", "cache", "tree", "planner", "kernels", "graphs", "forward"},       # the model and its parts
     {"checkpoint", "tokenizer", "chat", "gguf_export", "convert", "sources",    # weights and text in and out
      "fetch", "calibration", "trace", "verdict"},
-    {"engine"},                                                                 # the loop
-    {"data", "training", "pretrain", "methods", "methods.lookahead", "methods.medusa", "methods.propd",
+    {"drafter", "engine"},                                                      # the contract and the loop
+    {"costs", "data", "training", "pretrain", "methods", "methods.lookahead", "methods.medusa", "methods.propd",
      "methods.bita", "methods.hidden_transfer", "methods.sdsat"},               # drafters and their trainers
     {"bench", "peers", "analysis", "engines", "engines.hf", "engines.llamacpp", "engines.openai",
      "compare"},                                                                # command lines and the oracle

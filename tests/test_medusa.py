@@ -9,7 +9,8 @@ from helpers import check_exact, model_args, random_model
 from nanospec import NanospecError
 from nanospec.checkpoint import save, save_drafter
 from nanospec.files import fingerprint
-from nanospec.engine import generate, generate_batch
+from nanospec.data import generate_batch
+from nanospec.engine import generate
 from nanospec.methods.medusa import Heads, Medusa, load_medusa, loss_fn, samples
 from nanospec.tree import choose_tree
 from nanospec.model import ModelArgs

@@ -27,7 +27,7 @@ ACC = [[0.5, 0.3, 0.2]] * 3
 
 
 def nodes_of(tree):
-    return Nodes(torch.tensor(tree.tokens), layout(tree.parents), torch.ones(len(tree), dtype=torch.bool), len(tree))
+    return Nodes(torch.tensor(tree.tokens), layout(tree.parents), torch.ones(len(tree), dtype=torch.bool), len(tree), tree.parents)
 
 
 def test_pruning_takes_descendants_and_keeps_the_root():

@@ -12,7 +12,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from .. import NanospecError
-from ..engine import AR, Drafter
+from ..drafter import AR, Drafter
 from ..files import fingerprint
 from . import bita, hidden_transfer, lookahead, medusa, propd, sdsat
 

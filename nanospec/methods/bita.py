@@ -47,10 +47,10 @@ from .. import NanospecError
 from ..checkpoint import load_trained, save_drafter
 from ..files import fingerprint
 from ..data import distill_args
-from ..engine import Drafter
+from ..drafter import Ranked
 from ..forward import Forward, Out
 from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
-from ..tree import Template, Tree, product_paths
+from ..tree import Template, product_paths
 
 PROMPTING = ("deep", "shallow", "none")
 DECODING = ("efficient", "full", "straight")
@@ -77,7 +77,7 @@ class Tuning(nn.Module):
 
 # --- decoding ----------------------------------------------------------------------------------
 
-class BiTA(Drafter):
+class BiTA(Ranked):
     name = "bita"
 
     def __init__(self, tune: Tuning, lm_head: nn.Module, decoding: str = "efficient", k: int = 3):
@@ -104,10 +104,6 @@ class BiTA(Drafter):
             dec.keep(self.tune.key, self.tune.value)
         elif self.tune.prompting == "shallow":  # P rows, causal among themselves, keys into the reserved slots
             dec.keep(embeds=self.tune.prompt)
-
-    def draft(self, dec):
-        """The tree over the last accepted node's mask predictions (none yet: the root alone)."""
-        return Tree.chain(dec.last) if dec.cands is None else dec.template.tree(dec.last, dec.cands)
 
     def rows(self, dec, tree):
         return dec.block(tree, range(self.groups(len(tree))), self.tune.M, reserved=True)

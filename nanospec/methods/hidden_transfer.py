@@ -52,10 +52,10 @@ from .. import NanospecError
 from ..checkpoint import load_trained, save_drafter
 from ..files import fingerprint
 from ..data import distill_args
-from ..engine import Drafter
+from ..drafter import Ranked
 from ..forward import Forward, Out
 from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
-from ..tree import Template, Tree, choose_tree
+from ..tree import Template, choose_tree
 
 ATTENTION = ("paper", "chain", "masked")
 
@@ -107,7 +107,7 @@ def transfer(f: Forward, tr: Transfer, x, hosts, rows, record=None):
 
 # --- decoding ----------------------------------------------------------------------------------
 
-class HiddenTransfer(Drafter):
+class HiddenTransfer(Ranked):
     name = "hidden_transfer"
 
     def __init__(self, tr: Transfer, paths: list[tuple[int, ...]], lm_head: nn.Module, chained: bool = True):
@@ -120,11 +120,6 @@ class HiddenTransfer(Drafter):
 
     def size(self, n):
         return n * (1 + self.tr.k)  # every node carries a group of k pseudo rows
-
-    def draft(self, dec):
-        """The tree over the last accepted node's pseudo-state candidates (none yet: the root alone,
-        whose group already drafts)."""
-        return Tree.chain(dec.last) if dec.cands is None else dec.template.tree(dec.last, dec.cands)
 
     def rows(self, dec, tree):
         return dec.block(tree, range(len(tree)), self.tr.k, chained=self.chained)

@@ -44,7 +44,7 @@ import json
 from pathlib import Path
 
 from .. import NanospecError
-from ..engine import Drafter
+from ..drafter import Drafter
 from ..sources import base_of
 from ..tokenizer import Tokenizer, load_tokenizer
 from ..tree import Tree
@@ -226,24 +226,22 @@ class Lookahead(Drafter):
         for w in self.prompt_branches:
             self.trie.insert(w, prompt=True)
         self.seen = 0  # tokens of the response (the prompt's last token, then the output) inserted
-        self.found = (None, 0, None)  # (dec.cur, matched suffix length, its node) of this step's retrieval
 
     def retrieve(self, dec) -> tuple[int, Node | None]:
-        if self.found[0] != dec.cur:  # once per step: context() and draft() share it
-            m = self.max_prefix
-            self.found = (dec.cur, *self.trie.retrieve((dec.prompt[-m:] + dec.out[-m:])[-m:], m, self.min_nodes))
-        return self.found[1:]
+        """(how long a suffix of the sequence the trie matched, the node it leads to, or None)."""
+        m = self.max_prefix
+        return self.trie.retrieve((dec.prompt[-m:] + dec.out[-m:])[-m:], m, self.min_nodes)
 
     def context(self, dec):
         """The planner's context: how long a suffix the trie matched, up to 3 (0: none, and the step
         is an AR step whatever its budget)."""
         return min(self.retrieve(dec)[0], 3)
 
-    def draft(self, dec):
+    def draft(self, dec, cands, template, budget):
         j, node = self.retrieve(dec)
         if node is None:
             return Tree.chain(dec.last)
-        picked = self.trie.select(node, dec.budget or self.decoding_length, self.strategy)
+        picked = self.trie.select(node, budget or self.decoding_length, self.strategy)
         return Tree([dec.last] + [t for t, _ in picked], [-1] + [p + 1 for _, p in picked])
 
     def accepted(self, dec, tree, path):

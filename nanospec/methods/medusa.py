@@ -42,11 +42,11 @@ import torch.nn.functional as F
 from ..checkpoint import load_trained, save_drafter
 from ..files import fingerprint
 from ..data import distill_args
-from ..engine import Drafter
+from ..drafter import Ranked
 from ..forward import Out
 from ..model import hidden_states
 from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
-from ..tree import Template, Tree, choose_tree
+from ..tree import Template, choose_tree
 
 
 class Heads(nn.Module):
@@ -76,18 +76,13 @@ class Heads(nn.Module):
         return torch.stack([mm(p, y) for p, y in zip(self.proj, x)])
 
 
-class Medusa(Drafter):
+class Medusa(Ranked):
     name = "medusa"
 
     def __init__(self, heads: Heads, paths: list[tuple[int, ...]], acc: list[list[float]] | None = None):
         self.heads, self.acc = heads, acc  # acc: held-out accuracy per head and rank (the planner's prior)
         self.template = Template(paths)
         self.max_rows, self.topk = len(self.template), self.template.topk
-
-    def draft(self, dec):
-        """The tree (static, or the planner's) over the heads' candidates from the last step (none
-        yet: the root alone)."""
-        return Tree.chain(dec.last) if dec.cands is None else dec.template.tree(dec.last, dec.cands)
 
     def forward(self, f, nodes):
         """One forward verifies the tree and gives every node's final state h: the heads' input."""

@@ -39,6 +39,7 @@ What runs where: each forward of a loop, with its verification and the lm_head's
 adaptive rows, is one device program (a CUDA graph per tree size in exact mode on a GPU); the tree
 shape is laid out once (tree.Template) and filled on the device.
 """
+import functools
 import json
 import sys
 from pathlib import Path
@@ -51,15 +52,15 @@ from .. import NanospecError
 from ..checkpoint import load, save
 from ..files import atomic_write, fingerprint, hardware
 from ..data import distill, distill_args, token_stream
-from ..engine import Drafter
+from ..drafter import Ranked
 from ..model import Block
 from ..pretrain import eval_loss, val_windows, windows
 from ..tokenizer import load_tokenizer
 from ..training import Progress, adamw, cosine_lr, update
 from ..forward import Out
-from ..tree import Template, Tree
+from ..tree import Template
 
-class SDSAT(Drafter):
+class SDSAT(Ranked):
     name = "sdsat"
 
     def __init__(self, adaptive: list[int], lm_head, k: int = 5, width: int = 1):
@@ -79,28 +80,20 @@ class SDSAT(Drafter):
     def size(self, n):
         return n + self.k
 
-    def draft(self, dec):
-        """Draft step 2 from the adaptive tokens' candidates, or (none) draft step 1: the root alone."""
-        return Tree.chain(dec.last) if dec.cands is None else dec.template.tree(dec.last, dec.cands)
-
     def rows(self, dec, tree):
-        """The tree, then k adaptive tokens after the end of its top-1 chain (the lowest-index child at
-        every depth: the template puts rank 0 first)."""
-        self.host = 0
-        while self.host + 1 < len(tree) and self.host in tree.parents[self.host + 1:]:
-            self.host = tree.parents.index(self.host, self.host + 1)
-        blk = dec.block(tree, [self.host], self.k)
+        """The tree, then k adaptive tokens after the end of its top-1 chain."""
+        blk = dec.block(tree, [chain_end(tree.parents)], self.k)
         blk.tokens[0, len(tree):] = blk.tokens.new_tensor(self.adaptive)
         return blk
 
     def shape_key(self, nodes):
-        return nodes.n, self.host
+        return nodes.n, chain_end(nodes.parents)
 
     def forward(self, f, nodes):
         n, k = nodes.n, self.k
         h = f.norm(f.layers(f.embed()))
         adaptive = h[0, n:n + k]  # drafts for the next loop, if the whole top-1 chain is accepted
-        host = torch.arange(n, device=h.device) == self.host
+        host = torch.arange(n, device=h.device) == chain_end(nodes.parents)
         return Out(f.logits(h, len(nodes.real)), drafts=adaptive[None].expand(n, k, -1), depths=torch.where(host, k, 0))
 
     def propose(self, adaptive, mm):
@@ -118,6 +111,16 @@ class SDSAT(Drafter):
         n = max(self.verifying, 1)
         return (f"accept rate {self.drafts_accepted / n / self.k:.3f} ({self.drafts_accepted / n:.2f} of "
                 f"{self.k} drafts per verifying step); {self.draft_only} draft-step-1 forwards")
+
+
+@functools.lru_cache(maxsize=512)
+def chain_end(parents: tuple) -> int:
+    """The end of a tree's top-1 chain: the lowest-index child at every depth (a template puts rank
+    0 first)."""
+    h = 0
+    while h + 1 < len(parents) and h in parents[h + 1:]:
+        h = parents.index(h, h + 1)
+    return h
 
 
 # --- the fine-tuned model on disk --------------------------------------------------------------

@@ -1,0 +1,48 @@
+"""What a forward costs on this machine: seconds per forward by rows, measured once per machine,
+model, dtype and mode, and cached (the planner's Measured cost model)."""
+import hashlib
+import json
+import math
+import time
+
+import torch
+
+from .cache import KVCache
+from .engine import MIN_BLOCK, Decoding
+from .files import atomic_write, cache_root, fingerprint, hardware
+from .planner import Measured
+from .tree import Tree
+
+COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached measures are then stale
+
+
+@torch.inference_mode()
+def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps: int = 5) -> Measured:
+    """Seconds per forward of n rows after `context` tokens, on this machine, model, dtype and mode:
+    measured once and cached under the cache root, keyed by all four. The row counts take turns,
+    reps rounds, and each keeps its fastest: a busy spell of a shared machine then slows one round
+    of every count, not every round of one."""
+    w = model.embed.weight
+    forms = "" if exact or model.kernels is None else "-" + hashlib.sha256(model.kernels.to_json().encode()).hexdigest()[:8]
+    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}-{COSTS_VERSION}"
+    path = cache_root() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    if path.is_file():
+        return Measured({int(r): t for r, t in json.loads(path.read_text())["seconds"].items()})
+    Q = max(MIN_BLOCK, *rows)
+    cache = KVCache.for_model(model, context + Q + 1)
+    dec = Decoding(model, cache, exact, Q, [0] * (context + 1))
+    dec.prefill(torch.randint(0, model.args.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist())
+    blocks = {n: Tree.chain(1, [1] * (n - 1)).block(dec.cur) for n in rows}
+    points = {}
+    for rep in range(reps + 1):  # the first round warms up
+        for n, block in blocks.items():
+            dec.sync()
+            t0 = time.perf_counter()
+            dec.run(block)
+            dec.sync()
+            if rep:
+                points[n] = min(points.get(n, math.inf), time.perf_counter() - t0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda p: p.write_text(json.dumps({"key": key, "seconds": points}, indent=1)))
+    return Measured(points)
