@@ -156,16 +156,18 @@ class Decoding:
         self.forward_s += time.perf_counter() - t0
         if greedy:
             packed, logits = res
-            path, emitted, cands, depth = unpack(packed, nodes.lay.anc.shape[1], max(drafter.topk, default=1))
-        else:
+            path, emitted, self.cands, self.cand_lists = unpack(packed, nodes.lay.anc.shape[1],
+                                                                max(drafter.topk, default=1))
+        else:  # sampling verifies on the host: the logits are read back anyway
             logits, drafts, depths, alive = res
             path, emitted = verify(tree, logits[:n], self.sampler, len(self.out), None if alive is None else alive[:n])
-            cands, depth = None, 0
+            self.cands = self.cand_lists = None
             if drafts is not None:
                 cands = drafter.propose(drafts[path[-1]], self.mm).topk(max(drafter.topk), dim=-1).indices
                 depth = int(depths[path[-1]]) if depths is not None else len(cands)
-        self.cands = cands[:depth] if cands is not None and depth > 0 else None
-        self.cand_lists = self.cands.tolist() if self.cands is not None else None
+                if depth:
+                    self.cands = cands[:depth]
+                    self.cand_lists = self.cands.tolist()
         return tree, path, emitted, logits[path].float().cpu() if record else None
 
     def fixed(self, block: Block) -> Block:
@@ -229,13 +231,16 @@ def pack(path, emitted, depth=None, cands=None) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, E: int, R: int):
-    """pack's results, read back once: (path, emitted tokens, candidates (K, R) left on the device
-    or None, depths drafted)."""
+    """pack's results, read back once: (path, emitted tokens, the candidates of the depths drafted
+    as (D, R) left on the device and as lists on the host, or None and None)."""
     head = packed.tolist()  # the step's one read-back
     path = [i for i in head[:E] if i >= 0]
-    if len(head) == 2 * E:
-        return path, head[E:E + len(path)], None, 0
-    return path, head[E:E + len(path)], packed[2 * E + 1:].view(-1, R), head[2 * E]
+    emitted = head[E:E + len(path)]
+    depth = head[2 * E] if len(head) > 2 * E else 0
+    if not depth:
+        return path, emitted, None, None
+    flat = head[2 * E + 1:]
+    return path, emitted, packed[2 * E + 1:].view(-1, R)[:depth], [flat[d * R:(d + 1) * R] for d in range(depth)]
 
 
 @dataclass
