@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from helpers import random_model
 from nanospec.checkpoint import to_hf_name
+from nanospec.tokenizer import Tokenizer as SentencePiece
 from nanospec.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,17 +71,7 @@ def write_gguf(path: Path, qtype: str = "F32", arch: str = "llama", tie: bool = 
     model = random_model(args, seed=seed)
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), arch)
-    w.add_block_count(args.n_layers)
-    w.add_context_length(512)
-    w.add_embedding_length(args.dim)
-    w.add_feed_forward_length(args.hidden_dim)
-    w.add_head_count(args.n_heads)
-    w.add_head_count_kv(args.kv_heads)
-    w.add_rope_freq_base(args.rope_theta)
-    w.add_layer_norm_rms_eps(args.norm_eps)
-    w.add_rope_dimension_count(args.hd)
-    w.add_vocab_size(args.vocab_size)
-    w.add_file_type(0)
+    add_config(w, args, context=512, file_type=0)
     if tokenizer:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(pre)
@@ -95,20 +86,7 @@ def write_gguf(path: Path, qtype: str = "F32", arch: str = "llama", tie: bool = 
         w.add_add_bos_token(add_bos)
     if chat:
         w.add_chat_template(CHAT)
-    for name, t in model.state_dict().items():
-        if tie and name == "lm_head.weight":
-            continue
-        hf = to_hf_name(name).removesuffix(".weight")
-        if hf.startswith("model.layers."):
-            i, leaf = hf.removeprefix("model.layers.").split(".", 1)
-            gname = f"blk.{i}.{LAYER[leaf]}.weight"
-        else:
-            gname = f"{GGUF_NAMES[hf]}.weight"
-        a = t.detach().float().numpy()
-        if leaf_is(gname, "attn_q"):
-            a = permute(a, args.n_heads)
-        elif leaf_is(gname, "attn_k"):
-            a = permute(a, args.kv_heads)
+    for gname, a in llama_cpp_tensors(model):
         if a.ndim == 1:
             w.add_tensor(gname, a.astype(np.float32))
         else:
@@ -121,8 +99,40 @@ def write_gguf(path: Path, qtype: str = "F32", arch: str = "llama", tie: bool = 
     return path
 
 
-def leaf_is(gname: str, leaf: str) -> bool:
-    return gname.split(".")[-2] == leaf
+def add_config(w: GGUFWriter, args: ModelArgs, context: int, file_type: int) -> None:
+    """A Llama's hyperparameters as GGUF metadata."""
+    w.add_block_count(args.n_layers)
+    w.add_context_length(context)
+    w.add_embedding_length(args.dim)
+    w.add_feed_forward_length(args.hidden_dim)
+    w.add_head_count(args.n_heads)
+    w.add_head_count_kv(args.kv_heads)
+    w.add_rope_freq_base(args.rope_theta)
+    w.add_layer_norm_rms_eps(args.norm_eps)
+    w.add_rope_dimension_count(args.hd)
+    w.add_vocab_size(args.vocab_size)
+    w.add_file_type(file_type)
+
+
+def llama_cpp_tensors(model):
+    """(GGUF name, fp32 array) of each of the model's weights, as convert_hf_to_gguf.py names them:
+    Q and K rows permuted; a tied lm_head left out."""
+    a = model.args
+    for name, t in model.state_dict().items():
+        if a.tie_embeddings and name == "lm_head.weight":
+            continue
+        hf = to_hf_name(name).removesuffix(".weight")
+        if hf.startswith("model.layers."):
+            i, leaf = hf.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{i}.{LAYER[leaf]}.weight"
+        else:
+            gname = f"{GGUF_NAMES[hf]}.weight"
+        x = t.detach().float().numpy()
+        if gname.endswith(".attn_q.weight"):
+            x = permute(x, a.n_heads)
+        elif gname.endswith(".attn_k.weight"):
+            x = permute(x, a.kv_heads)
+        yield gname, np.ascontiguousarray(x, dtype=np.float32)
 
 
 def transformers_model(path: Path):
@@ -153,3 +163,39 @@ def ascii_model(tmp: Path, seed: int = 0) -> Path:
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(src / f, out / f)
     return out
+
+
+def write_llama_cpp_gguf(src, path: Path, qtype: str) -> Path:
+    """The model src (weights/pylm) as convert_hf_to_gguf.py writes a Llama: Q/K rows permuted, 1-D norms in F32,
+    matrices in qtype (Q8_0: rows whose length is not a multiple of its 32-element block in F16,
+    as llama.cpp falls back). The vocabulary is the sentencepiece pieces as a `gpt2` tokenizer with
+    one merge (nanospec's loader reads byte-level BPE only; these tests feed ids, not text)."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    a = src.args
+    w = gguf.GGUFWriter(str(path), "llama")
+    add_config(w, a, context=a.max_seq_len, file_type={"F32": 0, "F16": 1, "Q8_0": 7}[qtype])
+    sp = SentencePiece(ROOT / "weights" / "pylm" / "tokenizer.model").sp
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    w.add_token_list(pieces)
+    have = set(pieces)  # one merge: the loader wants the key, and a merge must join two tokens into one
+    w.add_token_merges([next(f"{p[:1]} {p[1:]}" for p in pieces if len(p) > 1 and {p[:1], p[1:], p} <= have)])
+    w.add_bos_token_id(a.bos_id)
+    w.add_eos_token_id(a.eos_id)
+    w.add_pad_token_id(a.pad_id)
+    w.add_add_bos_token(True)
+    for gname, x in llama_cpp_tensors(src):
+        if x.ndim == 1 or qtype == "F32":
+            w.add_tensor(gname, x)
+        elif qtype == "Q8_0" and x.shape[1] % 32 == 0:
+            w.add_tensor(gname, gguf.quants.quantize(x, T.Q8_0), raw_dtype=T.Q8_0)
+        else:
+            w.add_tensor(gname, x.astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

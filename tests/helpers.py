@@ -57,6 +57,16 @@ def pruned_rows(propd) -> int:
     return int(propd.pruning[1])
 
 
+def noisy(module, seed: int, scale: float):
+    """module with Gaussian noise of std `scale` added to every parameter: trained parts that draft
+    something, sometimes right."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return module
+
+
 def full_logits(model, ids, exact):
     """Logits for every position of ids, as one chain block."""
     cache = KVCache.for_model(model, len(ids) + 1)

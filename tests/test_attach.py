@@ -11,7 +11,7 @@ from nanospec.checkpoint import load
 from nanospec.files import fingerprint
 from nanospec.methods import drafters_for, load_drafter
 from test_default_model import SHIPPED, W
-from test_golden import write_llama_cpp_gguf
+from gguf_files import write_llama_cpp_gguf
 
 SMOL = Path(__file__).resolve().parents[1] / "weights" / "smollm2"
 TRAINED = [s for s in SHIPPED if s not in ("lookahead", "sdsat")]

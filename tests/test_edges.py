@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+import helpers
 from helpers import check_exact, peek, random_model
 from nanospec.engine import generate, shapes
 from nanospec.methods.bita import BiTA, Tuning
@@ -26,12 +27,7 @@ def drafter(name, model):
     """A method with random (noisy) trained parts, on the model's device and dtype."""
     a = model.args
 
-    def noisy(module, seed, scale):
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for p in module.parameters():
-                p.add_(torch.randn_like(p) * scale)
-        return module.to(model.embed.weight)
+    noisy = lambda module, seed, scale: helpers.noisy(module, seed, scale).to(model.embed.weight)
     heads = lambda: noisy(Heads(a.dim, a.vocab_size, 3).init_from(model.lm_head), 1, 0.1)
     return {
         "medusa": lambda: Medusa(heads(), choose_tree(ACC, 12)),

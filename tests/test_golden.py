@@ -26,22 +26,22 @@ or a deliberate change in the forward), run from the repository root:
     python tests/test_golden.py
 
 and paste its output over IDS and GOLDEN below. The GGUF tests do not store values of their own:
-each GGUF is written here from weights/pylm the way llama.cpp's convert_hf_to_gguf.py writes
-one (its permute() of the Q and K rows, gguf_files.permute; not nanospec's gguf_export, so that
-an un-permute matching a wrong export would still fail), converted by the package
+each GGUF is written from weights/pylm (gguf_files.write_llama_cpp_gguf) the way llama.cpp's
+convert_hf_to_gguf.py writes one (its permute() of the Q and K rows, gguf_files.permute; not
+nanospec's gguf_export, so that an un-permute matching a wrong export would still fail),
+converted by the package
 (sources.resolve, with NANOSPEC_CACHE in tmp_path so the current convert.py always runs),
 loaded with checkpoint.load and compared with the same GOLDEN values.
 """
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from gguf_files import GGUF_NAMES, LAYER, permute
+from gguf_files import write_llama_cpp_gguf
 from helpers import full_logits
 from nanospec import sources
-from nanospec.checkpoint import load, to_hf_name
+from nanospec.checkpoint import load
 from nanospec.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,66 +147,6 @@ def test_prompts_tokenize_to_the_stored_ids():
 def test_default_model_matches_golden_logits(model, exact):
     for ids, golden in zip(IDS, GOLDEN):
         check(logits_of(model, ids, exact), golden)
-
-
-def write_llama_cpp_gguf(src, path: Path, qtype: str) -> Path:
-    """The model src (weights/pylm) as convert_hf_to_gguf.py writes a Llama: Q/K rows permuted, 1-D norms in F32,
-    matrices in qtype (Q8_0: rows whose length is not a multiple of its 32-element block in F16,
-    as llama.cpp falls back). The vocabulary is the sentencepiece pieces as a `gpt2` tokenizer with
-    one merge (nanospec's loader reads byte-level BPE only; these tests feed ids, not text)."""
-    import gguf
-    from gguf import GGMLQuantizationType as T
-
-    a = src.args
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(a.n_layers)
-    w.add_context_length(a.max_seq_len)
-    w.add_embedding_length(a.dim)
-    w.add_feed_forward_length(a.hidden_dim)
-    w.add_head_count(a.n_heads)
-    w.add_head_count_kv(a.kv_heads)
-    w.add_rope_freq_base(a.rope_theta)
-    w.add_layer_norm_rms_eps(a.norm_eps)
-    w.add_rope_dimension_count(a.hd)
-    w.add_vocab_size(a.vocab_size)
-    w.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7}[qtype])
-    sp = Tokenizer(W / "tokenizer.model").sp
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-    w.add_token_list(pieces)
-    have = set(pieces)  # one merge: the loader wants the key, and a merge must join two tokens into one
-    w.add_token_merges([next(f"{p[:1]} {p[1:]}" for p in pieces if len(p) > 1 and {p[:1], p[1:], p} <= have)])
-    w.add_bos_token_id(a.bos_id)
-    w.add_eos_token_id(a.eos_id)
-    w.add_pad_token_id(a.pad_id)
-    w.add_add_bos_token(True)
-    for name, t in src.state_dict().items():
-        if a.tie_embeddings and name == "lm_head.weight":
-            continue
-        hf = to_hf_name(name).removesuffix(".weight")
-        if hf.startswith("model.layers."):
-            i, leaf = hf.removeprefix("model.layers.").split(".", 1)
-            gname = f"blk.{i}.{LAYER[leaf]}.weight"
-        else:
-            gname = f"{GGUF_NAMES[hf]}.weight"
-        x = t.detach().float().numpy()
-        if gname.endswith(".attn_q.weight"):
-            x = permute(x, a.n_heads)
-        elif gname.endswith(".attn_k.weight"):
-            x = permute(x, a.kv_heads)
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim == 1 or qtype == "F32":
-            w.add_tensor(gname, x)
-        elif qtype == "Q8_0" and x.shape[1] % 32 == 0:
-            w.add_tensor(gname, gguf.quants.quantize(x, T.Q8_0), raw_dtype=T.Q8_0)
-        else:
-            w.add_tensor(gname, x.astype(np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))

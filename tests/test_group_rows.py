@@ -7,7 +7,7 @@ host's node or another group moves its states far past rounding."""
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import one_forward, path_to, random_model
+from helpers import noisy, one_forward, path_to, random_model
 from nanospec.methods.bita import BiTA, Tuning
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
 from nanospec.methods.sdsat import SDSAT
@@ -15,14 +15,6 @@ from nanospec.model import ModelArgs
 from nanospec.tree import Tree
 
 ARGS = ModelArgs(dim=24, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
-
-
-def noisy(module, seed, scale):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return module
 
 
 def group_drafter(name, model):
