@@ -38,6 +38,51 @@ def to_hf_name(name: str) -> str:
     return name
 
 
+def from_hf_config(cfg: dict) -> ModelArgs:
+    """ModelArgs from an HF Llama config.json; what our Llama cannot run is refused."""
+    if cfg.get("model_type", "llama") != "llama":
+        raise ValueError(f"model_type {cfg.get('model_type')!r} is not llama")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise ValueError(f"{key}=true is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    # transformers >= 5 nests rope settings in rope_parameters; older versions use
+    # rope_theta + rope_scaling ({"type"|"rope_type": ...}).
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    scaling = None if kind == "default" else {"rope_type": kind, **rope}
+    eos = cfg.get("eos_token_id")
+    return ModelArgs(
+        dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+        n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
+        vocab_size=cfg["vocab_size"], hidden_dim=cfg["intermediate_size"],
+        head_dim=cfg.get("head_dim"), norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta, rope_scaling=scaling,
+        tie_embeddings=cfg.get("tie_word_embeddings", False),
+        max_seq_len=cfg.get("max_position_embeddings", 2048),
+        bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos,
+        pad_id=cfg.get("pad_token_id"))
+
+
+def to_hf_config(args: ModelArgs) -> dict:
+    """An HF Llama config.json for args (transformers loads it unchanged)."""
+    rope = {"rope_type": "default", **(args.rope_scaling or {})}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads,
+        "vocab_size": args.vocab_size, "intermediate_size": args.hidden_dim,
+        "head_dim": args.hd, "rms_norm_eps": args.norm_eps, "hidden_act": "silu",
+        "rope_theta": args.rope_theta, "rope_scaling": None if rope["rope_type"] == "default" else rope,
+        "rope_parameters": {"rope_theta": args.rope_theta, **rope},
+        "tie_word_embeddings": args.tie_embeddings, "max_position_embeddings": args.max_seq_len, "bos_token_id": args.bos_id,
+        "eos_token_id": args.eos_id, "pad_token_id": args.pad_id,
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+    }
+
+
 def load_args(path) -> ModelArgs:
     path = Path(path)
     if not path.is_dir():
@@ -46,7 +91,7 @@ def load_args(path) -> ModelArgs:
     if not cfg_file.is_file():
         raise NanospecError(f"{path} has no config.json: is it an HF Llama checkpoint directory?")
     try:
-        return ModelArgs.from_hf(json.loads(cfg_file.read_text()))
+        return from_hf_config(json.loads(cfg_file.read_text()))
     except json.JSONDecodeError as e:
         raise NanospecError(f"{cfg_file} is not valid JSON ({e})") from None
     except KeyError as e:
@@ -104,7 +149,7 @@ def save(model: Llama, path, dtype=None, tokenizer_model=None) -> None:
     state = {to_hf_name(k): v.detach().to(dtype or v.dtype).contiguous().cpu()
              for k, v in model.state_dict().items()
              if not (model.args.tie_embeddings and k == "lm_head.weight")}
-    cfg = model.args.to_hf()
+    cfg = to_hf_config(model.args)
     cfg["torch_dtype"] = str(dtype or model.embed.weight.dtype).removeprefix("torch.")
     atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
     atomic_write(path / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))

@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import save_file
 
 from . import ArgumentParser, NanospecError, cli, gguf_tokenizer
+from .checkpoint import to_hf_config
 from .gguf_export import LAYER_NAMES, TOP_NAMES, export
 from .model import ModelArgs
 
@@ -148,7 +149,7 @@ def convert(gguf_path, out, sha256: str | None = None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        cfg = {**args.to_hf(), "torch_dtype": "float32"}
+        cfg = {**to_hf_config(args), "torch_dtype": "float32"}
         gen = {"bos_token_id": args.bos_id, "eos_token_id": args.eos_id}
         types = dict(Counter(GGMLQuantizationType(t.tensor_type).name for t in reader.tensors))
         source = {"gguf": gguf_path.name, "sha256": sha256, "name": meta.get("general.name"),

@@ -7,9 +7,10 @@ import time
 
 import torch
 
-from .cache import KVCache
 from .engine import MIN_BLOCK, Decoding
 from .files import atomic_write, cache_root, fingerprint, hardware
+from .kernels import to_json
+from .model import KVCache
 from .planner import Measured
 from .tree import Tree
 
@@ -24,7 +25,7 @@ def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps
     reps rounds, and each keeps its fastest: a busy spell of a shared machine then slows one round
     of every count, not every round of one."""
     w = model.embed.weight
-    forms = "" if exact or model.kernels is None else "-" + hashlib.sha256(model.kernels.to_json().encode()).hexdigest()[:8]
+    forms = "" if exact or model.kernels is None else "-" + hashlib.sha256(to_json(model.kernels).encode()).hexdigest()[:8]
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}-{COSTS_VERSION}"
     path = cache_root() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():

@@ -25,9 +25,8 @@ import numpy as np
 import torch
 
 from . import ArgumentParser, NanospecError, cli
-from .cache import KVCache
 from .files import atomic_write
-from .model import Block
+from .model import Block, KVCache
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 VAL_PERCENT = 5

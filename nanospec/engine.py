@@ -17,11 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import NanospecError, graphs, kernels
-from .cache import KVCache
-from .drafter import AR, Drafter, Nodes
-from .forward import Forward
-from .model import Block
+from . import NanospecError, graphs
+from .drafter import AR, Drafter, Forward, Nodes
+from .model import Block, KVCache, mm
 from .tree import Sampler, Tree, accept, layout, step_layout, verify
 
 # Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
@@ -49,6 +47,8 @@ class Decoding:
         self.forward_s = 0.0       # time in forwards (synchronised), for the benchmark's host time
         self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
         self.cuda = self.device.type == "cuda"
+        # programs run through graphs.run only where it captures them (or simulates that, in tests)
+        self.graphed = graphs.SIMULATE or (exact and self.cuda and graphs.ENABLED)
 
     def block(self, tree: Tree, hosts=(), M: int = 0, reserved: bool = False, chained: bool = True) -> Block:
         """The tree's rows at the current position, on the device, then (M > 0) a group of M rows
@@ -126,7 +126,7 @@ class Decoding:
         args = (*(block.tokens, block.pos, block.slots, block.prefix, block.extra),
                 nodes.tokens, lay.parent, lay.depth, lay.index, lay.anc, nodes.real)
         key = ("step", id(drafter), drafter.shape_key(nodes) if exact else None, greedy)  # the graph keeps drafter alive
-        return graphs.run(cache.graphs, key, run, args, self.device)
+        return self.launch(key, run, args)
 
     def prepare(self, drafter: Drafter, tree: Tree) -> tuple[Block, Nodes]:
         """A step's rows and nodes on the device; exact mode pads both to Q."""
@@ -196,7 +196,14 @@ class Decoding:
             x = f.embed() if embeds is None else embeds
             return f.logits(f.norm(f.layers(x)), len(f.block))
         args = (embeds, block.tokens, block.pos, block.slots, block.prefix, block.extra)
-        return graphs.run(cache.graphs, ("run",), run, args, self.device)[:n]
+        return self.launch(("run",), run, args)[:n]
+
+    def launch(self, key, fn, args):
+        """fn(*args) on the device: through a graph captured once per key and shapes (graphs.run)
+        where programs are graphed, else directly."""
+        if self.graphed:
+            return graphs.run(self.cache.graphs, key, fn, args, self.device)
+        return fn(*(None if a is None else a.to(self.device) for a in args))
 
     def prefill(self, tokens: list[int]) -> None:
         """Commit tokens in chunks (Q rows in exact mode: the same for every method)."""
@@ -220,7 +227,7 @@ class Decoding:
     def mm(self, layer, x):
         """A drafter's bias-free product layer(x), on fast mode's tuned kernels when set: a few rows
         through a large lm_head cost a fraction of F.linear's time in the weight-first form."""
-        return kernels.mm(None if self.exact else self.model.kernels, layer, x)
+        return mm(None if self.exact else self.model.kernels, layer, x)
 
 
 def pack(path, emitted, depth=None, cands=None) -> torch.Tensor:

@@ -94,12 +94,10 @@ class Traced:
 
 
 def run(graphs: dict, key, fn, args, device):
-    """fn(*args) with args moved to device; on a GPU through a graph captured for `key` (and
-    the args' shapes), kept in `graphs`. Host tensors are copied straight into the graph's inputs."""
-    cuda = device.type == "cuda" and ENABLED
-    if not (cuda or SIMULATE):
-        return fn(*(None if a is None else a.to(device) for a in args))
+    """fn(*args) through a graph captured for `key` (and the args' shapes), kept in `graphs`: a CUDA
+    graph on a GPU, else (SIMULATE) its traced stand-in. Host tensors are copied straight into the
+    graph's inputs. The engine calls it only where programs are graphed (Decoding.graphed)."""
     key = (key, *(None if a is None else (tuple(a.shape), a.dtype) for a in args))
     if key not in graphs:
-        graphs[key] = (Graph if cuda else Traced)(fn, args, device)
+        graphs[key] = (Graph if device.type == "cuda" and ENABLED else Traced)(fn, args, device)
     return graphs[key](args)

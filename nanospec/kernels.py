@@ -1,4 +1,5 @@
-"""Fast mode's matrix products, chosen by row count (`--kernels tuned`, the default on a CPU).
+"""Fast mode's matrix products by row count (`--kernels tuned`, the default on a CPU): the table of
+model.Kernels, tuned here per machine and cached.
 
 A forward of a few rows on a CPU is bound by reading the weights, yet eager `F.linear` handles
 a small row count almost row by row. The same product written weight-first, `(W @ x.T).T`, or
@@ -12,7 +13,7 @@ run on more rows than it has, zero rows added and their results dropped, when tu
 the larger count faster: a forward's cost then never rises from n rows to n+1 below a bucket
 edge, and the planner gets the rows it pays for (costs.measure sees the padded forward).
 
-Exact mode never comes here: there AR and every method share one kernel. Fast mode promises
+Exact mode never uses the table: there AR and every method share one kernel. Fast mode promises
 AR's tokens, not its bits (the benchmark counts mismatches), and AR runs the same table at one row.
 """
 import hashlib
@@ -21,55 +22,19 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from .files import atomic_write, cache_root, fingerprint, hardware
+from .model import BUCKETS, FORMS, Kernels
 
-BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PAD_MARGIN = 0.1  # run a product on more rows only if that measured at least 10% faster
-FORMS = {
-    "linear": lambda x, w, wt: F.linear(x, w),
-    "weight-first": lambda x, w, wt: (w @ x.T).T,
-    "transposed": lambda x, w, wt: x @ wt,
-}
 
 
-def mm(kernels, layer, x):
-    """layer(x) for a bias-free layer: in the form fastest for x's rows when kernels (fast mode's
-    tuned Kernels) are given, else as the layer computes it (exact mode: AR's one kernel)."""
-    return layer(x) if kernels is None else kernels.linear(layer, x)
+def to_json(k: Kernels) -> str:
+    return json.dumps([[*key, *v] for key, v in k.table.items()])
 
 
-class Kernels:
-    """{(out, in, rows bucket): (form, rows)}: the fastest form of each product on this machine,
-    and the row count to run it at (the bucket's, or a larger one's, zero rows added)."""
-
-    def __init__(self, table: dict):
-        self.table = table
-        self.t = {}  # id(weight) -> its transposed copy, for the forms that want one
-
-    def linear(self, layer, x):
-        M, w = x.shape[:-1].numel(), layer.weight
-        b = next((b for b in BUCKETS if b >= M), None)
-        form, rows = self.table.get((*w.shape, b), ("linear", M)) if b else ("linear", M)
-        if form == "linear" and rows == M:
-            return layer(x)
-        if form == "transposed" and id(w) not in self.t:
-            self.t[id(w)] = w.t().contiguous()
-        x2 = x.reshape(M, -1)
-        if rows > M:
-            x2 = torch.cat([x2, x2.new_zeros(rows - M, x2.shape[1])])
-        # row-major out, as F.linear's: a weight-first product's transposed result would make the
-        # next ops keep its layout, on which the following products run several times slower
-        y = FORMS[form](x2, w, self.t.get(id(w)))[:M].contiguous()
-        return y.reshape(*x.shape[:-1], -1)
-
-    def to_json(self) -> str:
-        return json.dumps([[*k, *v] for k, v in self.table.items()])
-
-    @classmethod
-    def from_json(cls, text: str) -> "Kernels":
-        return cls({tuple(row[:3]): tuple(row[3:]) for row in json.loads(text)})
+def from_json(text: str) -> Kernels:
+    return Kernels({tuple(row[:3]): tuple(row[3:]) for row in json.loads(text)})
 
 
 def tuned(model) -> Kernels:
@@ -78,12 +43,12 @@ def tuned(model) -> Kernels:
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-padded"
     path = cache_root() / "kernels" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
-        return Kernels.from_json(path.read_text())
+        return from_json(path.read_text())
     print(f"tuning fast mode's matrix products for this machine (once; cached in {path.parent})...",
           file=sys.stderr, flush=True)
     k = tune(model)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda p: p.write_text(k.to_json()))
+    atomic_write(path, lambda p: p.write_text(to_json(k)))
     return k
 
 

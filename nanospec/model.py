@@ -1,15 +1,14 @@
 """A Llama that computes a block of rows with explicit positions, cache slots and visibility.
 
-Every forward takes a Block: T rows, each with a RoPE position, the cache slot its key/value
-is written to, and the slots it may attend to: "the committed prefix 0..prefix-1, then `extra`
-in the given order" -- for a tree node, its ancestors by depth and itself. That order is the
-canonical key order of the exactness contract (DESIGN.md section 2). Two modes:
-- exact: each row gathers its visible keys into canonical order, padded to the cache's S slots,
-  so a row's result depends only on its own input and its visible keys -- not on which other
-  rows share the block. With a fixed block of Q rows (the engine pads), a tree node's logits are
-  bitwise those AR computes for the same token.
-- fast: SDPA over the used part of the cache with a boolean mask, no padding, and the matrix
-  products in the form fastest for the row count (kernels.py), when tuned.
+Every forward takes a Block: T rows, each with a RoPE position, the KVCache slot its key/value is
+written to, and the slots it may attend to: "the committed prefix 0..prefix-1, then `extra` in the
+given order" -- for a tree node, its ancestors by depth and itself: the canonical key order of the
+exactness contract (DESIGN.md section 2). Two modes:
+- exact: each row gathers its visible keys in canonical order, padded to the cache's S slots, so
+  its result depends only on its own input and visible keys, not on the block's other rows: in a
+  fixed block of Q rows (the engine pads), a tree node's logits are bitwise AR's for its token.
+- fast: SDPA over the used part of the cache with a boolean mask, no padding, and each matrix
+  product in the form fastest for its row count (Kernels, tuned by kernels.py), when set.
 """
 import math
 from dataclasses import dataclass, fields
@@ -19,11 +18,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import kernels
-
 # Fast mode's SDPA backends, chosen explicitly: on CUDA, PyTorch may pick cuDNN, which plans
 # anew for every new key length (milliseconds of CPU per call, every step).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # fast mode's row counts, each with its tuned forms
+FORMS = {"linear": lambda x, w, wt: F.linear(x, w), "weight-first": lambda x, w, wt: (w @ x.T).T,
+         "transposed": lambda x, w, wt: x @ wt}  # x @ w.T three ways: the fastest depends on rows, shape, machine
 
 
 @dataclass
@@ -62,48 +62,6 @@ class ModelArgs:
     def hd(self) -> int:
         return self.head_dim or self.dim // self.n_heads
 
-    @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelArgs":
-        if cfg.get("model_type", "llama") != "llama":
-            raise ValueError(f"model_type {cfg.get('model_type')!r} is not llama")
-        for key in ("attention_bias", "mlp_bias"):
-            if cfg.get(key):
-                raise ValueError(f"{key}=true is not supported")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
-        # transformers >= 5 nests rope settings in rope_parameters; older versions use
-        # rope_theta + rope_scaling ({"type"|"rope_type": ...}).
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        kind = rope.pop("rope_type", rope.pop("type", "default"))
-        scaling = None if kind == "default" else {"rope_type": kind, **rope}
-        eos = cfg.get("eos_token_id")
-        return cls(
-            dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-            n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
-            vocab_size=cfg["vocab_size"], hidden_dim=cfg["intermediate_size"],
-            head_dim=cfg.get("head_dim"), norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=theta, rope_scaling=scaling,
-            tie_embeddings=cfg.get("tie_word_embeddings", False),
-            max_seq_len=cfg.get("max_position_embeddings", 2048),
-            bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos,
-            pad_id=cfg.get("pad_token_id"))
-
-    def to_hf(self) -> dict:
-        rope = {"rope_type": "default", **(self.rope_scaling or {})}
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads,
-            "vocab_size": self.vocab_size, "intermediate_size": self.hidden_dim,
-            "head_dim": self.hd, "rms_norm_eps": self.norm_eps, "hidden_act": "silu",
-            "rope_theta": self.rope_theta, "rope_scaling": None if rope["rope_type"] == "default" else rope,
-            "rope_parameters": {"rope_theta": self.rope_theta, **rope},
-            "tie_word_embeddings": self.tie_embeddings, "max_position_embeddings": self.max_seq_len, "bos_token_id": self.bos_id,
-            "eos_token_id": self.eos_id, "pad_token_id": self.pad_id,
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
-        }
-
 
 @dataclass
 class Block:
@@ -134,13 +92,6 @@ class Block:
         filler = Block(z, z, torch.full((Q - n,), trash, device=dev), z, (z + trash)[..., None])
         return Block.cat(self, filler)
 
-    @staticmethod
-    def causal(tokens: torch.Tensor) -> "Block":
-        """A plain language-model block: row t at position t sees rows 0..t (use with cache=None)."""
-        B, T = tokens.shape
-        pos = torch.arange(T, device=tokens.device).expand(B, T)
-        return Block(tokens, pos, pos[0], pos + 1, torch.full((B, T, 1), -1, device=tokens.device))
-
     def to(self, device) -> "Block":
         return Block(*(getattr(self, f.name).to(device) for f in fields(self)))
 
@@ -156,14 +107,14 @@ class Context:
     valid: torch.Tensor | None = None  # exact: (B, T, Sp) which of those are visible
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
-    kernels: object = None             # fast: kernels.Kernels, the products' forms by row count
+    kernels: object = None             # fast: Kernels, the products' forms by row count
 
     def rows(self, x):
         """Matmul input: in exact mode, each row laid out 64-byte aligned (see `aligned`)."""
         return aligned(x) if self.exact else x
 
     def mm(self, layer, x):
-        return kernels.mm(self.kernels, layer, x)
+        return mm(self.kernels, layer, x)
 
     def map(self, fn, x):
         """An elementwise fn; in exact mode each row's result is independent of its index (see `rowwise`)."""
@@ -183,21 +134,17 @@ def aligned_pad(x) -> int:
 
 
 def aligned(x):
-    """x as a view whose rows start 64-byte aligned (the last dim's stride padded). CPU BLAS kernels
-    take alignment-dependent paths: with fp32 rows of odd length, a row's result depended on its
-    index in the block. Exact mode feeds every matmul aligned rows."""
+    """x as a view whose rows start 64-byte aligned (the last dim's stride padded): CPU BLAS takes
+    alignment-dependent paths, so with fp32 rows of odd length a row's result would depend on its index."""
     pad = aligned_pad(x)
     return F.pad(x, (0, pad))[..., :x.shape[-1]] if pad else x
 
 
 def rowwise(fn, x):
     """fn(x) for an elementwise fn, with every element on the same kernel path wherever its row is.
-
-    CPU kernels compute SIMD chunks and finish each contiguous run (each thread's share) with a
-    scalar loop. For silu the two paths disagree in the last bit on ~4% of inputs, so the last
-    rows of a block came out differently from AR's row 0. Rows padded to 64 elements, in calls
-    small enough to stay on one thread (PyTorch's grain is 32768 elements), take the SIMD path only.
-    """
+    CPU kernels finish each thread's contiguous run of SIMD chunks with a scalar loop, which for silu
+    disagrees in the last bit on ~4% of inputs. Rows padded to 64 elements, in calls small enough for
+    one thread (PyTorch's grain is 32768 elements), take the SIMD path only."""
     if x.device.type != "cpu":  # GPU kernels apply the same scalar code to every element
         return fn(x)
     D = x.shape[-1]
@@ -205,6 +152,36 @@ def rowwise(fn, x):
     rows = F.pad(x, (0, Dp - D)).reshape(-1, Dp)
     out = torch.cat([fn(c) for c in rows.split(max(1, 32768 // Dp))])
     return out[:, :D].reshape(x.shape)
+
+
+def mm(kernels, layer, x):
+    """layer(x) for a bias-free layer: in the form fastest for x's rows when kernels (fast mode's
+    tuned Kernels) are given, else as the layer computes it (exact mode: AR's one kernel)."""
+    return layer(x) if kernels is None else kernels.linear(layer, x)
+
+
+class Kernels:
+    """{(out, in, rows bucket): (form, rows)}: each product's fastest form and row count (kernels.py)."""
+
+    def __init__(self, table: dict):
+        self.table = table
+        self.t = {}  # id(weight) -> its transposed copy, for the forms that want one
+
+    def linear(self, layer, x):
+        M, w = x.shape[:-1].numel(), layer.weight
+        b = next((b for b in BUCKETS if b >= M), None)
+        form, rows = self.table.get((*w.shape, b), ("linear", M)) if b else ("linear", M)
+        if form == "linear" and rows == M:
+            return layer(x)
+        if form == "transposed" and id(w) not in self.t:
+            self.t[id(w)] = w.t().contiguous()
+        x2 = x.reshape(M, -1)
+        if rows > M:
+            x2 = torch.cat([x2, x2.new_zeros(rows - M, x2.shape[1])])
+        # row-major out, as F.linear's: a weight-first product's transposed result would make the
+        # next ops keep its layout, on which the following products run several times slower
+        y = FORMS[form](x2, w, self.t.get(id(w)))[:M].contiguous()
+        return y.reshape(*x.shape[:-1], -1)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -245,8 +222,7 @@ class RMSNorm(nn.Module):
 
 def attend_exact(q, kc, vc, ctx):
     """q (B, T, H, D); kc, vc (B, Hkv, S, D). Each row reduces over its own keys in canonical order."""
-    B, T, H, D = q.shape
-    Hkv = kc.shape[1]
+    (B, T, H, D), Hkv = q.shape, kc.shape[1]
     b = torch.arange(B, device=q.device)[:, None, None, None]
     h = torch.arange(Hkv, device=q.device)[None, None, :, None]
     k = kc[b, h, ctx.idx[:, :, None, :]]  # (B, T, Hkv, Sp, D): row t's visible keys, canonical order
@@ -261,8 +237,7 @@ def attend_exact(q, kc, vc, ctx):
 
 def attend_fast(q, kc, vc, ctx):
     """SDPA over cache slots 0..L-1; query heads folded into rows so GQA needs no key copy."""
-    B, T, H, D = q.shape
-    Hkv = kc.shape[1]
+    (B, T, H, D), Hkv = q.shape, kc.shape[1]
     G = H // Hkv
     k, v = kc[:, :, :ctx.L], vc[:, :, :ctx.L]  # (B, Hkv, L, D)
     q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
@@ -334,7 +309,7 @@ class Llama(nn.Module):
         if args.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        self.kernels = None  # fast mode's tuned product forms (kernels.py), when set
+        self.kernels = None  # fast mode's tuned product forms (Kernels, from kernels.tuned), when set
 
     def rope(self, pos: torch.Tensor, exact: bool = False):
         """cos, sin (B, T, 1, D) for positions (B, T)."""
@@ -348,9 +323,8 @@ class Llama(nn.Module):
         ctx = Context(*self.rope(block.pos, exact), block.slots, exact, kernels=None if exact else self.kernels)
         prefix, extra = block.prefix[..., None], block.extra
         if exact:
-            # Rows' key vectors are padded to a multiple of 32 so that every row's slice starts
-            # 64-byte aligned: CPU BLAS takes alignment-dependent paths in batched matmuls, which
-            # made a row's fp32 result depend on its index in the block.
+            # each row's keys padded to a multiple of 32, so every row's slice starts 64-byte aligned:
+            # CPU BLAS's alignment-dependent paths would make a row's result depend on its index
             Sp = -(-n_slots // 32) * 32
             j = torch.arange(Sp, device=extra.device)
             ext = F.pad(extra, (0, Sp - extra.shape[-1]), value=-1)  # (B, T, Sp)
@@ -366,11 +340,8 @@ class Llama(nn.Module):
         return ctx
 
     def forward(self, block: Block, cache=None, exact: bool = False):
-        """Logits (B, T, V) for the block's rows.
-
-        cache=None (training): no KV cache; row t's key is slot t, so the block's slots must
-        be 0..T-1 and visibility refers to rows (`causal` builds the plain LM block).
-        """
+        """Logits (B, T, V) for the block's rows. cache=None (training): row t's key is slot t, so the
+        block's slots must be 0..T-1 and visibility refers to rows (training.causal: a plain LM block)."""
         ctx = self.context(block, cache.n_slots if cache else len(block), exact)
         x = self.embed(block.tokens)
         for i, layer in enumerate(self.layers):
@@ -378,18 +349,52 @@ class Llama(nn.Module):
         return ctx.mm(self.lm_head, ctx.rows(self.norm(x)))
 
 
-@torch.no_grad()
-def hidden_states(model: Llama, seqs: list[list[int]], layer: int | None = None, batch: int = 16) -> list[torch.Tensor]:
-    """Every position's final normed state (with `layer`: the residual stream after that many
-    layers) in every sequence: drafters' training data. Right padding is harmless: causal."""
-    out = []
-    for part in (seqs[i:i + batch] for i in range(0, len(seqs), batch)):
-        T = max(map(len, part))
-        blk = Block.causal(torch.tensor([s + [0] * (T - len(s)) for s in part], device=model.embed.weight.device))
-        ctx = model.context(blk, T, False)
-        x = model.embed(blk.tokens)
-        for L in model.layers[:layer]:
-            x = L(x, ctx, None, None)
-        h = model.norm(x) if layer is None else x
-        out += [h[j, :len(s)] for j, s in enumerate(part)]
-    return out
+class KVCache:
+    """A static KV cache of S slots for all layers: slots 0..capacity-1 hold the sequence (committed
+    tokens, then the step's scratch rows), above them the slots a method reserves for its own keys
+    (BiTA's prompt keys), and last the trash slot that exact-mode padding rows write and read."""
+
+    def __init__(self, n_layers, batch, n_slots, n_kv_heads, head_dim, dtype, device):
+        shape = (n_layers, batch, n_kv_heads, n_slots, head_dim)
+        self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        self.n_slots, self.trash, self.n_reserved = n_slots, n_slots - 1, 0
+        self.graphs = {}  # CUDA graphs captured with this cache (graphs.py): bound to its buffers
+
+    @classmethod
+    def for_model(cls, model, n_slots, batch=1):
+        a, w = model.args, model.embed.weight
+        return cls(a.n_layers, batch, n_slots, a.kv_heads, a.hd, w.dtype, w.device)
+
+    @property
+    def capacity(self) -> int:
+        """Slots available to the sequence and the scratch rows of a step."""
+        return self.n_slots - 1 - self.n_reserved
+
+    def reset(self) -> None:
+        """Empty, for a new generation; captured graphs stay valid."""
+        self.k.zero_()
+        self.v.zero_()
+        self.n_reserved = 0
+
+    def layer(self, i):
+        return self.k[i], self.v[i]  # each (B, Hkv, S, D), views: writes land in the cache
+
+    def reserve(self, n: int) -> torch.Tensor:
+        """Claim n slots for method-owned keys, just below the trash slot."""
+        if n > self.capacity - 1:
+            raise ValueError(f"cannot reserve {n} of {self.n_slots} cache slots")
+        self.n_reserved += n
+        return torch.arange(self.capacity, self.capacity + n)  # host tensor, like the blocks that use it
+
+    def compact(self, src: list[int], dst_start: int) -> None:
+        """Rollback/commit: move the entries at slots src to dst_start, dst_start+1, ... in order (the
+        accepted path, scattered over scratch slots, after the prefix); every other slot stays."""
+        k = 0  # entries already in place (the root, and a path along the tree's first nodes) stay
+        while k < len(src) and src[k] == dst_start + k:
+            k += 1
+        if k == len(src):  # decided on the host: no device sync
+            return
+        idx = torch.tensor(src[k:], device=self.k.device)
+        lo, hi = dst_start + k, dst_start + len(src)
+        self.k[:, :, :, lo:hi] = self.k.index_select(3, idx)  # index_select copies first, so overlap is safe
+        self.v[:, :, :, lo:hi] = self.v.index_select(3, idx)

@@ -25,9 +25,9 @@ from . import NanospecError
 from .checkpoint import load, save
 from .files import atomic_write, hardware
 from .data import STDLIB, documents, split_bytes, token_stream
-from .model import Block, Llama, ModelArgs
+from .model import Llama, ModelArgs
 from .tokenizer import Tokenizer, train_tokenizer
-from .training import Progress, adamw, cosine_lr, load_state, save_state, update
+from .training import Progress, adamw, causal, cosine_lr, load_state, save_state, update
 
 
 def add_args(p):
@@ -83,7 +83,7 @@ def eval_loss(model, wins: torch.Tensor, batch: int = 16) -> float:
     dev = model.embed.weight.device
     for i in range(0, len(wins), batch):
         x = wins[i:i + batch].to(dev)
-        logits = model(Block.causal(x[:, :-1]))
+        logits = model(causal(x[:, :-1]))
         total += F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
         count += x[:, 1:].numel()
     model.train()
@@ -149,7 +149,7 @@ def train_base(args):
     for step in range(start, args.steps):
         lr = cosine_lr(step, args.steps, args.lr, args.warmup)
         x = windows(train_ids, B, T, torch.Generator().manual_seed(args.seed * 1_000_003 + step)).to(dev)
-        logits = model(Block.causal(x[:, :-1]))
+        logits = model(causal(x[:, :-1]))
         loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
         update(opt, loss, lr)
         prog.step(step, loss.item(), lr, B * T)

@@ -1,4 +1,5 @@
-"""What every trainer shares: the LR schedule, progress lines, resumable checkpoints."""
+"""What every trainer shares: the LR schedule, the base model's states as data, progress lines,
+resumable checkpoints."""
 import time
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import torch
 from .checkpoint import load
 from .files import atomic_write
 from .data import chat_encoder, distill
+from .model import Block, Llama
 from .sources import base_of
 from .tokenizer import load_tokenizer
 
@@ -40,6 +42,30 @@ def distilled(args):
     if n and n < len(train):  # spread evenly: the data is sorted by prompt length
         train = [train[i * len(train) // n] for i in range(n)]
     return model, train, data[::10]
+
+
+def causal(tokens: torch.Tensor) -> Block:
+    """A plain language-model block: row t at position t sees rows 0..t (a forward with cache=None)."""
+    B, T = tokens.shape
+    pos = torch.arange(T, device=tokens.device).expand(B, T)
+    return Block(tokens, pos, pos[0], pos + 1, torch.full((B, T, 1), -1, device=tokens.device))
+
+
+@torch.no_grad()
+def hidden_states(model: Llama, seqs: list[list[int]], layer: int | None = None, batch: int = 16) -> list[torch.Tensor]:
+    """Every position's final normed state (with `layer`: the residual stream after that many
+    layers) in every sequence: drafters' training data. Right padding is harmless: causal."""
+    out = []
+    for part in (seqs[i:i + batch] for i in range(0, len(seqs), batch)):
+        T = max(map(len, part))
+        blk = causal(torch.tensor([s + [0] * (T - len(s)) for s in part], device=model.embed.weight.device))
+        ctx = model.context(blk, T, False)
+        x = model.embed(blk.tokens)
+        for L in model.layers[:layer]:
+            x = L(x, ctx, None, None)
+        h = model.norm(x) if layer is None else x
+        out += [h[j, :len(s)] for j, s in enumerate(part)]
+    return out
 
 
 def update(opt, loss, lr: float, clip: float | None = 1.0, each: bool = False) -> None:

@@ -8,9 +8,8 @@ import torch
 from hypothesis import strategies as st
 
 from nanospec import cli
-from nanospec.cache import KVCache
 from nanospec.engine import Decoding, Drafter, generate, shapes
-from nanospec.model import Block, Llama, ModelArgs
+from nanospec.model import Block, KVCache, Llama, ModelArgs
 from nanospec.tree import Tree
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from nanospec.cache import KVCache
+from nanospec.model import KVCache
 
 
 @given(st.data())

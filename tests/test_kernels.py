@@ -1,13 +1,13 @@
-"""Fast mode's tuned products (kernels.py): every form, padded or not, computes the linear layer,
-a table survives its cache file, and tune() fills every (shape, bucket) with a valid choice."""
+"""Fast mode's tuned products (model.Kernels; kernels.py tunes them): every form, padded or not,
+computes the linear layer, a table survives its cache file, and tune() fills every (shape, bucket)
+with a valid choice."""
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
 from helpers import Adversary, full_logits, random_model
 from nanospec import kernels
-from nanospec.kernels import BUCKETS, FORMS, Kernels
-from nanospec.model import ModelArgs
+from nanospec.model import BUCKETS, FORMS, Kernels, ModelArgs
 
 TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
 
@@ -46,7 +46,7 @@ def test_tuned_table_round_trips_and_keeps_fast_mode_close():
     assert set(table.table) == {(*s, b) for s in shapes for b in (1, 2, 3, 4)}
     for (_, _, b), (form, rows) in table.table.items():
         assert form in FORMS and b <= rows <= 2 * b
-    assert Kernels.from_json(table.to_json()).table == table.table
+    assert kernels.from_json(kernels.to_json(table)).table == table.table
     ids = [1, 5, 9, 2]
     plain = full_logits(model, ids, False)
     model.kernels = table

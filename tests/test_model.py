@@ -7,10 +7,9 @@ from hypothesis import given, strategies as st
 
 from helpers import full_logits, model_args, random_model
 from nanospec import NanospecError
-from nanospec.cache import KVCache
-from nanospec.checkpoint import load, load_args, save
+from nanospec.checkpoint import from_hf_config, load, load_args, save, to_hf_config
 from nanospec.engine import generate
-from nanospec.model import Block, ModelArgs
+from nanospec.model import Block, KVCache, ModelArgs
 from nanospec.tree import Tree
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -95,10 +94,10 @@ def test_save_load_roundtrip_bf16_is_exact_upcast(tmp_path):
 
 def test_config_styles_and_errors(tmp_path):
     base = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=10, intermediate_size=20)
-    old = ModelArgs.from_hf({**base, "rope_theta": 500.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
-    new = ModelArgs.from_hf({**base, "rope_parameters": {"rope_theta": 500.0, "rope_type": "linear", "factor": 2.0}})
+    old = from_hf_config({**base, "rope_theta": 500.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    new = from_hf_config({**base, "rope_parameters": {"rope_theta": 500.0, "rope_type": "linear", "factor": 2.0}})
     assert old == new and old.rope_scaling == {"rope_type": "linear", "factor": 2.0} and old.rope_theta == 500.0
-    assert ModelArgs.from_hf(ModelArgs(dim=8, n_heads=2, rope_scaling=LLAMA3).to_hf()).rope_scaling == LLAMA3
+    assert from_hf_config(to_hf_config(ModelArgs(dim=8, n_heads=2, rope_scaling=LLAMA3))).rope_scaling == LLAMA3
     cases = {"{not json": "not valid JSON", json.dumps({**base, "hidden_size": None} | {"x": 1})[:-1]: "not valid JSON",
              json.dumps({k: v for k, v in base.items() if k != "vocab_size"}): "lacks the key 'vocab_size'",
              json.dumps({**base, "attention_bias": True}): "attention_bias",

@@ -52,8 +52,7 @@ from .. import NanospecError
 from ..checkpoint import load_trained, save_drafter
 from ..files import fingerprint
 from ..data import distill_args
-from ..drafter import Ranked
-from ..forward import Forward, Out
+from ..drafter import Forward, Out, Ranked
 from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
 from ..tree import Template, choose_tree
 

@@ -42,10 +42,8 @@ import torch.nn.functional as F
 from ..checkpoint import load_trained, save_drafter
 from ..files import fingerprint
 from ..data import distill_args
-from ..drafter import Ranked
-from ..forward import Out
-from ..model import hidden_states
-from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
+from ..drafter import Out, Ranked
+from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, Progress, update
 from ..tree import Template, choose_tree
 
 

@@ -60,10 +60,10 @@ import torch.nn.functional as F
 from .. import NanospecError
 from ..checkpoint import load_drafter_file, save_drafter
 from ..files import fingerprint
-from ..forward import Out
-from ..model import RMSNorm, hidden_states
+from ..drafter import Out
+from ..model import RMSNorm
 from ..planner import CostModel, Planner
-from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
+from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, Progress, update
 from ..tree import choose_tree
 from .medusa import Medusa, load_heads
 

@@ -52,12 +52,10 @@ from .. import NanospecError
 from ..checkpoint import load, save
 from ..files import atomic_write, fingerprint, hardware
 from ..data import distill, distill_args, token_stream
-from ..drafter import Ranked
-from ..model import Block
+from ..drafter import Out, Ranked
 from ..pretrain import eval_loss, val_windows, windows
 from ..tokenizer import load_tokenizer
-from ..training import Progress, adamw, cosine_lr, update
-from ..forward import Out
+from ..training import Progress, adamw, causal, cosine_lr, update
 from ..tree import Template
 
 class SDSAT(Ranked):
@@ -188,7 +186,7 @@ def sdsat_loss(model, plain: torch.Tensor, mix: torch.Tensor, args, ids: list[in
     inp, tgt = x[:, :-1], x[:, 1:]
     h = len(plain)
     mixed, replaced = mask(inp[h:], args.window, args.mask_rate, ids, gen)
-    logits = model(Block.causal(torch.cat([inp[:h], mixed]))).float()
+    logits = model(causal(torch.cat([inp[:h], mixed]))).float()
     ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none").view(tgt.shape)
     mixed_ce = ce[h:]
     standard = mixed_ce[~replaced].mean()
