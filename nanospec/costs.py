@@ -1,5 +1,9 @@
-"""What a forward costs on this machine: seconds per forward by rows, measured once per machine,
-model, dtype and mode, and cached (the planner's Measured cost model)."""
+"""What a step costs, for the planner (planner.py): a step's seconds by (batch, rows).
+
+- CostModel: ProPD's own (section 4.2), learnt online from whole steps;
+- measure: a forward's seconds by rows (planner.Measured), measured once per machine, model, dtype
+  and mode and cached: what a row costs here, not what a GPU intuition expects.
+"""
 import hashlib
 import json
 import math
@@ -16,6 +20,37 @@ from .tree import Tree
 
 COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached measures are then stale
+
+
+class CostModel:
+    """ProPD's iteration-time model: per (batch, rows) an EMA of measured step time, and a line
+    T(rows) = b0 + b1 * rows fitted by least squares weighted by exp(-lam * age), age being the
+    steps since that row count was last measured."""
+    forwards_only = False  # learnt from whole steps: taken as it is
+
+    def __init__(self, alpha: float = 0.3, lam: float = 0.01):
+        self.alpha, self.lam, self.step = alpha, lam, 0
+        self.perf, self.seen = {}, {}  # (batch, rows) -> EMA of step seconds; step of its last update
+
+    def update(self, rows: int, seconds: float, batch: int = 1) -> None:
+        old = self.perf.get((batch, rows))
+        self.perf[batch, rows] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        self.seen[batch, rows], self.step = self.step, self.step + 1
+
+    def fit(self, batch: int = 1) -> tuple[float, float] | None:
+        """(b0, b1), or None with fewer than two row counts measured."""
+        pts = [(r, t, math.exp(-self.lam * (self.step - self.seen[b, r]))) for (b, r), t in self.perf.items() if b == batch]
+        if len({r for r, _, _ in pts}) < 2:
+            return None
+        W = sum(w for *_, w in pts)
+        xm, ym = sum(w * r for r, _, w in pts) / W, sum(w * t for _, t, w in pts) / W
+        b1 = sum(w * (r - xm) * (t - ym) for r, t, w in pts) / sum(w * (r - xm) ** 2 for r, _, w in pts)
+        return ym - b1 * xm, b1
+
+    def estimate(self, rows: int, batch: int = 1) -> float | None:
+        fit = self.fit(batch)
+        return None if fit is None else fit[0] + fit[1] * rows
+
 
 
 @torch.inference_mode()

@@ -150,11 +150,6 @@ class Drafter:
     def forward(self, f: Forward, nodes) -> Out:
         return Out(f.logits(f.norm(f.layers(f.embed())), len(nodes.real)))
 
-    def context(self, dec) -> int:
-        """For a drafter without ranked candidates, what its planner conditions a budget's gain on
-        (planner.Planner): one context unless the method knows better."""
-        return 0
-
     def propose(self, drafts: torch.Tensor, mm) -> torch.Tensor:
         """Logits per draft depth (K, V) from the last accepted node's drafts (K', D); a bias-free
         layer's product runs as mm(layer, x) (Decoding.mm)."""

@@ -42,8 +42,6 @@ class Decoding:
         self.out: list[int] = []   # tokens emitted so far
         self.last = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
         self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
-        self.cands = None          # (D, R) on the device: ranked candidates per depth from the last step
-        self.cand_lists = None     # the same, on the host
         self.forward_s = 0.0       # time in forwards (synchronised), for the benchmark's host time
         self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
         self.cuda = self.device.type == "cuda"
@@ -144,7 +142,8 @@ class Decoding:
     def step(self, drafter: Drafter, tree: Tree, record: bool):
         """Verify a tree: the method's forward, greedy verification on the device and its next
         candidates, with one read-back (sampling verifies on the host).
-        Returns (the tree as verified, path, emitted tokens, the path's logits if record)."""
+        Returns (the tree as verified, path, emitted tokens, the next candidates (D, R) on the device
+        and as host lists, or None and None, the path's logits if record)."""
         drafter, tree = self.fit(drafter, tree)
         n = len(tree)
         block, nodes = self.prepare(drafter, tree)
@@ -156,19 +155,17 @@ class Decoding:
         self.forward_s += time.perf_counter() - t0
         if greedy:
             packed, logits = res
-            path, emitted, self.cands, self.cand_lists = unpack(packed, nodes.lay.anc.shape[1],
-                                                                max(drafter.topk, default=1))
+            path, emitted, cands, lists = unpack(packed, nodes.lay.anc.shape[1], max(drafter.topk, default=1))
         else:  # sampling verifies on the host: the logits are read back anyway
             logits, drafts, depths, alive = res
             path, emitted = verify(tree, logits[:n], self.sampler, len(self.out), None if alive is None else alive[:n])
-            self.cands = self.cand_lists = None
+            cands = lists = None
             if drafts is not None:
-                cands = drafter.propose(drafts[path[-1]], self.mm).topk(max(drafter.topk), dim=-1).indices
-                depth = int(depths[path[-1]]) if depths is not None else len(cands)
+                top = drafter.propose(drafts[path[-1]], self.mm).topk(max(drafter.topk), dim=-1).indices
+                depth = int(depths[path[-1]]) if depths is not None else len(top)
                 if depth:
-                    self.cands = cands[:depth]
-                    self.cand_lists = self.cands.tolist()
-        return tree, path, emitted, logits[path].float().cpu() if record else None
+                    cands, lists = top[:depth], top[:depth].tolist()
+        return tree, path, emitted, cands, lists, logits[path].float().cpu() if record else None
 
     def fixed(self, block: Block) -> Block:
         """An exact-mode block at fixed shapes: Q rows (padding rows write and read the trash slot),
@@ -345,7 +342,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     drafter.start(dec)
     dec.sync()
     t1 = time.perf_counter()
-    planner = drafter.planner
+    planner, cands, lists = drafter.planner, None, None
     if planner is not None:
         planner.start(drafter, dec)
     while len(dec.out) < max_new_tokens:
@@ -353,17 +350,16 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
             res.stop = "cache_full"
             break
         ts = time.perf_counter()
-        budget, template = planner.budget(drafter, dec) if planner is not None else (None, None)
+        budget, template = planner.budget(dec) if planner is not None else (None, None)
         step = drafter if budget != 0 else AR  # budget 0: drafting does not pay, an AR step
-        tree = step.draft(dec, dec.cands, template or getattr(drafter, "template", None), budget)
-        tree, path, toks, rows = dec.step(step, tree, record_logits)
+        tree = step.draft(dec, cands, template or getattr(drafter, "template", None), budget)
+        tree, path, toks, cands, lists, rows = dec.step(step, tree, record_logits)
         if record_logits:
             logits.append(rows)
         dec.commit(path, toks)
         drafter.accepted(dec, tree, path)
         if planner is not None:
-            planner.observe(dec, budget, step.size(len(tree)), len(path) - 1, time.perf_counter() - ts,
-                            path, len(tree) - 1)
+            planner.observe(dec, budget, step.size(len(tree)), time.perf_counter() - ts, path, len(tree) - 1, lists)
         res.steps += 1
         res.accepted.append(len(toks))
         if eos in toks:

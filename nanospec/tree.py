@@ -146,6 +146,12 @@ class Template:
     def __len__(self):
         return len(self.parents)
 
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(paths: tuple) -> "Template":
+        """One Template per tree shape, built once (the planner's trees)."""
+        return Template(paths)
+
     @functools.lru_cache(maxsize=64)
     def cut(self, depth: int) -> "Template":
         """The paths at most `depth` deep (when fewer depths were drafted)."""

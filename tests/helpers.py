@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from nanospec import cli
 from nanospec.engine import Decoding, Drafter, generate, shapes
 from nanospec.model import Block, KVCache, Llama, ModelArgs
+from nanospec.planner import Measured
 from nanospec.tree import Tree
 
 
@@ -26,6 +27,15 @@ def random_model(args: ModelArgs, seed=0, dtype=torch.float32, device="cpu") -> 
         if not args.tie_embeddings:
             model.lm_head.weight.mul_(3)
     return model.to(device=device, dtype=dtype).eval()
+
+
+class FixedCost(Measured):
+    """The planner's costs as a line T(rows) = b0 + b1 * rows, taken as it is (no step ratios): plans
+    that do not depend on the clock."""
+    forwards_only = False
+
+    def __init__(self, b0: float, b1: float):
+        super().__init__({1: b0 + b1, 2: b0 + 2 * b1})
 
 
 def from_branches(root: int, branches: list[list[int]]) -> Tree:
@@ -109,7 +119,7 @@ def check_exact(model, prompt, drafter, n: int, sampling=None, fast: bool = True
 
 def peek(drafter, truth: list[int], p: float = 0.9, seed: int = 0):
     """A truth-peeking variant of a trained drafter: before it drafts, the candidates its last
-    accepted node proposed (dec.cands[d]: ranked tokens for output position len(out) + d) get the
+    accepted node proposed (cands[d]: ranked tokens for output position len(out) + d) get the
     true token at rank 0 of the first depth, and of each deeper depth with probability p (there
     mostly rank 0, sometimes another rank). The rest stays the method's own, so its own forward
     (heads, mask rows, pseudo states, adaptive tokens, pruning, layer loops) runs on trees that do

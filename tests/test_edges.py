@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import helpers
-from helpers import check_exact, peek, random_model
+from helpers import FixedCost, check_exact, peek, random_model
 from nanospec.engine import generate, shapes
 from nanospec.methods.bita import BiTA, Tuning
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
@@ -15,7 +15,6 @@ from nanospec.methods.lookahead import Lookahead
 from nanospec.methods.medusa import Heads, Medusa
 from nanospec.tree import choose_tree
 from nanospec.methods.propd import EarlyHead, ProPD
-from nanospec.planner import FixedCost
 from nanospec.methods.sdsat import SDSAT
 from nanospec.model import ModelArgs
 

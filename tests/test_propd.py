@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import check_exact, model_args, pruned_rows, random_model
+from helpers import FixedCost, check_exact, model_args, pruned_rows, random_model
 from nanospec import NanospecError
 from nanospec.checkpoint import load
 from nanospec.engine import generate
@@ -15,7 +15,6 @@ from nanospec.methods.medusa import Heads
 from nanospec.tree import choose_tree as medusa_tree
 from nanospec.engine import Nodes
 from nanospec.methods.propd import EarlyHead, ProPD, pruned, load_propd, samples, train_early
-from nanospec.planner import FixedCost
 from nanospec.model import ModelArgs
 from nanospec.tree import Tree, layout
 
@@ -70,21 +69,21 @@ def test_propd_equals_ar(device, dtype, args, seed, plen, size, k, sampled, prun
 
 class FakeDec:
     def __init__(self):
-        self.out, self.cur, self.cand_lists = [], 0, None
+        self.out, self.cur = [], 0
 
 
 def test_acceptance_resolves_each_prediction_when_its_token_arrives():
     d = ProPD(Heads(4, 10, 2), [(0,)], [[0.5, 0.5], [0.5, 0.5]], dynamic=True)
     plan, dec = d.planner, FakeDec()
     plan.start(d, dec)
-    plan.accept.alpha = 1.0  # remember only the latest outcome
-    dec.out, dec.cand_lists = [1], [[5, 6], [7, 8]]  # the root; head 0 guesses output 1, head 1 output 2
-    plan.observe(dec, 1, 2, 0, 0.01)
-    assert plan.accept.P == [[0.5, 1.0], [0.5, 1.0]]  # the prior: nothing resolved yet
+    plan.alpha = 1.0  # remember only the latest outcome
+    dec.out = [1]  # the root; head 0 guesses output 1, head 1 output 2
+    plan.observe(dec, 1, 2, 0.01, cands=[[5, 6], [7, 8]])
+    assert plan.P == [[0.5, 1.0], [0.5, 1.0]]  # the prior: nothing resolved yet
     dec.out = [1, 6, 9]
-    plan.observe(dec, 1, 2, 1, 0.01)
-    assert plan.accept.P[0] == [0.0, 1.0]  # output 1 was 6: head 0's rank 2
-    assert plan.accept.P[1] == [0.0, 0.0]  # output 2 was 9: not in head 1's top 2
+    plan.observe(dec, 1, 2, 0.01, [0, 1], cands=[[1, 2], [3, 4]])
+    assert plan.P[0] == [0.0, 1.0]  # output 1 was 6: head 0's rank 2
+    assert plan.P[1] == [0.0, 0.0]  # output 2 was 9: not in head 1's top 2
     assert [q[0] for q in plan.pending] == [3, 4]  # the latest guesses wait
 
 
@@ -94,8 +93,8 @@ def test_the_plan_is_redone_only_when_the_sequence_moves(monkeypatch):
     d = ProPD(Heads(16, 13, 3).init_from(model.lm_head), medusa_tree(ACC, 6), ACC, dynamic=True,
               sizes=(1, 2, 6), replan=16)
     calls = []
-    real = planner.plan
-    monkeypatch.setattr(planner, "plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = planner.tree_lengths
+    monkeypatch.setattr(planner, "tree_lengths", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = generate(model, [1, 2, 3], d, max_new_tokens=64, eos_id=-1)
     assert len(out.tokens) == 64
     # until two sizes are measured the plan is retried each step; afterwards once per 16 tokens

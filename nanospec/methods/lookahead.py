@@ -22,7 +22,7 @@ the same token budget) and "single" (the one highest-frequency branch).
 
 Choices where the paper is silent, and why:
 - decoding_length counts draft tokens: a step's forward runs 1 + decoding_length rows. Under
-  the planner (`--budget auto`), the step's budget takes its place.
+  the planner (`--planner measured`), the step's budget takes its place.
 - The trie is partitioned by first token and `capacity` (default 16 x decoding
   length, Table 4) bounds each first token's sub-trie, as in the authors' release:
   a single bound of 512 nodes over the whole trie would not hold one response's
@@ -231,11 +231,6 @@ class Lookahead(Drafter):
         """(how long a suffix of the sequence the trie matched, the node it leads to, or None)."""
         m = self.max_prefix
         return self.trie.retrieve((dec.prompt[-m:] + dec.out[-m:])[-m:], m, self.min_nodes)
-
-    def context(self, dec):
-        """The planner's context: how long a suffix the trie matched, up to 3 (0: none, and the step
-        is an AR step whatever its budget)."""
-        return min(self.retrieve(dec)[0], 3)
 
     def draft(self, dec, cands, template, budget):
         j, node = self.retrieve(dec)

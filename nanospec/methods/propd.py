@@ -59,10 +59,11 @@ import torch.nn.functional as F
 
 from .. import NanospecError
 from ..checkpoint import load_drafter_file, save_drafter
+from ..costs import CostModel
 from ..files import fingerprint
 from ..drafter import Out
 from ..model import RMSNorm
-from ..planner import CostModel, Planner
+from ..planner import Planner
 from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, Progress, update
 from ..tree import choose_tree
 from .medusa import Medusa, load_heads
@@ -116,7 +117,7 @@ def pruned(nodes, x: torch.Tensor, early: EarlyHead, k: int) -> torch.Tensor:
 class ProPD(Medusa):
     """Medusa's heads, verified with early pruning (early=None: off) and a dynamic tree size
     (dynamic=False: Medusa's static tree `paths`) planned from online step times (the paper's;
-    cost=...: another cost model, e.g. planner.Measured)."""
+    cost=...: another cost model, e.g. costs.Measured)."""
     name = "propd"
     off = None  # why the loader turned pruning off, for the report
 
