@@ -6,16 +6,18 @@ acceptance per depth and rank, the expected accepted length of a tree (1, plus e
 probability: Figure 6), and the size with the most expected tokens per second, replanned every
 `replan` tokens. Size 0, an AR step, is the one generalisation: drafting that does not pay stops.
 
-Beyond the paper, each kept for what an A/B measured (RESULTS.md, "The planner's A/Bs"):
-- Probes: AR steps teach the acceptance nothing (nor a nested step the budgets above its own), so
-  while AR (a smaller budget) is planned for want of acceptance, PROBE drafting steps now and then
-  replace the stale estimates. Without them BiTA and Hidden Transfer lock into AR on the default
-  model (0.96-0.98x against 1.11-1.13x and 1.55-1.56x); on SmolLM2 they cost 0-2%.
+Beyond the paper, each with its A/B (RESULTS.md, "The planner's A/Bs"; fp32 fast mode, 2 cores):
+- Probes: AR steps teach the acceptance nothing, so while AR is planned for want of acceptance,
+  PROBE drafting steps now and then replace the stale estimates. Without them BiTA and Hidden
+  Transfer lock into AR on the default model (0.96-0.98x against 1.11-1.13x and 1.55-1.56x); on
+  SmolLM2 they cost 0-2%.
 - Step ratios: a forward is not a step (Medusa's heads, pseudo rows, host work), and a neighbour's
   job slows every step: per size, the median of the last RATIOS observed-over-estimated step times
-  scales the estimate, a drafting size's relative to AR's at the same moment.
-- Nested drafts (Lookahead's: a smaller budget's is a prefix) teach every smaller budget.
-- MARGIN: drafting must promise 5% more tokens per second than AR, the estimates' error.
+  scales the estimate, relative to AR's at the same moment. Default model, quiet, one run: without
+  them Medusa 1.78x and Hidden Transfer 1.69x, against 1.56x and 1.51x (SmolLM2 and busy: to run).
+- Nested drafts (Lookahead's) teach every smaller budget: 1.75-2.01x, 1.81x without (default).
+- MARGIN: drafting must promise 5% more tokens/s than AR. Without it, one default-model run:
+  Lookahead 2.04x, Medusa 1.71x, against 1.75-2.01x and 1.56x (SmolLM2: to run).
 """
 import bisect
 import itertools
@@ -74,7 +76,7 @@ class Planner:
 
     def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
-        self.used = Counter()  # size -> steps planned
+        self.used, self.clock, self.gap, self.probe_at = Counter(), 0, 0, 0  # steps per size; tokens decoded; the probes' cadence
         self.ratios, self.rows_seen = {}, set()        # size -> [(step / estimate, AR's scale then)]
         self.P, self.gain, self.tries = None, {}, Counter()  # unranked: size -> drafts accepted
 
@@ -84,17 +86,18 @@ class Planner:
             K, R = len(drafter.topk), max(drafter.topk)
             acc = getattr(drafter, "acc", None) or [[0.6 * 0.7 ** d if r == 0 else 0.02 for r in range(R)] for d in range(K)]
             self.P = [[sum(row[:r + 1]) for r in range(R)] for row in acc]
+        if not drafter.topk:  # a trie takes in each prompt's branches: its gains go stale, probe afresh
+            self.gap, self.probe_at = 0, self.clock
         self.pending, self.at, self.size, self.tree, self.probe = [], None, None, None, None
-        self.probing, self.probed, self.gap, self.probe_at, self.fresh = 0, False, 0, 0, Counter()
+        self.probing, self.probed, self.fresh = 0, False, Counter()
 
     def p(self, sure: bool = False) -> list[list[float]]:
         """Per depth, the probability that rank k is right (sure: as if every top-1 were)."""
         return [[float(k == 0) if sure else row[k] - (row[k - 1] if k else 0.0) for k in range(len(row))] for row in self.P]
 
     def lengths(self, sure: bool = False) -> dict[int, float]:  # expected accepted length per size
-        if self.P is None:
-            return {s: 1 + (s if sure else self.gain.get(s, s)) for s in self.sizes}
-        return tree_lengths(self.p(sure), self.sizes, self.drafter.family)
+        return tree_lengths(self.p(sure), self.sizes, self.drafter.family) if self.P else \
+            {s: 1 + (s if sure else self.gain.get(s, s)) for s in self.sizes}
 
     def seconds(self, s: int) -> float:
         return self.cost.estimate(self.drafter.size(s + 1) if s else 1) * self.scale(s)
@@ -120,18 +123,16 @@ class Planner:
             return next((s for s in (first, 1) if (1, self.drafter.size(s + 1)) not in self.cost.perf), 1)
         if self.at is None or dec.cur - self.at >= self.replan or self.P is None:
             self.at, self.size = dec.cur, best(self.lengths(), self.seconds)
-            stale = not self.size if self.P else self.size < self.probe_size()
-            if not stale or not best(self.lengths(sure=True), self.seconds):  # not for want of cheap rows
+            if self.size or not best(self.lengths(sure=True), self.seconds):  # AR not for want of acceptance
                 self.gap = self.probe_at = 0
-            elif dec.cur >= self.probe_at:  # probe, more rarely while the probes confirm the plan
+            elif self.clock >= self.probe_at:  # probe, more rarely while probes confirm the plan
                 self.gap = min(max(2 * self.gap, self.replan), WAIT * self.replan)
-                self.probe_at, self.probing, self.probe, self.fresh = dec.cur + self.gap, PROBE, self.probe_size(), Counter()
+                self.probe_at, self.probing, self.probe, self.fresh = self.clock + self.gap, PROBE, self.probe_size(), Counter()
                 return self.choose(dec)
         return self.size
 
     def probe_size(self) -> int:
-        """A ranked drafter's best drafting tree (every depth learns from its candidates whatever the
-        tree); an unranked one's largest budget within twice an AR step's time."""
+        """Ranked: the best drafting tree (every depth learns); unranked: the largest within 2x AR's time."""
         drafting = {s: n for s, n in self.lengths().items() if s}
         if self.P:
             return best(drafting, self.seconds)
@@ -148,6 +149,7 @@ class Planner:
             then = self.scale(0) if size and 0 in self.ratios else None
             self.ratios[size] = (self.ratios.get(size, []) + [(seconds / self.cost.estimate(rows), then)])[-RATIOS:]
         self.rows_seen.add(rows)
+        self.clock += len(path)
         if self.P is None and size:  # a nested step tells every smaller budget's outcome too, and every
             # larger one's when the drafter ran out of nodes below its budget
             got = {s: sum(0 < i <= s for i in path) for s in self.sizes if s and (s <= size or drafted < size)} \
@@ -168,13 +170,11 @@ class Planner:
         self.pending = [q for q in self.pending if q[0] >= n] + [(n + d, d, c, self.probed) for d, c in enumerate(cands or [])]
 
     def scale(self, size: int) -> float:
-        """Observed step time over the estimate at size; a drafting size's relative to AR's when it
-        ran, as the machine's speed drifts and hits both alike (an unseen size: the dearest seen)."""
+        """Observed step time over the estimate (drafting: relative to AR's then; unseen: the dearest)."""
         ar = statistics.median_low([r for r, _ in self.ratios[0]]) if 0 in self.ratios else 1.0
         rel = [statistics.median_low([r / (then or ar) for r, then in self.ratios[s]])
                for s in ([size] if size in self.ratios else [s for s in self.ratios if s])]
         return ar if not size else ar * max(rel, default=1.0)
 
     def report(self) -> str:
-        total = sum(self.used.values())
-        return "budget " + ", ".join(f"{s} ({100 * c / total:.0f}%)" for s, c in self.used.most_common(4))
+        return "budget " + ", ".join(f"{s} ({100 * c / self.used.total():.0f}%)" for s, c in self.used.most_common(4))
