@@ -52,7 +52,6 @@ class CostModel:
         return None if fit is None else fit[0] + fit[1] * rows
 
 
-
 @torch.inference_mode()
 def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps: int = 5) -> Measured:
     """Seconds per forward of n rows after `context` tokens, on this machine, model, dtype and mode:

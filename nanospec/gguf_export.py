@@ -54,6 +54,19 @@ def src_meta(src: Path) -> dict:  # what convert.py recorded about a GGUF a dire
     return read_json(src / "nanospec_source.json")
 
 
+def add_hyperparameters(w, args: ModelArgs, layers: int, context: int) -> None:
+    """A Llama's shape as llama.cpp's metadata keys (its converter's and this exporter's)."""
+    w.add_block_count(layers)
+    w.add_context_length(context)
+    w.add_embedding_length(args.dim)
+    w.add_feed_forward_length(args.hidden_dim)
+    w.add_head_count(args.n_heads)
+    w.add_head_count_kv(args.kv_heads)
+    w.add_rope_freq_base(args.rope_theta)
+    w.add_layer_norm_rms_eps(args.norm_eps)
+    w.add_rope_dimension_count(args.hd)
+
+
 def write_config(w, src: Path, args: ModelArgs, layers: int, name: str) -> None:
     scaling = args.rope_scaling or {}
     if scaling.get("rope_type", "linear") != "linear":
@@ -63,15 +76,7 @@ def write_config(w, src: Path, args: ModelArgs, layers: int, name: str) -> None:
     if source.get("license"):
         w.add_license(source["license"])
     w.add_file_type(0)  # ALL_F32
-    w.add_block_count(layers)
-    w.add_context_length(args.max_seq_len)
-    w.add_embedding_length(args.dim)
-    w.add_feed_forward_length(args.hidden_dim)
-    w.add_head_count(args.n_heads)
-    w.add_head_count_kv(args.kv_heads)
-    w.add_rope_freq_base(args.rope_theta)
-    w.add_layer_norm_rms_eps(args.norm_eps)
-    w.add_rope_dimension_count(args.hd)
+    add_hyperparameters(w, args, layers, args.max_seq_len)
     if args.hd != args.dim // args.n_heads:
         w.add_key_length(args.hd)
         w.add_value_length(args.hd)

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from helpers import random_model
 from nanospec.checkpoint import to_hf_name
+from nanospec.gguf_export import add_hyperparameters
 from nanospec.tokenizer import Tokenizer as SentencePiece
 from nanospec.model import ModelArgs
 
@@ -101,15 +102,7 @@ def write_gguf(path: Path, qtype: str = "F32", arch: str = "llama", tie: bool = 
 
 def add_config(w: GGUFWriter, args: ModelArgs, context: int, file_type: int) -> None:
     """A Llama's hyperparameters as GGUF metadata."""
-    w.add_block_count(args.n_layers)
-    w.add_context_length(context)
-    w.add_embedding_length(args.dim)
-    w.add_feed_forward_length(args.hidden_dim)
-    w.add_head_count(args.n_heads)
-    w.add_head_count_kv(args.kv_heads)
-    w.add_rope_freq_base(args.rope_theta)
-    w.add_layer_norm_rms_eps(args.norm_eps)
-    w.add_rope_dimension_count(args.hd)
+    add_hyperparameters(w, args, args.n_layers, context)
     w.add_vocab_size(args.vocab_size)
     w.add_file_type(file_type)
 
