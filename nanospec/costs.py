@@ -1,10 +1,12 @@
 """What a step costs, for the planner (planner.py): a step's seconds by (batch, rows).
 
 - CostModel: ProPD's own (section 4.2), learnt online from whole steps;
-- measure: a forward's seconds by rows (planner.Measured), measured once per machine, model, dtype
+- Measured, measure: a forward's seconds by rows, measured once per machine, model, dtype
   and mode and cached: what a row costs here, not what a GPU intuition expects.
 """
+import bisect
 import hashlib
+import itertools
 import json
 import math
 import time
@@ -15,11 +17,28 @@ from .engine import MIN_BLOCK, Decoding
 from .files import atomic_write, cache_root, fingerprint, hardware
 from .kernels import to_json
 from .model import KVCache
-from .planner import Measured
 from .tree import Tree
 
 COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached measures are then stale
+
+
+class Measured:
+    """Seconds per forward by rows (costs.measure), interpolated; a count measured slower than a larger
+    one takes its time (fast mode then runs the product on more rows: kernels.py; else it is noise)."""
+    forwards_only = True  # a step also pays the method's own work: the planner's step ratios
+
+    def __init__(self, points: dict[int, float]):
+        rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))
+        self.rows, self.secs = rows, tuple(itertools.accumulate(secs[::-1], min))[::-1]
+
+    def update(self, rows: int, seconds: float, batch: int = 1) -> None:
+        pass
+
+    def estimate(self, rows: int, batch: int = 1) -> float:
+        i = min(max(bisect.bisect_left(self.rows, rows), 1), len(self.rows) - 1)
+        (r0, r1), (s0, s1) = self.rows[i - 1:i + 1], self.secs[i - 1:i + 1]
+        return max(s0 + (s1 - s0) * (rows - r0) / (r1 - r0), 1e-9)
 
 
 class CostModel:

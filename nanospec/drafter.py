@@ -132,7 +132,8 @@ class Drafter:
     def draft(self, dec, cands, template, budget) -> Tree:
         """The step's tree: cands (D, R) the last accepted node's ranked candidates per depth (None:
         none), template the tree shape over them (the method's or the planner's), budget the draft
-        nodes a planner allows (None: no planner)."""
+        nodes a planner allows (None: no planner, or a nested drafter: it drafts whole, and the engine
+        runs the first budget + 1 nodes)."""
         return Tree.chain(dec.last)
 
     def size(self, n: int) -> int:

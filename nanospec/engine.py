@@ -352,14 +352,16 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         ts = time.perf_counter()
         budget, template = planner.budget(dec) if planner is not None else (None, None)
         step = drafter if budget != 0 else AR  # budget 0: drafting does not pay, an AR step
-        tree = step.draft(dec, cands, template or getattr(drafter, "template", None), budget)
+        wide = step.nested and budget  # a nested draft is drafted whole: the planner scores its every prefix
+        drafted = step.draft(dec, cands, template or getattr(drafter, "template", None), None if wide else budget)
+        tree = drafted.prefix(min(len(drafted), budget + 1)) if wide else drafted
         tree, path, toks, cands, lists, rows = dec.step(step, tree, record_logits)
         if record_logits:
             logits.append(rows)
         dec.commit(path, toks)
         drafter.accepted(dec, tree, path)
         if planner is not None:
-            planner.observe(dec, budget, step.size(len(tree)), time.perf_counter() - ts, path, len(tree) - 1, lists)
+            planner.observe(dec, budget, step.size(len(tree)), time.perf_counter() - ts, path, drafted, lists)
         res.steps += 1
         res.accepted.append(len(toks))
         if eos in toks:

@@ -1,25 +1,26 @@
 """The draft budget: how many nodes each step's tree has, on this machine.
 
 ProPD's section 4.2 (../shared/papers/propd.txt), in the core so every method gets it: a cost
-model of a step's seconds by (batch, rows) (Measured, or ProPD's own online costs.CostModel),
+model of a step's seconds by (batch, rows) (costs.Measured, or ProPD's own online costs.CostModel),
 acceptance per depth and rank, the expected accepted length of a tree (1, plus each node's path
 probability: Figure 6), and the size with the most expected tokens per second, replanned every
 `replan` tokens. Size 0, an AR step, is the one generalisation: drafting that does not pay stops.
 
-Beyond the paper, each with its A/B (RESULTS.md, "The planner's A/Bs"; fp32 fast mode, 2 cores):
-- Probes: AR steps teach the acceptance nothing, so while AR is planned for want of acceptance,
-  PROBE drafting steps now and then replace the stale estimates. Without them BiTA and Hidden
-  Transfer lock into AR on the default model (0.96-0.98x against 1.11-1.13x and 1.55-1.56x); on
-  SmolLM2 they cost 0-2%.
-- Step ratios: a forward is not a step (Medusa's heads, pseudo rows, host work), and a neighbour's
-  job slows every step: per size, the median of the last RATIOS observed-over-estimated step times
-  scales the estimate, relative to AR's at the same moment. Default model, quiet, one run: without
-  them Medusa 1.78x and Hidden Transfer 1.69x, against 1.56x and 1.51x (SmolLM2 and busy: to run).
-- Nested drafts (Lookahead's) teach every smaller budget: 1.75-2.01x, 1.81x without (default).
-- MARGIN: drafting must promise 5% more tokens/s than AR. Without it, one default-model run:
-  Lookahead 2.04x, Medusa 1.71x, against 1.75-2.01x and 1.56x (SmolLM2: to run).
+Beyond the paper, each with its A/B (RESULTS.md, issue 34's sections; fp32 fast mode, 2 cores):
+- Probes: AR steps teach no acceptance and time no drafting, so while AR is planned for want of
+  acceptance or for observed step times, PROBE drafting steps now and then renew the estimates.
+  Without: BiTA and Hidden Transfer lock into AR on the default model (0.96-0.98x against
+  1.11-1.13x and 1.55-1.56x); acceptance-only probes let a neighbour's job lock Medusa into AR
+  (1.03x). On SmolLM2, BiTA and Hidden Transfer: 0.91-0.95x against 0.96-1.02x before 4fb470c.
+- Step ratios: a forward is not a step (Medusa's heads, pseudo rows, host work): per size, the
+  median of the last RATIOS observed-over-estimated step times, relative to AR's at the same
+  moment, scales the estimate. Without, one run: within noise on the default model (Medusa 1.48x,
+  Hidden Transfer 1.46x against 1.50-1.65x, 1.42-1.57x); busy, 1.31x and 1.35x against 1.03x and
+  1.22x before the cost probes came (which end that AR lock: 1.40-1.45x and 1.27-1.45x with them).
+- Nested drafts (Lookahead's) are drafted whole, run as their first s nodes, and scored at every
+  budget once the output is known: 2.19-2.28x against 1.81-1.97x scored at the run budget only.
+- MARGIN: drafting must promise 5% more tokens/s than AR. Without, one run: within noise.
 """
-import bisect
 import itertools
 import math
 import statistics
@@ -32,24 +33,6 @@ RATIOS = 9     # steps per size whose observed-over-estimated times the scale is
 MARGIN = 0.05  # drafting must promise 5% more tokens/s than an AR step
 PROBE = 8      # drafting steps per probe: enough outcomes to estimate from
 WAIT = 8       # probes come after 0, 1, 2, 4, then every WAIT replans' tokens at AR
-
-
-class Measured:
-    """Seconds per forward by rows (costs.measure), interpolated; a count measured slower than a larger
-    one takes its time (fast mode then runs the product on more rows: kernels.py; else it is noise)."""
-    forwards_only = True  # a step also pays the method's own work: the planner's step ratios
-
-    def __init__(self, points: dict[int, float]):
-        rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))
-        self.rows, self.secs = rows, tuple(itertools.accumulate(secs[::-1], min))[::-1]
-
-    def update(self, rows: int, seconds: float, batch: int = 1) -> None:
-        pass
-
-    def estimate(self, rows: int, batch: int = 1) -> float:
-        i = min(max(bisect.bisect_left(self.rows, rows), 1), len(self.rows) - 1)
-        (r0, r1), (s0, s1) = self.rows[i - 1:i + 1], self.secs[i - 1:i + 1]
-        return max(s0 + (s1 - s0) * (rows - r0) / (r1 - r0), 1e-9)
 
 
 def expected_lengths(paths: list[tuple[int, ...]], p: list[list[float]]) -> list[float]:
@@ -88,7 +71,7 @@ class Planner:
             self.P = [[sum(row[:r + 1]) for r in range(R)] for row in acc]
         if not drafter.topk:  # a trie takes in each prompt's branches: its gains go stale, probe afresh
             self.gap, self.probe_at = 0, self.clock
-        self.pending, self.at, self.size, self.tree, self.probe = [], None, None, None, None
+        self.pending, self.drafts, self.at, self.size, self.tree, self.probe = [], [], None, None, None, None
         self.probing, self.probed, self.fresh = 0, False, Counter()
 
     def p(self, sure: bool = False) -> list[list[float]]:
@@ -99,8 +82,8 @@ class Planner:
         return tree_lengths(self.p(sure), self.sizes, self.drafter.family) if self.P else \
             {s: 1 + (s if sure else self.gain.get(s, s)) for s in self.sizes}
 
-    def seconds(self, s: int) -> float:
-        return self.cost.estimate(self.drafter.size(s + 1) if s else 1) * self.scale(s)
+    def seconds(self, s: int, scaled: bool = True) -> float:  # scaled: by the observed step ratios
+        return self.cost.estimate(self.drafter.size(s + 1) if s else 1) * (self.scale(s) if scaled else 1.0)
 
     def budget(self, dec) -> tuple[int, Template | None]:
         """This step's draft nodes (0: an AR step) and, for a ranked drafter, the tree of that size."""
@@ -123,8 +106,8 @@ class Planner:
             return next((s for s in (first, 1) if (1, self.drafter.size(s + 1)) not in self.cost.perf), 1)
         if self.at is None or dec.cur - self.at >= self.replan or self.P is None:
             self.at, self.size = dec.cur, best(self.lengths(), self.seconds)
-            if self.size or not best(self.lengths(sure=True), self.seconds):  # AR not for want of acceptance
-                self.gap = self.probe_at = 0
+            if self.size or not best(self.lengths(sure=True), lambda s: self.seconds(s, False)):  # AR planned for
+                self.gap = self.probe_at = 0  # want of acceptance or for observed step times (both go stale): probe
             elif self.clock >= self.probe_at:  # probe, more rarely while probes confirm the plan
                 self.gap = min(max(2 * self.gap, self.replan), WAIT * self.replan)
                 self.probe_at, self.probing, self.probe, self.fresh = self.clock + self.gap, PROBE, self.probe_size(), Counter()
@@ -138,10 +121,10 @@ class Planner:
             return best(drafting, self.seconds)
         return max((s for s in drafting if self.seconds(s) <= 2 * self.seconds(0)), default=min(drafting))
 
-    def observe(self, dec, size: int, rows: int, seconds: float, path=(0,), drafted=0, cands=None) -> None:
+    def observe(self, dec, size: int, rows: int, seconds: float, path=(0,), drafted=None, cands=None) -> None:
         """After a step: its time (online costs learn from steps of several rows: one row takes another
-        kernel path on a CPU), its accepted path (node indices, root first) in a tree of drafted + 1
-        nodes, and the next candidates it drafted (host lists per depth)."""
+        kernel path on a CPU), its accepted path (node indices, root first), a nested drafter's whole
+        draft (the step ran its first size + 1 nodes), and the next candidates (host lists per depth)."""
         if rows > 1:
             self.cost.update(rows, seconds)
         if self.cost.forwards_only and rows in self.rows_seen:  # a row count's first step may pay one-time costs
@@ -150,14 +133,14 @@ class Planner:
             self.ratios[size] = (self.ratios.get(size, []) + [(seconds / self.cost.estimate(rows), then)])[-RATIOS:]
         self.rows_seen.add(rows)
         self.clock += len(path)
-        if self.P is None and size:  # a nested step tells every smaller budget's outcome too, and every
-            # larger one's when the drafter ran out of nodes below its budget
-            got = {s: sum(0 < i <= s for i in path) for s in self.sizes if s and (s <= size or drafted < size)} \
-                if self.drafter.nested else {size: len(path) - 1}
-            for s, a in got.items():
-                self.tries[s] += 1
-                w = max(1 / self.tries[s], 4 * self.alpha)  # the mean of the first steps, then an EMA
-                self.gain[s] = (1 - w) * self.gain.get(s, 0.0) + w * a
+        if self.P is None and size and not self.drafter.nested:
+            self.learn(size, len(path) - 1)
+        if self.P is None and size and self.drafter.nested:  # drafted whole: its first s nodes are budget s's draft,
+            self.drafts.append((len(dec.out) - len(path), drafted))  # scored at every s once the output is known
+        scored = [(d, d[1].follow(dec.out[d[0]:])) for d in self.drafts]
+        self.drafts = [d for d, got in scored if got is None]
+        for s, got in ((s, got) for _, got in scored if got for s in self.sizes if s):
+            self.learn(s, sum(0 < i <= s for i in got))
         if self.P is None:
             return
         n, out = len(dec.out), dec.out
@@ -168,6 +151,11 @@ class Planner:
                 rank = guess.index(out[i]) if out[i] in guess else len(guess)
                 self.P[depth] = [(1 - w) * q + w * (rank <= k) for k, q in enumerate(self.P[depth])]
         self.pending = [q for q in self.pending if q[0] >= n] + [(n + d, d, c, self.probed) for d, c in enumerate(cands or [])]
+
+    def learn(self, s: int, accepted: int) -> None:
+        self.tries[s] += 1
+        w = max(1 / self.tries[s], 4 * self.alpha)  # the mean of the first steps, then an EMA
+        self.gain[s] = (1 - w) * self.gain.get(s, 0.0) + w * accepted
 
     def scale(self, size: int) -> float:
         """Observed step time over the estimate (drafting: relative to AR's then; unseen: the dearest)."""

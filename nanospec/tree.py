@@ -40,6 +40,17 @@ class Tree:
         """The first m nodes: still a tree, since parents come first (the engine trims to the room left)."""
         return self if m == len(self) else Tree(self.tokens[:m], self.parents[:m])
 
+    def follow(self, truth: list[int]) -> list[int] | None:
+        """The nodes (root first) that truth, the tokens after the root, runs through (None: truth is
+        too short to tell): what a tree would have accepted, scored on the host once the output is known."""
+        path = [0]
+        for t in truth:
+            nxt = next((i for i, p in enumerate(self.parents) if p == path[-1] and self.tokens[i] == t), None)
+            if nxt is None:
+                return path
+            path.append(nxt)
+        return None if path[-1] in self.parents else path
+
     def block(self, cur: int, device=None) -> Block:
         """Rows for this tree at committed length cur: node i writes slot cur+i."""
         lay = layout(self.parents, device)

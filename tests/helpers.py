@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from nanospec import cli
 from nanospec.engine import Decoding, Drafter, generate, shapes
 from nanospec.model import Block, KVCache, Llama, ModelArgs
-from nanospec.planner import Measured
+from nanospec.costs import Measured
 from nanospec.tree import Tree
 
 

@@ -13,8 +13,8 @@ from nanospec.engine import generate
 from nanospec.methods.lookahead import Lookahead
 from nanospec.methods.medusa import Heads, Medusa
 from nanospec.model import ModelArgs
-from nanospec.costs import CostModel
-from nanospec.planner import Measured, Planner, best, expected_lengths, tree_lengths
+from nanospec.costs import CostModel, Measured
+from nanospec.planner import Planner, best, expected_lengths, tree_lengths
 from nanospec.tree import choose_tree, product_paths
 
 ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=41, hidden_dim=40)
@@ -197,6 +197,31 @@ def test_a_probe_that_finds_good_drafts_brings_drafting_back():
     assert back <= (WAIT + 1) * planner.replan + PROBE  # the first probe of the good stretch
 
 
+def test_a_stale_drafting_cost_does_not_lock_ar_in():
+    """Drafting steps measured slow while a neighbour ran (4x their quiet time, AR's at 1x) plan AR;
+    an AR step never re-times drafting, so probes also come while AR is planned for its cost: once the
+    machine is quiet again, a probe measures drafting at its own price and drafting comes back."""
+    from types import SimpleNamespace
+    from nanospec.planner import PROBE, WAIT
+    d = SimpleNamespace(topk=[3, 3], acc=[[0.8, 0.1, 0.0], [0.7, 0.1, 0.0]], size=lambda n: n, family=None)
+    planner = Planner(Measured({1: 0.010, 4: 0.011, 16: 0.014}), sizes=(0, 1, 2, 4), replan=8)
+    planner.start(d, None)
+    dec, seq, sizes = SimpleNamespace(out=[], cur=0), list(range(2000)), []
+    for step in range(800):
+        size, _ = planner.budget(dec)
+        busy = step < 100
+        dec.out.append(seq[len(dec.out)])
+        dec.cur += 1
+        cands = [[seq[len(dec.out) + k], -2, -3] for k in range(2)] if size else None  # top-1 right
+        rows = d.size(size + 1) if size else 1
+        seconds = planner.cost.estimate(rows) * (4.0 if busy and size else 1.0)
+        planner.observe(dec, size, rows, seconds, cands=cands)
+        sizes.append(size)
+    assert sizes[:100].count(0) >= 50  # drafting looked 4x dearer: mostly AR
+    back = next(i for i in range(100, 800) if all(sizes[i:i + 20]))  # drafting again, for good
+    assert back - 100 <= (WAIT + 1) * planner.replan + PROBE
+
+
 def test_lookahead_budget_from_its_own_gains():
     """Lookahead has no ranked candidates: each budget is judged by the drafts it got accepted."""
     model = random_model(ARGS, 3)
@@ -214,33 +239,51 @@ def test_lookahead_budget_from_its_own_gains():
     assert max(d.planner.gain.values()) > 3  # what a large budget got accepted
 
 
-def test_a_nested_step_teaches_every_smaller_budget():
-    """Lookahead's budget-s draft is the first s nodes of a larger budget's: a step at 16 that accepted
-    nodes 2, 5 and 9 tells what budgets 1..12 would have got; larger budgets only if the trie ran dry."""
+def test_a_nested_draft_is_scored_at_every_budget():
+    """Lookahead's budget-s draft is the first s nodes of its whole draft, which the engine hands the
+    planner: once the output it guessed is known, it tells what every budget would have got, the
+    budget the step ran or not. Here the output runs through nodes 2, 5 and 9."""
     from types import SimpleNamespace
-    for drafted, larger in ((16, False), (10, True)):
-        p = Planner(FixedCost(0.01, 1e-4))
-        p.start(SimpleNamespace(topk=None, nested=True), None)
-        p.observe(None, 16, drafted + 1, 0.01, [0, 2, 5, 9], drafted)
-        assert {s: p.gain[s] for s in (1, 2, 4, 8, 12, 16)} == {1: 0, 2: 1, 4: 1, 8: 2, 12: 3, 16: 3}
-        assert (24 in p.gain) == larger and (64 in p.gain) == larger
+    from nanospec.tree import Tree
+    parents = [-1, 0, 0, 1, 0, 2, 3, 4, 1, 5] + [0] * 7
+    tree = Tree([50] + [10 + i for i in range(1, 17)], parents)
+    want = {1: 0, 2: 1, 4: 1, 8: 2, 12: 3, 16: 3, 24: 3, 64: 3}
+    p = Planner(FixedCost(0.01, 1e-4))
+    p.start(SimpleNamespace(topk=None, nested=True), None)
+    p.observe(SimpleNamespace(out=[99, 12, 15, 19, 7]), 16, 17, 0.01, [0, 2, 5, 9], tree)
+    assert {s: p.gain[s] for s in want} == want and not p.drafts
+    p = Planner(FixedCost(0.01, 1e-4))
+    p.start(SimpleNamespace(topk=None, nested=True), None)
+    p.observe(SimpleNamespace(out=[99, 12]), 1, 2, 0.01, [0], tree)  # budget 1: node 1 is wrong; 12 is AR's token
+    assert not p.gain and len(p.drafts) == 1  # node 2 has a child: the output so far cannot tell
+    p.observe(SimpleNamespace(out=[99, 12, 15, 19, 7]), 0, 1, 0.01)  # later steps bring the output
+    assert {s: p.gain[s] for s in want} == want and not p.drafts
 
 
 def test_unlucky_first_steps_do_not_lock_a_budget_out():
-    """A nested drafter whose first 3 steps accept nothing and whose drafts pay from budget 13 on
-    (node 1, then a chain at nodes 8..13): gains from a budget's own steps alone kept AR for good.
-    Probes at AR find it out: their budget is the largest within twice an AR step's time."""
-    first = [0]
+    """A nested drafter whose first 3 drafts are all wrong and whose drafts pay from budget 13 on
+    (node 1, then a chain at nodes 8..13): scored at every budget, the whole drafts show it at once,
+    whatever budgets the steps ran."""
     from types import SimpleNamespace
+    from nanospec.tree import Tree
+    world = list(range(1000, 9000))
+
+    def draft(pos, good):  # 16 nodes under the root: wrong tokens, but for the chain 1, 8..13 when good
+        tokens, parents = [world[pos - 1]] + [-i for i in range(1, 17)], [-1] + [0] * 16
+        for k, i in enumerate([1, 8, 9, 10, 11, 12, 13] if good else []):
+            tokens[i], parents[i] = world[pos + k], [0, 1, 8, 9, 10, 11, 12][k]
+        return Tree(tokens, parents)
     p = Planner(FixedCost(0.01, 1e-4))
-    drafter = SimpleNamespace(topk=None, nested=True, size=lambda n: n)
-    p.start(drafter, None)
-    sizes = []
+    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n), None)
+    pos, sizes = 1, []
     for i in range(400):
-        s, _ = p.budget(SimpleNamespace(cur=i))
-        path = first if i < 3 else [0, 1] + [j for j in range(8, 14) if j <= s]
-        path = [j for j in path if j <= s]
-        p.observe(None, s, s + 1, p.cost.estimate(s + 1), path, s)
+        dec = SimpleNamespace(cur=pos, out=world[1:pos])
+        s, _ = p.budget(dec)
+        whole = draft(pos, i >= 3) if s else None
+        path = whole.prefix(min(17, s + 1)).follow(world[pos:pos + 20]) if s else [0]
+        pos += len(path)
+        rows = min(17, s + 1)
+        p.observe(SimpleNamespace(cur=pos, out=world[1:pos]), s, rows, p.cost.estimate(rows), path, whole)
         sizes.append(s)
     late = sizes[200:]
     assert sum(s >= 13 for s in late) > 0.8 * len(late)

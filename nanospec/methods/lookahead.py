@@ -22,7 +22,7 @@ the same token budget) and "single" (the one highest-frequency branch).
 
 Choices where the paper is silent, and why:
 - decoding_length counts draft tokens: a step's forward runs 1 + decoding_length rows. Under
-  the planner (`--planner measured`), the step's budget takes its place.
+  the planner (`--planner measured`), a step runs the first 1 + budget of them (nested).
 - The trie is partitioned by first token and `capacity` (default 16 x decoding
   length, Table 4) bounds each first token's sub-trie, as in the authors' release:
   a single bound of 512 nodes over the whole trie would not hold one response's
