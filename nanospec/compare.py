@@ -6,6 +6,8 @@
     python -m nanospec.compare --engine openai --url http://HOST:PORT/v1 --weights FILE.gguf
     python -m nanospec.compare [REFERENCE.jsonl] --engine E --calibrate [--save-calibration FILE]
     python -m nanospec.compare --engine E --self-only      # speculative vs the engine's own greedy only
+    python -m nanospec.compare --engine transformers --batch 4     # does batching change the output?
+    python -m nanospec.compare --engine openai --url URL --concurrency 8
 
 REFERENCE is a `decode.py --trace` file (nanospec-trace/1; AR in exact mode is the reference).
 OTHER holds one {"prompt_ids": [...], "output_ids": [...]} object per line, from any engine (a
@@ -34,6 +36,9 @@ by its line in OTHER, from 0), one verdict:
 With --engine, nanospec runs the engine (nanospec/engines/), compares each setting with the
 reference (REFERENCE if given, else traced now) and each speculative setting with the engine's
 own greedy output (self-consistency: the same verdicts, judged on the engine's own logits).
+--batch B (transformers) and --concurrency N (a server) ask the batch question the same way: each
+prompt decoded inside a batch against the reference, and against the engine's output for that
+prompt alone, on the lone run's logits.
 Exit code 0 only when no prompt fails: divergence, empty, short (unless --allow-short) and
 not-bitwise fail (2 on bad input).
 """
@@ -51,13 +56,14 @@ ENGINES = ["transformers", "llama.cpp", "openai"]
 
 def report(run: dict, ulps: float | None = None) -> None:
     results = run["results"]
-    own = run.get("against") == "greedy"  # self-consistency: the "reference" is the engine's own greedy output
+    own = run.get("against") in ("greedy", "alone")  # self-consistency: the "reference" is the engine's own output
+    mine, theirs = ("alone", "batched") if run.get("against") == "alone" else ("greedy", "speculative")
     for r in results:
         v, head = r["verdict"], f"  prompt {r['prompt']}:"
         if v in ("near-tie", "divergence"):
             gap = "not in the reference's top-k" if r["gap"] is None else f"gap {r['gap']:.4g}"
-            print(f"{head} position {r['position']}: {'greedy' if own else 'reference'} {r['reference_token']} (top-2 "
-                  f"margin {r['margin']:.4g}), {'speculative' if own else 'other'} {r['other_token']} ({gap}): {v} "
+            print(f"{head} position {r['position']}: {mine if own else 'reference'} {r['reference_token']} (top-2 "
+                  f"margin {r['margin']:.4g}), {theirs if own else 'other'} {r['other_token']} ({gap}): {v} "
                   f"(tolerance {r['tolerance']:.3g})")
         elif v == "short":
             print(f"{head} short: stops at position {r['position']} without an EOS; the reference emits "
@@ -79,7 +85,8 @@ def report(run: dict, ulps: float | None = None) -> None:
 
 def title(run: dict) -> str:
     words = [str(run[k]) for k in ("engine", "setting", "file", "kv", "dtype", "device") if run.get(k)]
-    return " ".join(words + (["vs its own greedy"] if run.get("against") == "greedy" else []))
+    own = {"greedy": ["vs its own greedy"], "alone": ["vs each prompt alone"]}.get(run.get("against"), [])
+    return " ".join(words + own)
 
 
 def main(argv=None) -> int:
@@ -106,6 +113,10 @@ def main(argv=None) -> int:
                    "first --assistant-layers layers of --weights)")
     p.add_argument("--assistant-layers", type=int, default=2)
     p.add_argument("--draft-tokens", type=int, default=4, help="llama.cpp draft: tokens the draft model proposes")
+    p.add_argument("--batch", type=int, default=1, help="--engine transformers: also decode the prompts B at a time "
+                   "(left-padded), judged against the reference and against each prompt alone")
+    p.add_argument("--concurrency", type=int, default=1, help="--engine openai: also send N requests at once (the "
+                   "server batches them), each judged against the reference and against the same prompt sent alone")
     p.add_argument("--kv", default="f16,f32", help="llama.cpp: KV cache types to run (f16 is llama.cpp's default)")
     p.add_argument("--threads", type=int, help="llama.cpp: threads (default: "
                    "llama-cpp-python's, half the cores for single tokens and all of them for batches)")
@@ -133,6 +144,10 @@ def main(argv=None) -> int:
         raise NanospecError(f"--save-calibration {args.save_calibration}: its directory does not exist")
     if args.calibrate and args.calibration:
         raise NanospecError("--calibrate measures a calibration; --calibration uses one: give one of them")
+    if args.batch < 1 or args.concurrency < 1:
+        raise NanospecError("--batch and --concurrency must be at least 1")
+    if args.batch > 1 and args.engine != "transformers" or args.concurrency > 1 and args.engine != "openai":
+        raise NanospecError("--batch runs with --engine transformers, --concurrency with --engine openai")
     if args.max_new_tokens < 1:
         raise NanospecError("--max-new-tokens must be at least 1")
     if args.engine:

@@ -8,9 +8,12 @@ Response shapes, as the servers named in the README return them:
 - "llama-server": logprobs.content[i] with id, token, logprob and top_logprobs (with ids).
 flip_at=N plants a speculation bug: from output position N on, the runner-up token is emitted
 once. refuse_ids=True answers 422 to a prompt of ids (as llama-cpp-python's server does).
+batch_flip_at=N plants a batch dependence: each request is held `hold` seconds, and one that
+overlaps another request emits the runner-up at position N (a lone request never does).
 """
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -19,8 +22,9 @@ from nanospec.engine import generate
 
 
 class Stub:
-    def __init__(self, model, tok, shape="vllm", flip_at=None, refuse_ids=False):
+    def __init__(self, model, tok, shape="vllm", flip_at=None, refuse_ids=False, batch_flip_at=None, hold=0.3):
         self.model, self.tok, self.shape, self.flip_at, self.refuse_ids = model, tok, shape, flip_at, refuse_ids
+        self.batch_flip_at, self.hold, self.in_flight, self.lock = batch_flip_at, hold, 0, threading.Lock()
         self.requests = []
         stub = self
 
@@ -28,7 +32,7 @@ class Stub:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stub.requests.append(body)
-                code, answer = stub.answer(self.path, body)
+                code, answer = stub.answer(self.path, body, stub.overlapped())
                 data = json.dumps(answer).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
@@ -51,11 +55,24 @@ class Stub:
         self.server.shutdown()
         self.server.server_close()
 
-    def decode(self, ids: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor, str]:
+    def overlapped(self) -> bool:
+        """With batch_flip_at: whether another request was in flight while this one was held."""
+        if self.batch_flip_at is None:
+            return False
+        with self.lock:
+            self.in_flight += 1
+            seen = self.in_flight > 1
+        time.sleep(self.hold)
+        with self.lock:
+            seen, self.in_flight = seen or self.in_flight > 1, self.in_flight - 1
+        return seen
+
+    def decode(self, ids: list[int], max_tokens: int, overlapped=False) -> tuple[list[int], torch.Tensor, str]:
         out = generate(self.model, ids, max_new_tokens=max_tokens, record_logits=True)
         tokens, rows = list(out.tokens), out.logits
-        if self.flip_at is not None and self.flip_at < len(tokens):
-            i = self.flip_at
+        flip_at = self.batch_flip_at if overlapped else self.flip_at
+        if flip_at is not None and flip_at < len(tokens):
+            i = flip_at
             tokens = tokens[:i] + [int(rows[i].topk(2).indices[1])]  # the runner-up, then stop here
             rows = rows[:i + 1]
         eos = self.model.args.eos_id
@@ -66,14 +83,14 @@ class Stub:
     def name(self, i: int) -> str:
         return f"token_id:{i}" if self.shape == "vllm" else self.tok.decode([i])
 
-    def answer(self, path: str, body: dict) -> tuple[int, dict]:
+    def answer(self, path: str, body: dict, overlapped=False) -> tuple[int, dict]:
         if path != "/v1/completions":
             return 404, {"error": "not found"}
         prompt = body["prompt"]
         if isinstance(prompt, list) and self.refuse_ids:
             return 422, {"detail": [{"msg": "Input should be a valid string", "loc": ["body", "prompt"]}]}
         ids = self.tok.encode(prompt) if isinstance(prompt, str) else prompt
-        tokens, rows, finish = self.decode(ids, body["max_tokens"])
+        tokens, rows, finish = self.decode(ids, body["max_tokens"], overlapped)
         k = body.get("logprobs") or 0
         if body.get("echo"):
             p = ids[1:] if ids[:1] == [self.tok.bos_id] else ids

@@ -102,7 +102,9 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert res.returncode == 1 and "divergence" in res.stdout
     for args, msg in [((ref, tmp_path / "none.jsonl"), "no trace at"), ((ok, ok), "not a nanospec-trace/1 line"),
                       ((ref,), "give REFERENCE.jsonl and OTHER.jsonl"), ((ref, ok, "--ulps", "x"), "invalid float"),
-                      (("--engine", "transformers", "--bitwise"), "--bitwise compares two full traces")]:
+                      (("--engine", "transformers", "--bitwise"), "--bitwise compares two full traces"),
+                      (("--engine", "openai", "--batch", "2"), "--batch runs with --engine transformers"),
+                      (("--engine", "transformers", "--concurrency", "0"), "must be at least 1")]:
         code, _, err = call(compare.main, *args)
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and msg in err, err
@@ -161,6 +163,36 @@ def test_transformers_self_consistency_alone(weights, tmp_path):
     assert code == 0 and "nanospec ar exact" not in err, err
     (run,) = json.loads(out.splitlines()[-1])["runs"]
     assert (run["setting"], run["against"], run["summary"]["identical"]) == ("prompt_lookup", "greedy", 1)
+
+
+def test_transformers_batch_question(weights, tmp_path, monkeypatch):
+    """--batch 2: prompts of unequal lengths decoded two at a time, left-padded, judged against the
+    reference and against each prompt alone; with the pads planted as attended (no attention mask),
+    the batched output is caught against both."""
+    pytest.importorskip("transformers")
+    from nanospec.engines import hf
+    prompts = tmp_path / "p.jsonl"
+    texts = ["def f(x):\n    return", "import os\n", "class Stack:\n    def push(self, x):", "for i in"]
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    common = ["--engine", "transformers", "--weights", weights, "--prompts", prompts, "--max-new-tokens", 12,
+              "--settings", "greedy", "--batch", 2, "--json"]
+    code, out, err = call(compare.main, *common, "--dtype", "float32,bfloat16")
+    assert code == 0, out + err
+    runs = json.loads(out.splitlines()[-1])["runs"]
+    assert [(r["setting"], r["dtype"], r["against"]) for r in runs] == [
+        (s, d, a) for d in ("float32", "bfloat16") for s, a in (("greedy", "reference"), ("greedy batch 2", "reference"),
+                                                                ("greedy batch 2", "alone"))]
+    assert all(r["summary"]["prompts"] == 4 and r["summary"]["divergence"] == 0 for r in runs)
+    assert "transformers greedy batch 2 float32 cpu vs each prompt alone: 4 prompts" in out
+    padded = hf.left_padded
+
+    def attended(seqs, pad, device):  # the planted fault: the pads are attended
+        ids, mask = padded(seqs, pad, device)
+        return ids, torch.ones_like(mask)
+    monkeypatch.setattr(hf, "left_padded", attended)
+    code, out, err = call(compare.main, *common, "--dtype", "float32")
+    runs = {r["against"]: r for r in json.loads(out.splitlines()[-1])["runs"] if r["setting"] == "greedy batch 2"}
+    assert code == 1 and all(r["summary"]["divergence"] > 0 for r in runs.values()), out + err
 
 
 def test_calibration_stays_inside_the_tolerance(weights, tmp_path):

@@ -103,3 +103,26 @@ def test_bad_servers_are_one_line_errors(served):
     assert "cannot reach" in run_cli(compare.main, "--engine", "openai", "--url", url, "--weights", served[0],
                                      "--prompts", prompts, "--max-new-tokens", 4)
     assert "cannot be calibrated" in run_cli(compare.main, "--engine", "openai", "--url", url, "--calibrate")
+
+
+def test_a_planted_batch_dependence_is_caught(served):
+    """--concurrency 2: the prompts again, both in flight at once. A stub that answers otherwise when
+    requests overlap is a divergence against the reference and against each prompt sent alone (the
+    lone answers stay identical), or, with a tolerance wide enough to cover the planted gap, a
+    near-tie: never identical. A batch-invariant server is identical."""
+    _, model, tok, _ = served
+    with Stub(model, tok, batch_flip_at=3) as stub:
+        code, runs, text = engine(served, stub.url, "--concurrency", 2)
+        wide_code, wide, _ = engine(served, stub.url, "--concurrency", 2, "--ulps", 1e12)
+    assert code == 1, text
+    by = {(r["setting"], r["against"]): r for r in runs}
+    assert by[(stub.url, "reference")]["summary"]["identical"] == 2
+    batched = f"{stub.url} concurrency 2"
+    for key in ((batched, "reference"), (batched, "alone")):
+        assert [(r["verdict"], r["position"]) for r in by[key]["results"]] == [("divergence", 3)] * 2, text
+    assert f"openai {batched} vs each prompt alone: 2 prompts: 0 identical, 0 near-tie, 2 divergence" in text
+    assert "alone" in text and "batched" in text
+    assert wide_code == 0 and [r["verdict"] for r in wide[-1]["results"]] == ["near-tie"] * 2
+    with Stub(model, tok) as fair:
+        code, runs, text = engine(served, fair.url, "--concurrency", 2)
+    assert code == 0 and runs[-1]["against"] == "alone" and runs[-1]["summary"]["identical"] == 2, text

@@ -4,8 +4,11 @@ Settings: plain greedy, prompt lookup (prompt_lookup_num_tokens=10) and assisted
 (assistant_model: by default the same checkpoint cut to its first --assistant-layers layers), in
 each --dtype. Each is compared with nanospec's exact AR trace in the same dtype; prompt lookup and
 assisted generation also with transformers' own greedy output (self-consistency), judged on
-transformers' own logits (generate's output_logits). --calibrate measures instead how far
-transformers' forward moves the reference's top-2 gaps (calibration.py).
+transformers' own logits (generate's output_logits). --batch B also decodes the prompts B at a
+time, left-padded (pad: the EOS id, as generate's users set it), judged against the reference and
+against each prompt decoded alone, on the lone run's logits. --calibrate measures instead how far
+transformers' forward moves the reference's top-2 gaps (calibration.py), alone and, with --batch,
+in left-padded batches (the batch's own tolerance).
 """
 import sys
 import time
@@ -43,16 +46,50 @@ def outputs(hf, prompts, setting, max_new_tokens, eos_id, assistant=None) -> lis
     return outs
 
 
-def calibrate(ref: list[dict], hf, units: str) -> dict:
-    """transformers' logits, teacher-forced over the reference's sequences, against its rows."""
-    moves, t0 = [], time.perf_counter()
-    for i, e in enumerate(ref):
-        seq = torch.tensor([e["prompt_ids"] + e["output_ids"]], device=hf.device)
+def left_padded(seqs: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention_mask) of sequences left-padded to the longest, as transformers' users batch."""
+    n = max(map(len, seqs))
+    ids = torch.tensor([[pad] * (n - len(q)) + q for q in seqs], device=device)
+    mask = torch.tensor([[0] * (n - len(q)) + [1] * len(q) for q in seqs], device=device)
+    return ids, mask
+
+
+def batched(hf, prompts, batch: int, max_new_tokens, eos_id) -> list[dict]:
+    """Plain greedy with prompts decoded `batch` at a time, left-padded: does batching change the output?"""
+    outs, t0 = [], time.perf_counter()
+    for k in range(0, len(prompts), batch):
+        group = prompts[k:k + batch]
+        ids, mask = left_padded(group, eos_id, hf.device)
         with torch.no_grad():
-            rows = hf(seq).logits[0, len(e["prompt_ids"]) - 1:-1].float().cpu()
-        moves.append(cal.movements(e["positions"], rows, units))
-        progress("calibration", i, len(ref), t0)
+            y = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=eos_id, pad_token_id=eos_id, return_dict_in_generate=True, output_logits=True)
+        for b, p in enumerate(group):
+            new = y.sequences[b, ids.shape[1]:].tolist()
+            new = new[:new.index(eos_id) + 1] if eos_id in new else new  # a finished row is padded on
+            outs.append({"prompt_ids": p, "output_ids": new, "dtype": str(hf.dtype).removeprefix("torch."),
+                         "eos_id": eos_id, "positions": [top(r[b].float().cpu()) for r in y.logits[:len(new)]]})
+        progress(f"transformers batch {batch}", min(k + batch, len(prompts)) - 1, len(prompts), t0)
+    return outs
+
+
+def calibrate(ref: list[dict], hf, units: str, batch: int = 1) -> dict:
+    """transformers' logits, teacher-forced over the reference's sequences (`batch` at a time,
+    left-padded, positions counted from each sequence's first token), against its rows."""
+    moves, t0 = [], time.perf_counter()
+    for k in range(0, len(ref), batch):
+        group = ref[k:k + batch]
+        ids, mask = left_padded([e["prompt_ids"] + e["output_ids"] for e in group], 0, hf.device)
+        with torch.no_grad():
+            logits = hf(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        for b, e in enumerate(group):
+            end, n = ids.shape[1] - 1, len(e["output_ids"])
+            moves.append(cal.movements(e["positions"], logits[b, end - n:end].float().cpu(), units))
+        progress("calibration" + (f" batch {batch}" if batch > 1 else ""), min(k + batch, len(ref)) - 1, len(ref), t0)
     return cal.entry(torch.cat(moves), units)
+
+
+def batch_key(batch: int) -> str:
+    return f" batch {batch}" if batch > 1 else ""
 
 
 def tolerance_of(calib: dict | None, name: str) -> dict:
@@ -102,15 +139,17 @@ def run(args) -> list[dict]:
             for ref_model in [model] + ([load(base_of(weights), torch.float32, args.device)] if name != "float32" else []):
                 ref_dtype = str(ref_model.embed.weight.dtype).removeprefix("torch.")
                 units = coarser(name, ref_dtype)
-                e = calibrate(reference(ref_model, prompts, args.max_new_tokens), hf, units)
-                key = name if ref_dtype == name else f"{name} vs {ref_dtype} reference"
-                found[key] = e
-                runs.append({"engine": "transformers", "setting": "calibration", "dtype": name, "device": args.device,
-                             "reference_dtype": ref_dtype, **e})
-                print(f"calibration: transformers {name} vs nanospec exact AR {ref_dtype}: top-2 gaps move by at most "
-                      f"{e['max']} (p99.9 {e['p99.9']}, median {e['median']}) x eps({units}) x logit scale over "
-                      f"{e['positions']} positions ({e['flips']} flips left out); the float rule's tolerance is "
-                      f"{cal.ULPS[units]}, the calibrated one {e['ulps']}")
+                ref = reference(ref_model, prompts, args.max_new_tokens)
+                for batch in sorted({1, args.batch}) if ref_dtype == name else [1]:
+                    e = calibrate(ref, hf, units, batch)
+                    key = (name if ref_dtype == name else f"{name} vs {ref_dtype} reference") + batch_key(batch)
+                    found[key] = e
+                    runs.append({"engine": "transformers", "setting": "calibration", "dtype": name, "device": args.device,
+                                 "reference_dtype": ref_dtype, "batch": batch, **e})
+                    print(f"calibration: transformers {key} vs nanospec exact AR {ref_dtype}: top-2 gaps move by at "
+                          f"most {e['max']} (p99.9 {e['p99.9']}, median {e['median']}) x eps({units}) x logit scale "
+                          f"over {e['positions']} positions ({e['flips']} flips left out); the float rule's tolerance "
+                          f"is {cal.ULPS[units]}, the calibrated one {e['ulps']}")
             continue
         refs = references(args, model, prompts)
         assistant = None
@@ -121,7 +160,7 @@ def run(args) -> list[dict]:
         save(args, f"nanospec-ar-{name}", refs)
         tol = tolerance_of(calib, name)
         greedy = None
-        for s in settings:
+        for s in (["greedy"] if args.batch > 1 and "greedy" not in settings else []) + settings:
             others = outputs(hf, prompts, s, args.max_new_tokens, model.args.eos_id, assistant)
             save(args, f"transformers-{s}-{name}", others)
             common = {"engine": "transformers", "setting": s, "dtype": name, "device": args.device}
@@ -133,6 +172,14 @@ def run(args) -> list[dict]:
             elif greedy is not None:  # does turning speculation on change transformers' output?
                 runs.append({**common, "against": "greedy", **tol,
                              "results": verdicts(greedy, others, tol, args.ulps)})
+        if args.batch > 1:  # does batching change it? Judged like speculation, with the batch's own tolerance
+            others = batched(hf, prompts, args.batch, args.max_new_tokens, model.args.eos_id)
+            save(args, f"transformers-batch{args.batch}-{name}", others)
+            common, tol = {"engine": "transformers", "setting": f"greedy batch {args.batch}", "dtype": name,
+                           "device": args.device}, tolerance_of(calib, name + batch_key(args.batch)) or tol
+            if refs is not None:
+                runs.append({**common, "against": "reference", **tol, "results": verdicts(refs, others, tol, args.ulps)})
+            runs.append({**common, "against": "alone", **tol, "results": verdicts(greedy, others, tol, args.ulps)})
     if args.calibrate and args.save_calibration:
         cal.write(args.save_calibration, found, engine="transformers", engine_version=transformers.__version__,
                   model=fingerprint(load(base_of(weights))), weights=str(args.weights), prompts=len(prompts),

@@ -28,6 +28,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import NanospecError
@@ -125,7 +126,23 @@ def server_prompt(url, args, text: str, pieces: Pieces, k: int, n: int) -> tuple
     return ids[:n], (r.get("usage") or {}).get("prompt_tokens")
 
 
+def completion(url, args, k: int, text: str, p: list[int], pieces, eos_id) -> dict:
+    """One prompt's greedy completion from the server, as a trace entry."""
+    t = time.perf_counter()
+    r = post(url, body(args, text if args.prompt_as == "text" else p, args.max_new_tokens))
+    choice = (r.get("choices") or [None])[0]
+    if not isinstance(choice, dict):
+        raise NanospecError(f"{url} answered without choices for prompt {k}")
+    ids, rows = parse(choice, pieces, f"prompt {k}")
+    if choice.get("finish_reason") == "stop" and ids[-1:] != [eos_id]:
+        ids.append(eos_id)  # the server stopped at its EOS and left it out
+        rows.append({"top_ids": [eos_id], "top_logits": [0.0], "logprobs": True})
+    return {"prompt_ids": p, "output_ids": ids, "eos_id": eos_id, "positions": rows,
+            "request_s": round(time.perf_counter() - t, 3), **({"dtype": args.dtype} if args.dtype else {})}
+
+
 def outputs(url, args, texts, prompts, pieces, eos_id, tag) -> list[dict]:
+    """Each prompt alone: one request at a time (text prompts: the server's tokens checked first)."""
     outs, t0 = [], time.perf_counter()
     for k, (text, p) in enumerate(zip(texts, prompts)):
         if args.prompt_as == "text":
@@ -134,19 +151,16 @@ def outputs(url, args, texts, prompts, pieces, eos_id, tag) -> list[dict]:
             if theirs != mine or count not in (None, len(p)):
                 raise NanospecError(f"{url} tokenizes prompt {k} otherwise than nanospec (server {theirs[:12]}..., "
                                     f"nanospec {p[:12]}...): send ids (--prompt-as ids) to a server that takes them")
-        t = time.perf_counter()
-        r = post(url, body(args, text if args.prompt_as == "text" else p, args.max_new_tokens))
-        choice = (r.get("choices") or [None])[0]
-        if not isinstance(choice, dict):
-            raise NanospecError(f"{url} answered without choices for prompt {k}")
-        ids, rows = parse(choice, pieces, f"prompt {k}")
-        if choice.get("finish_reason") == "stop" and ids[-1:] != [eos_id]:
-            ids.append(eos_id)  # the server stopped at its EOS and left it out
-            rows.append({"top_ids": [eos_id], "top_logits": [0.0], "logprobs": True})
-        outs.append({"prompt_ids": p, "output_ids": ids, "eos_id": eos_id, "positions": rows,
-                     "request_s": round(time.perf_counter() - t, 3), **({"dtype": args.dtype} if args.dtype else {})})
+        outs.append(completion(url, args, k, text, p, pieces, eos_id))
         progress(f"openai {tag}", k, len(prompts), t0)
     return outs
+
+
+def concurrent(url, args, texts, prompts, pieces, eos_id) -> list[dict]:
+    """The same requests, --concurrency of them in flight at once: the server batches them."""
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        return list(pool.map(lambda k: completion(url, args, k, texts[k], prompts[k], pieces, eos_id),
+                             range(len(prompts))))
 
 
 def run(args) -> list[dict]:
@@ -181,10 +195,17 @@ def run(args) -> list[dict]:
     for name, url in urls:  # the servers first: a server that fails, fails before the reference's work
         got[name] = outputs(f"{url}/completions", args, texts, prompts, pieces, model.args.eos_id, name)
         save(args, f"openai-{name.replace(' ', '-')}", got[name])
+    if args.concurrency > 1:  # after the lone runs, so that no other request overlaps them
+        got["batched"] = concurrent(f"{args.url.rstrip('/')}/completions", args, texts, prompts, pieces, model.args.eos_id)
+        save(args, f"openai-concurrency{args.concurrency}", got["batched"])
     refs = references(args, model, prompts)
     save(args, "nanospec-ar-float32", refs)
     for name, url in urls if refs is not None else []:
         runs.append(judge(refs, got[name], setting=url, against="reference"))
     if args.greedy_url:
         runs.append(judge(got["greedy server"], got["server"], setting=args.url.rstrip("/"), against="greedy"))
+    if args.concurrency > 1:  # does batching change the server's output? Each prompt against itself sent alone
+        setting = f"{args.url.rstrip('/')} concurrency {args.concurrency}"
+        runs += [judge(refs, got["batched"], setting=setting, against="reference")] if refs is not None else []
+        runs.append(judge(got["server"], got["batched"], setting=setting, against="alone"))
     return runs
