@@ -196,14 +196,18 @@ def test_transformers_batch_question(weights, tmp_path, monkeypatch):
 
 
 def test_calibration_stays_inside_the_tolerance(weights, tmp_path):
-    """The near-tie tolerance covers how far transformers' forward moves nanospec's top-2 gaps."""
+    """The near-tie tolerance covers how far transformers' forward moves nanospec's top-2 gaps, alone
+    and in a left-padded batch of 2."""
     pytest.importorskip("transformers")
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["def f(x):", "import os, sys\n"]))
     code, out, err = call(compare.main, "--engine", "transformers", "--calibrate", "--weights", weights,
-                          "--prompts", prompts, "--max-new-tokens", 16, "--dtype", "float32,bfloat16", "--json")
+                          "--prompts", prompts, "--max-new-tokens", 16, "--dtype", "float32,bfloat16", "--json",
+                          "--batch", 2)
     assert code == 0, err
     runs = json.loads(out.splitlines()[-1])["runs"]
-    assert [(r["dtype"], r["reference_dtype"]) for r in runs] == [("float32", "float32"), ("bfloat16", "bfloat16"),
-                                                                  ("bfloat16", "float32")]
-    assert all(r["positions"] == 16 and 0 <= r["max"] < compare.ULPS[r["units"]] for r in runs)
+    assert [(r["dtype"], r["reference_dtype"], r["batch"]) for r in runs] == [
+        ("float32", "float32", 1), ("float32", "float32", 2), ("bfloat16", "bfloat16", 1), ("bfloat16", "bfloat16", 2),
+        ("bfloat16", "float32", 1)]
+    assert all(16 < r["positions"] <= 32 and 0 <= r["max"] < compare.ULPS[r["units"]] for r in runs)
+    assert "calibration: transformers float32 batch 2 vs nanospec exact AR float32" in out
