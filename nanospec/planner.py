@@ -133,10 +133,10 @@ class Planner:
             self.ratios[size] = (self.ratios.get(size, []) + [(seconds / self.cost.estimate(rows), then)])[-RATIOS:]
         self.rows_seen.add(rows)
         self.clock += len(path)
-        if self.P is None and size and not self.drafter.nested:
-            self.learn(size, len(path) - 1)
         if self.P is None and size and self.drafter.nested:  # drafted whole: its first s nodes are budget s's draft,
             self.drafts.append((len(dec.out) - len(path), drafted))  # scored at every s once the output is known
+        elif self.P is None and size:
+            self.learn(size, len(path) - 1)
         scored = [(d, d[1].follow(dec.out[d[0]:])) for d in self.drafts]
         self.drafts = [d for d, got in scored if got is None]
         for s, got in ((s, got) for _, got in scored if got for s in self.sizes if s):

@@ -28,24 +28,6 @@ SETTINGS = {"greedy": "plain greedy", "prompt_lookup": "prompt lookup (prompt_lo
             "assisted": "assisted generation (assistant_model)"}
 
 
-def outputs(hf, prompts, setting, max_new_tokens, eos_id, assistant=None) -> list[dict]:
-    """transformers' generate, greedy, in one of SETTINGS, with the logit row of every new token."""
-    extra = {"greedy": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10},
-             "assisted": {"assistant_model": assistant}}[setting]
-    outs, t0 = [], time.perf_counter()
-    for k, p in enumerate(prompts):
-        ids = torch.tensor([p], device=hf.device)
-        with torch.no_grad():
-            y = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                            eos_token_id=eos_id, pad_token_id=eos_id, return_dict_in_generate=True,
-                            output_logits=True, **extra)
-        new = y.sequences[0, len(p):].tolist()
-        outs.append({"prompt_ids": p, "output_ids": new, "dtype": str(hf.dtype).removeprefix("torch."),
-                     "eos_id": eos_id, "positions": [top(r[0].float().cpu()) for r in y.logits[:len(new)]]})
-        progress(f"transformers {setting}", k, len(prompts), t0)
-    return outs
-
-
 def left_padded(seqs: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, attention_mask) of sequences left-padded to the longest, as transformers' users batch."""
     n = max(map(len, seqs))
@@ -54,21 +36,25 @@ def left_padded(seqs: list[list[int]], pad: int, device) -> tuple[torch.Tensor, 
     return ids, mask
 
 
-def batched(hf, prompts, batch: int, max_new_tokens, eos_id) -> list[dict]:
-    """Plain greedy with prompts decoded `batch` at a time, left-padded: does batching change the output?"""
+def outputs(hf, prompts, setting, max_new_tokens, eos_id, assistant=None, batch: int = 1) -> list[dict]:
+    """transformers' generate, greedy, in one of SETTINGS, with the logit row of every new token; the
+    prompts `batch` at a time, left-padded (batch > 1: does batching change the output?)."""
+    extra = {"greedy": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10},
+             "assisted": {"assistant_model": assistant}}[setting]
     outs, t0 = [], time.perf_counter()
     for k in range(0, len(prompts), batch):
         group = prompts[k:k + batch]
         ids, mask = left_padded(group, eos_id, hf.device)
         with torch.no_grad():
             y = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                            eos_token_id=eos_id, pad_token_id=eos_id, return_dict_in_generate=True, output_logits=True)
+                            eos_token_id=eos_id, pad_token_id=eos_id, return_dict_in_generate=True,
+                            output_logits=True, **extra)
         for b, p in enumerate(group):
             new = y.sequences[b, ids.shape[1]:].tolist()
             new = new[:new.index(eos_id) + 1] if eos_id in new else new  # a finished row is padded on
             outs.append({"prompt_ids": p, "output_ids": new, "dtype": str(hf.dtype).removeprefix("torch."),
                          "eos_id": eos_id, "positions": [top(r[b].float().cpu()) for r in y.logits[:len(new)]]})
-        progress(f"transformers batch {batch}", min(k + batch, len(prompts)) - 1, len(prompts), t0)
+        progress(f"transformers {setting}" + batch_key(batch), min(k + batch, len(prompts)) - 1, len(prompts), t0)
     return outs
 
 
@@ -84,7 +70,7 @@ def calibrate(ref: list[dict], hf, units: str, batch: int = 1) -> dict:
         for b, e in enumerate(group):
             end, n = ids.shape[1] - 1, len(e["output_ids"])
             moves.append(cal.movements(e["positions"], logits[b, end - n:end].float().cpu(), units))
-        progress("calibration" + (f" batch {batch}" if batch > 1 else ""), min(k + batch, len(ref)) - 1, len(ref), t0)
+        progress("calibration" + batch_key(batch), min(k + batch, len(ref)) - 1, len(ref), t0)
     return cal.entry(torch.cat(moves), units)
 
 
@@ -173,7 +159,7 @@ def run(args) -> list[dict]:
                 runs.append({**common, "against": "greedy", **tol,
                              "results": verdicts(greedy, others, tol, args.ulps)})
         if args.batch > 1:  # does batching change it? Judged like speculation, with the batch's own tolerance
-            others = batched(hf, prompts, args.batch, args.max_new_tokens, model.args.eos_id)
+            others = outputs(hf, prompts, "greedy", args.max_new_tokens, model.args.eos_id, batch=args.batch)
             save(args, f"transformers-batch{args.batch}-{name}", others)
             common, tol = {"engine": "transformers", "setting": f"greedy batch {args.batch}", "dtype": name,
                            "device": args.device}, tolerance_of(calib, name + batch_key(args.batch)) or tol
