@@ -239,6 +239,22 @@ def test_lookahead_budget_from_its_own_gains():
     assert max(d.planner.gain.values()) > 3  # what a large budget got accepted
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_planned_lookahead_is_exact(dtype, device):
+    """Under a planner Lookahead drafts whole and the engine runs a prefix of the planned budget:
+    the logits of every accepted position are still AR's, bitwise, and the steps ran budgets of
+    several sizes (the trie knows the continuation, so large ones pay). An engine that cut every
+    draft to one node, whatever the budget, fails the tokens-per-step bound (1.78, planted)."""
+    model = random_model(ARGS, 3, dtype, device)
+    prompt = [5, 6, 7, 8] * 6
+    ar = generate(model, prompt, max_new_tokens=40, eos_id=-1)
+    d = Lookahead(decoding_length=16)
+    d.warm_up([prompt[-1:] + ar.tokens])
+    d.plan(Planner(FixedCost(0.01, 1e-4), replan=4))
+    out = check_exact(model, prompt, d, 32, fast=dtype == torch.float32)
+    assert out.mean_accepted > 2 and len({s for s in d.planner.used if s}) >= 2
+
+
 def test_a_nested_draft_is_scored_at_every_budget():
     """Lookahead's budget-s draft is the first s nodes of its whole draft, which the engine hands the
     planner: once the output it guessed is known, it tells what every budget would have got, the
