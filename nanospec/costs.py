@@ -25,8 +25,9 @@ COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached m
 
 class Measured:
     """Seconds per forward by rows (costs.measure), interpolated; a count measured slower than a larger
-    one takes its time (fast mode then runs the product on more rows: kernels.py; else it is noise)."""
-    forwards_only = True  # a step also pays the method's own work: the planner's step ratios
+    one takes its time (fast mode then runs the product on more rows: kernels.py; else it is noise).
+    The planner takes a forward's time as the step's (an A/B of scaling it by observed step times
+    showed no gain: RESULTS.md, issue 34's third session)."""
 
     def __init__(self, points: dict[int, float]):
         rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))
@@ -45,7 +46,6 @@ class CostModel:
     """ProPD's iteration-time model: per (batch, rows) an EMA of measured step time, and a line
     T(rows) = b0 + b1 * rows fitted by least squares weighted by exp(-lam * age), age being the
     steps since that row count was last measured."""
-    forwards_only = False  # learnt from whole steps: taken as it is
 
     def __init__(self, alpha: float = 0.3, lam: float = 0.01):
         self.alpha, self.lam, self.step = alpha, lam, 0

@@ -7,30 +7,19 @@ probability: Figure 6), and the size with the most expected tokens per second, r
 `replan` tokens. Size 0, an AR step, is the one generalisation: drafting that does not pay stops.
 
 Beyond the paper, each with its A/B (RESULTS.md, issue 34's sections; fp32 fast mode, 2 cores):
-- Probes: AR steps teach no acceptance and time no drafting, so while AR is planned for want of
-  acceptance or for observed step times, PROBE drafting steps now and then renew the estimates.
-  Without: BiTA and Hidden Transfer lock into AR on the default model (0.96-0.98x against
-  1.11-1.13x and 1.55-1.56x); acceptance-only probes let a neighbour's job lock Medusa into AR
-  (1.03x). On SmolLM2, BiTA and Hidden Transfer: 0.91-0.95x against 0.96-1.02x before 4fb470c.
-- Step ratios: a forward is not a step (Medusa's heads, pseudo rows, host work): per size, the
-  median of the last RATIOS observed-over-estimated step times, relative to AR's at the same
-  moment, scales the estimate. Without, one run: within noise on the default model (Medusa 1.48x,
-  Hidden Transfer 1.46x against 1.50-1.65x, 1.42-1.57x); busy, 1.31x and 1.35x against 1.03x and
-  1.22x before the cost probes came (which end that AR lock: 1.40-1.45x and 1.27-1.45x with them).
+- Probes: AR steps teach no acceptance, so while AR is planned for want of it, PROBE drafting
+  steps now and then renew the estimates. Without: BiTA and Hidden Transfer lock into AR on the
+  default model (0.96-0.98x against 1.11-1.13x and 1.55-1.56x).
 - Nested drafts (Lookahead's) are drafted whole, run as their first s nodes, and scored at every
   budget once the output is known: 2.19-2.28x against 1.81-1.97x scored at the run budget only.
-- MARGIN: drafting must promise 5% more tokens/s than AR. Without, one run: within noise.
 """
 import itertools
 import math
-import statistics
 from collections import Counter
 
 from .tree import Template, choose_tree
 
 SIZES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-RATIOS = 9     # steps per size whose observed-over-estimated times the scale is the median of
-MARGIN = 0.05  # drafting must promise 5% more tokens/s than an AR step
 PROBE = 8      # drafting steps per probe: enough outcomes to estimate from
 WAIT = 8       # probes come after 0, 1, 2, 4, then every WAIT replans' tokens at AR
 
@@ -48,8 +37,8 @@ def tree_lengths(p: list[list[float]], sizes, family=None) -> dict[int, float]:
 
 
 def best(lengths: dict[int, float], seconds) -> int:
-    """The size with the most expected tokens per second, AR's ahead by MARGIN."""
-    return max(lengths, key=lambda s: lengths[s] / max(seconds(s), 1e-9) * (1 + MARGIN * (s == 0)))
+    """The size with the most expected tokens per second."""
+    return max(lengths, key=lambda s: lengths[s] / max(seconds(s), 1e-9))
 
 
 class Planner:
@@ -60,7 +49,6 @@ class Planner:
     def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
         self.used, self.clock, self.gap, self.probe_at = Counter(), 0, 0, 0  # steps per size; tokens decoded; the probes' cadence
-        self.ratios, self.rows_seen = {}, set()        # size -> [(step / estimate, AR's scale then)]
         self.P, self.gain, self.tries = None, {}, Counter()  # unranked: size -> drafts accepted
 
     def start(self, drafter, dec) -> None:
@@ -82,8 +70,8 @@ class Planner:
         return tree_lengths(self.p(sure), self.sizes, self.drafter.family) if self.P else \
             {s: 1 + (s if sure else self.gain.get(s, s)) for s in self.sizes}
 
-    def seconds(self, s: int, scaled: bool = True) -> float:  # scaled: by the observed step ratios
-        return self.cost.estimate(self.drafter.size(s + 1) if s else 1) * (self.scale(s) if scaled else 1.0)
+    def seconds(self, s: int) -> float:
+        return self.cost.estimate(self.drafter.size(s + 1) if s else 1)
 
     def budget(self, dec) -> tuple[int, Template | None]:
         """This step's draft nodes (0: an AR step) and, for a ranked drafter, the tree of that size."""
@@ -95,8 +83,6 @@ class Planner:
 
     def choose(self, dec) -> int:
         self.probed = bool(self.probing)
-        if 0 in self.sizes and len(self.ratios.get(0, ())) < 3 and any(self.ratios):
-            return 0  # drafting's real cost is known: measure an AR step's too
         if self.probing:
             self.probing -= 1
             self.at = self.at if self.probing else None  # then replan on the probe's outcomes
@@ -106,9 +92,9 @@ class Planner:
             return next((s for s in (first, 1) if (1, self.drafter.size(s + 1)) not in self.cost.perf), 1)
         if self.at is None or dec.cur - self.at >= self.replan or self.P is None:
             self.at, self.size = dec.cur, best(self.lengths(), self.seconds)
-            if self.size or not best(self.lengths(sure=True), lambda s: self.seconds(s, False)):  # AR planned for
-                self.gap = self.probe_at = 0  # want of acceptance or for observed step times (both go stale): probe
-            elif self.clock >= self.probe_at:  # probe, more rarely while probes confirm the plan
+            if self.size or not best(self.lengths(sure=True), self.seconds):  # drafting (or AR though every draft
+                self.gap = self.probe_at = 0  # were right: no probe): the next AR plan probes soon
+            elif self.clock >= self.probe_at:  # AR for want of acceptance: probe, more rarely while probes confirm it
                 self.gap = min(max(2 * self.gap, self.replan), WAIT * self.replan)
                 self.probe_at, self.probing, self.probe, self.fresh = self.clock + self.gap, PROBE, self.probe_size(), Counter()
                 return self.choose(dec)
@@ -127,11 +113,6 @@ class Planner:
         draft (the step ran its first size + 1 nodes), and the next candidates (host lists per depth)."""
         if rows > 1:
             self.cost.update(rows, seconds)
-        if self.cost.forwards_only and rows in self.rows_seen:  # a row count's first step may pay one-time costs
-            self.at = self.at if size in self.ratios else None  # the first measure of a size's real cost: replan
-            then = self.scale(0) if size and 0 in self.ratios else None
-            self.ratios[size] = (self.ratios.get(size, []) + [(seconds / self.cost.estimate(rows), then)])[-RATIOS:]
-        self.rows_seen.add(rows)
         self.clock += len(path)
         if self.P is None and size and self.drafter.nested:  # drafted whole: its first s nodes are budget s's draft,
             self.drafts.append((len(dec.out) - len(path), drafted))  # scored at every s once the output is known
@@ -156,13 +137,6 @@ class Planner:
         self.tries[s] += 1
         w = max(1 / self.tries[s], 4 * self.alpha)  # the mean of the first steps, then an EMA
         self.gain[s] = (1 - w) * self.gain.get(s, 0.0) + w * accepted
-
-    def scale(self, size: int) -> float:
-        """Observed step time over the estimate (drafting: relative to AR's then; unseen: the dearest)."""
-        ar = statistics.median_low([r for r, _ in self.ratios[0]]) if 0 in self.ratios else 1.0
-        rel = [statistics.median_low([r / (then or ar) for r, then in self.ratios[s]])
-               for s in ([size] if size in self.ratios else [s for s in self.ratios if s])]
-        return ar if not size else ar * max(rel, default=1.0)
 
     def report(self) -> str:
         return "budget " + ", ".join(f"{s} ({100 * c / self.used.total():.0f}%)" for s, c in self.used.most_common(4))

@@ -30,9 +30,7 @@ def random_model(args: ModelArgs, seed=0, dtype=torch.float32, device="cpu") -> 
 
 
 class FixedCost(Measured):
-    """The planner's costs as a line T(rows) = b0 + b1 * rows, taken as it is (no step ratios): plans
-    that do not depend on the clock."""
-    forwards_only = False
+    """The planner's costs as a line T(rows) = b0 + b1 * rows: plans that do not depend on the clock."""
 
     def __init__(self, b0: float, b1: float):
         super().__init__({1: b0 + b1, 2: b0 + 2 * b1})

@@ -101,12 +101,12 @@ def medusa(model, acc=ACC):
     return Medusa(Heads(ARGS.dim, ARGS.vocab_size, 3).init_from(model.lm_head), choose_tree(acc, 6), acc)
 
 
-@pytest.mark.parametrize("row_cost, expect", [(1e-6, "big"), (1.0, "ar")])
-def test_budgets_follow_what_a_row_costs(row_cost, expect):
-    """Cheap rows: big trees; rows that cost as much as a step: AR steps (budget 0), and then a
-    planned method runs no extra rows at all."""
+@pytest.mark.parametrize("base, row_cost, expect", [(0.01, 1e-6, "big"), (0.0, 1.0, "ar")])
+def test_budgets_follow_what_a_row_costs(base, row_cost, expect):
+    """Cheap rows: big trees; a step that costs only its rows (no tree beats AR even if every draft
+    is right, so no probe either): AR steps (budget 0), and a planned method runs no extra rows."""
     model = random_model(ARGS, 1)
-    d = medusa(model).plan(Planner(FixedCost(0.01, row_cost), replan=8))
+    d = medusa(model).plan(Planner(FixedCost(base, row_cost), replan=8))
     out = generate(model, [3, 4, 5], d, max_new_tokens=40, eos_id=-1)
     sizes = d.planner.used
     if expect == "big":
@@ -128,7 +128,7 @@ def test_ar_steps_reuse_one_drafter(monkeypatch):
     program), not a new one per step."""
     from nanospec import engine
     model = random_model(ARGS, 1)
-    d = medusa(model).plan(Planner(FixedCost(0.01, 1.0), replan=8))
+    d = medusa(model).plan(Planner(FixedCost(0.0, 1.0), replan=8))
     seen, step = [], engine.Decoding.step
     monkeypatch.setattr(engine.Decoding, "step", lambda dec, drafter, *a: seen.append(drafter) or step(dec, drafter, *a))
     generate(model, [3, 4, 5], d, max_new_tokens=10, eos_id=-1)
@@ -195,31 +195,6 @@ def test_a_probe_that_finds_good_drafts_brings_drafting_back():
     good = [s for g, s in sizes if g]
     back = next(i for i in range(len(good)) if all(good[i:i + 20]))  # drafting again, for good
     assert back <= (WAIT + 1) * planner.replan + PROBE  # the first probe of the good stretch
-
-
-def test_a_stale_drafting_cost_does_not_lock_ar_in():
-    """Drafting steps measured slow while a neighbour ran (4x their quiet time, AR's at 1x) plan AR;
-    an AR step never re-times drafting, so probes also come while AR is planned for its cost: once the
-    machine is quiet again, a probe measures drafting at its own price and drafting comes back."""
-    from types import SimpleNamespace
-    from nanospec.planner import PROBE, WAIT
-    d = SimpleNamespace(topk=[3, 3], acc=[[0.8, 0.1, 0.0], [0.7, 0.1, 0.0]], size=lambda n: n, family=None)
-    planner = Planner(Measured({1: 0.010, 4: 0.011, 16: 0.014}), sizes=(0, 1, 2, 4), replan=8)
-    planner.start(d, None)
-    dec, seq, sizes = SimpleNamespace(out=[], cur=0), list(range(2000)), []
-    for step in range(800):
-        size, _ = planner.budget(dec)
-        busy = step < 100
-        dec.out.append(seq[len(dec.out)])
-        dec.cur += 1
-        cands = [[seq[len(dec.out) + k], -2, -3] for k in range(2)] if size else None  # top-1 right
-        rows = d.size(size + 1) if size else 1
-        seconds = planner.cost.estimate(rows) * (4.0 if busy and size else 1.0)
-        planner.observe(dec, size, rows, seconds, cands=cands)
-        sizes.append(size)
-    assert sizes[:100].count(0) >= 50  # drafting looked 4x dearer: mostly AR
-    back = next(i for i in range(100, 800) if all(sizes[i:i + 20]))  # drafting again, for good
-    assert back - 100 <= (WAIT + 1) * planner.replan + PROBE
 
 
 def test_lookahead_budget_from_its_own_gains():
@@ -328,45 +303,3 @@ def test_best_trees_nest(K, R, s, rnd):
     acc = [[rnd.choice([0.0, 0.1, 0.25, 0.5, rnd.random()]) for _ in range(R)] for _ in range(K)]
     allowed = None if rnd.random() < 0.5 else product_paths([rnd.randint(1, R) for _ in range(K)])
     assert choose_tree(acc, s, allowed) == choose_tree(acc, 64, allowed)[:s]
-
-
-def test_a_step_time_outlier_does_not_steer_the_plan():
-    """A step's observed-over-estimated ratio is the median of its last steps: one stalled or
-    one-time-cost step (here 10x) leaves it where the ordinary steps put it, and a row count's
-    first step is not counted at all."""
-    from types import SimpleNamespace
-    p = Planner(Measured({1: 0.050, 8: 0.100}))
-    p.start(SimpleNamespace(topk=None, nested=False), None)
-    for seconds in (0.500, 0.060, 0.536, 0.061, 0.059):  # the first: rows=1 seen for the first time
-        p.observe(None, 0, 1, seconds)
-    assert p.scale(0) == pytest.approx(0.060 / 0.050)
-    for seconds in (0.100, 0.110, 0.105, 0.108):
-        p.observe(None, 4, 5, seconds, [0, 1])
-    assert 1.0 < p.scale(4) < 1.6 and p.scale(8) == p.scale(4)  # unobserved drafting sizes: the largest seen
-
-
-def test_a_drift_in_machine_speed_does_not_make_drafting_look_cheap():
-    """Drafting steps are timed at other moments than AR steps: when the machine slows down (a
-    shared VM's stall, a longer context) after the drafting size was measured, fresh AR times must
-    not be set against stale drafting ones. A drafting step's cost is kept relative to AR's."""
-    from types import SimpleNamespace
-    p = Planner(Measured({1: 0.050, 8: 0.100}))
-    p.start(SimpleNamespace(topk=None, nested=False), None)
-    for seconds in (0.050, 0.050, 0.050):  # rows=1's first step is not counted
-        p.observe(None, 0, 1, seconds)
-    for seconds in (0.060, 0.060, 0.060, 0.060):  # size 4 (5 rows): 1.2x its estimate, AR at 1.0x
-        p.observe(None, 4, 5, seconds, [0, 1])
-    before = p.scale(4) / p.scale(0)
-    for _ in range(9):  # then the machine runs 1.5x slower: every AR step shows it
-        p.observe(None, 0, 1, 0.075)
-    assert p.scale(0) == pytest.approx(1.5)
-    assert p.scale(4) / p.scale(0) == pytest.approx(before)  # was 1.2 / 1.5: drafting looked 25% cheaper
-
-
-@pytest.mark.parametrize("row_cost, drafts", [(0.0, True), (0.06, False)])
-def test_drafting_must_promise_a_margin_over_ar(row_cost, drafts):
-    """A tree expected to yield 1.1 tokens for 1.06x an AR step's time (3.8% faster on paper) is
-    not worth the estimates' error: AR. For the same step time as AR's, it drafts."""
-    cost = FixedCost(1.0 - row_cost, row_cost)
-    size = best(tree_lengths([[0.1, 0.0]], [0, 1]), lambda s: cost.estimate(s + 1 if s else 1))
-    assert size == (1 if drafts else 0)
