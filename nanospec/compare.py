@@ -36,7 +36,7 @@ by its line in OTHER, from 0), one verdict:
 With --engine, nanospec runs the engine (nanospec/engines/), compares each setting with the
 reference (REFERENCE if given, else traced now) and each speculative setting with the engine's
 own greedy output (self-consistency: the same verdicts, judged on the engine's own logits).
---batch B (transformers) and --concurrency N (a server) ask the batch question the same way: each
+--batch B (transformers, llama.cpp) and --concurrency N (a server) ask the batch question the same way: each
 prompt decoded inside a batch against the reference, and against the engine's output for that
 prompt alone, on the lone run's logits.
 Exit code 0 only when no prompt fails: divergence, empty, short (unless --allow-short) and
@@ -113,8 +113,9 @@ def main(argv=None) -> int:
                    "first --assistant-layers layers of --weights)")
     p.add_argument("--assistant-layers", type=int, default=2)
     p.add_argument("--draft-tokens", type=int, default=4, help="llama.cpp draft: tokens the draft model proposes")
-    p.add_argument("--batch", type=int, default=1, help="--engine transformers: also decode the prompts B at a time "
-                   "(left-padded), judged against the reference and against each prompt alone")
+    p.add_argument("--batch", type=int, default=1, help="--engine transformers, llama.cpp: also decode the prompts B "
+                   "at a time (left-padded; llama.cpp: B sequences of one context), judged against the reference "
+                   "and against each prompt alone")
     p.add_argument("--concurrency", type=int, default=1, help="--engine openai: also send N requests at once (the "
                    "server batches them), each judged against the reference and against the same prompt sent alone")
     p.add_argument("--kv", default="f16,f32", help="llama.cpp: KV cache types to run (f16 is llama.cpp's default)")
@@ -146,8 +147,8 @@ def main(argv=None) -> int:
         raise NanospecError("--calibrate measures a calibration; --calibration uses one: give one of them")
     if args.batch < 1 or args.concurrency < 1:
         raise NanospecError("--batch and --concurrency must be at least 1")
-    if args.batch > 1 and args.engine != "transformers" or args.concurrency > 1 and args.engine != "openai":
-        raise NanospecError("--batch runs with --engine transformers, --concurrency with --engine openai")
+    if args.batch > 1 and args.engine not in ("transformers", "llama.cpp") or args.concurrency > 1 and args.engine != "openai":
+        raise NanospecError("--batch runs with --engine transformers or llama.cpp, --concurrency with --engine openai")
     if args.max_new_tokens < 1:
         raise NanospecError("--max-new-tokens must be at least 1")
     if args.engine:

@@ -62,6 +62,27 @@ def test_every_setting_with_its_measured_calibration(tiny, tmp_path, monkeypatch
     assert run["ulps"] == c["settings"]["single kv=f32"]["ulps"]
 
 
+def test_sequences_batched_in_one_context_are_judged_against_each_alone(tiny, tmp_path, monkeypatch):
+    """--batch 2: the two prompts as sequences 0 and 1 of one context, one llama_decode per step over
+    both, judged against the reference and against each prompt's lone greedy run (its own rows)."""
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / "cache"))
+    d, prompts = tiny
+    code, out, err = call(compare.main, "--engine", "llama.cpp", "--weights", d, "--prompts", prompts,
+                          "--max-new-tokens", 12, "--settings", "prompt_lookup", "--kv", "f32", "--batch", 2,
+                          "--save", tmp_path / "s", "--json")
+    assert code == 0, out + err
+    runs = [r for r in json.loads(out.splitlines()[-1])["runs"] if "results" in r]
+    judged = [(r["setting"], r["against"]) for r in runs]
+    assert judged == [("greedy", "reference"), ("greedy batch 2", "reference"), ("greedy batch 2", "alone"),
+                      ("prompt_lookup", "reference"), ("prompt_lookup", "greedy")]
+    batch = [r for r in runs if r["setting"] == "greedy batch 2"]
+    assert all(len(r["results"]) == 2 and r["summary"]["divergence"] == 0 and r["summary"]["empty"] == 0 for r in batch)
+    alone, together = ([json.loads(line) for line in (tmp_path / "s" / f"llama.cpp-{n}-kvf32.jsonl").open()]
+                       for n in ("greedy", "batch2"))
+    assert [e["prompt_ids"] for e in together] == [e["prompt_ids"] for e in alone]
+    assert all(len(e["output_ids"]) == len(e["positions"]) > 0 for e in together)
+
+
 def test_bad_llama_cpp_options(tiny):
     d, prompts = tiny
     assert "unknown --kv 'q8'" in run_cli(compare.main, "--engine", "llama.cpp", "--weights", d, "--kv", "q8")

@@ -7,7 +7,10 @@ prompt ids from nanospec's tokenizer, in three settings:
 - draft: a draft model (a second Llama: --assistant, by default the first --assistant-layers
   layers of the weights as an F32 GGUF) proposes --draft-tokens greedy tokens through the same
   draft_model hook.
-for each KV cache type in --kv (f16, llama.cpp's default, and f32). --weights FILE.gguf is run as
+for each KV cache type in --kv (f16, llama.cpp's default, and f32). --batch B adds `greedy batch B`:
+the prompts B at a time as sequences of one context (seq ids 0..B-1, llama.cpp's parallel decoding
+as its server's slots run it), each step one llama_decode over every live sequence's next token,
+judged against the reference and against the same prompt decoded alone by `greedy`. --weights FILE.gguf is run as
 it is; a directory is exported once into the cache as an F32 GGUF (sources.as_gguf).
 
 llama.cpp computes otherwise than nanospec (quantized activations against quantized weights,
@@ -97,6 +100,55 @@ def decode(llm, prompts, max_new_tokens, eos_id, tag, all_rows: bool) -> list[di
         outs.append({"prompt_ids": p, "output_ids": ids, "eos_id": eos_id, "positions": rows,
                      "decode_s": time.perf_counter() - first})
         progress(f"llama.cpp {tag}", k, len(prompts), t0)
+    return outs
+
+
+def parallel(llm, prompts, batch: int, max_new_tokens: int, eos_id: int, tag: str) -> list[dict]:
+    """Greedy decoding of the prompts `batch` at a time in one context of llm's model and settings
+    (n_seq_max = batch, batch x its n_ctx): each sequence's prompt in its own llama_decode, then one
+    llama_decode per step over the next token of every live sequence. Greedy: the row's largest
+    logit, ties to the smaller id (Llama.generate's top_k=1 sampler)."""
+    import llama_cpp
+    from llama_cpp import _internals
+    params = llama_cpp.llama_context_params.from_buffer_copy(llm.context_params)
+    params.n_seq_max, params.n_ctx = batch, batch * llm.context_params.n_ctx
+    ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
+    step = _internals.LlamaBatch(n_tokens=max(batch, *map(len, prompts)), embd=0, n_seq_max=1, verbose=False)
+    V, outs, t0 = llm.n_vocab(), [], time.perf_counter()
+
+    def decode() -> list:
+        if llama_cpp.llama_decode(ctx.ctx, step.batch) != 0:
+            raise NanospecError(f"llama.cpp: llama_decode failed ({tag})")
+        return [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, j), shape=(V,)).copy()
+                for j in range(step.n_tokens()) if step.batch.logits[j]]
+
+    for k in range(0, len(prompts), batch):
+        group = prompts[k:k + batch]
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx.ctx), True)
+        rows = []
+        for i, p in enumerate(group):
+            step.reset()
+            step.add_sequence(p, i, False)
+            rows.append(decode()[0])
+        ids, positions, live, first = [[] for _ in group], [[] for _ in group], list(range(len(group))), None
+        while live:
+            for i, row in zip(live, rows):
+                positions[i].append(top(row))
+                ids[i].append(int(np.argmax(row)))
+            live = [i for i in live if ids[i][-1] != eos_id and len(ids[i]) < max_new_tokens]
+            first = first or time.perf_counter()
+            step.reset()
+            for j, i in enumerate(live):
+                b = step.batch
+                b.token[j], b.pos[j], b.seq_id[j][0], b.n_seq_id[j], b.logits[j] = ids[i][-1], len(group[i]) + len(ids[i]) - 1, i, 1, True
+            step.batch.n_tokens = len(live)
+            rows = decode() if live else []
+        spent = (time.perf_counter() - first) / len(group)  # the group's decoding time, shared
+        outs += [{"prompt_ids": p, "output_ids": o, "eos_id": eos_id, "positions": r, "decode_s": spent}
+                 for p, o, r in zip(group, ids, positions)]
+        progress(f"llama.cpp {tag}", min(k + batch, len(prompts)) - 1, len(prompts), t0)
+    ctx.close()
+    step.close()
     return outs
 
 
@@ -204,7 +256,8 @@ def run(args) -> list[dict]:
                 measured[f"{name} kv={kv}"] = calibrate(llm, refs, chunk, f"{name} kv={kv}")
                 print(describe(measured[f"{name} kv={kv}"], f"{name} kv={kv}"), flush=True)
         greedy = None
-        for s in (["greedy"] if args.calibrate else settings):  # --calibrate: greedy, for `self`
+        first = ["greedy"] if args.calibrate or args.batch > 1 and "greedy" not in settings else []
+        for s in first + ([] if args.calibrate else [s for s in settings if s not in first]):  # greedy for `self`
             if s == "greedy":
                 llm = single
             else:
@@ -224,6 +277,14 @@ def run(args) -> list[dict]:
                 if not args.calibrate and refs is not None:
                     runs.append(judge(refs, outs, tolerance(kv, ["single"]), setting=s, kv=kv, against="reference",
                                       **speed))
+                if args.batch > 1 and not args.calibrate:  # does batching change it? Judged as speculation is
+                    tag = f"greedy batch {args.batch}"
+                    others = parallel(single, prompts, args.batch, args.max_new_tokens, model.args.eos_id, f"{tag} kv={kv}")
+                    save(args, f"llama.cpp-batch{args.batch}-kv{kv}", others)
+                    if refs is not None:
+                        runs.append(judge(refs, others, tolerance(kv, ["single", "batched"]), setting=tag, kv=kv,
+                                          against="reference", tokens_per_s=tokens_per_s(others)))
+                    runs.append(judge(outs, others, tolerance(kv, ["self"]), setting=tag, kv=kv, against="alone"))
                 continue
             if refs is not None:
                 runs.append(judge(refs, outs, tolerance(kv, ["single", "batched"]), setting=s, kv=kv,
