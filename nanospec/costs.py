@@ -26,8 +26,7 @@ COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached m
 class Measured:
     """Seconds per forward by rows (costs.measure), interpolated; a count measured slower than a larger
     one takes its time (fast mode then runs the product on more rows: kernels.py; else it is noise).
-    The planner takes a forward's time as the step's (an A/B of scaling it by observed step times
-    showed no gain: RESULTS.md, issue 34's third session)."""
+    The planner takes a forward's time as the step's."""
 
     def __init__(self, points: dict[int, float]):
         rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))

@@ -7,11 +7,12 @@ prompt ids from nanospec's tokenizer, in three settings:
 - draft: a draft model (a second Llama: --assistant, by default the first --assistant-layers
   layers of the weights as an F32 GGUF) proposes --draft-tokens greedy tokens through the same
   draft_model hook.
-for each KV cache type in --kv (f16, llama.cpp's default, and f32). --batch B adds `greedy batch B`:
-the prompts B at a time as sequences of one context (seq ids 0..B-1, llama.cpp's parallel decoding
-as its server's slots run it), each step one llama_decode over every live sequence's next token,
-judged against the reference and against the same prompt decoded alone by `greedy`. --weights FILE.gguf is run as
+for each KV cache type in --kv (f16, llama.cpp's default, and f32). --weights FILE.gguf is run as
 it is; a directory is exported once into the cache as an F32 GGUF (sources.as_gguf).
+--batch B adds `greedy batch B`: the prompts B at a time as sequences of one context (seq ids
+0..B-1, llama.cpp's parallel decoding as its server's slots run it), each step one llama_decode
+over every live sequence's next token, judged against the reference and against the same prompt
+decoded alone by `greedy`.
 
 llama.cpp computes otherwise than nanospec (quantized activations against quantized weights,
 batches through other kernels than single tokens), so it gets its own tolerance: unless
@@ -137,11 +138,11 @@ def parallel(llm, prompts, batch: int, max_new_tokens: int, eos_id: int, tag: st
                 ids[i].append(int(np.argmax(row)))
             live = [i for i in live if ids[i][-1] != eos_id and len(ids[i]) < max_new_tokens]
             first = first or time.perf_counter()
-            step.reset()
-            for j, i in enumerate(live):
-                b = step.batch
-                b.token[j], b.pos[j], b.seq_id[j][0], b.n_seq_id[j], b.logits[j] = ids[i][-1], len(group[i]) + len(ids[i]) - 1, i, 1, True
-            step.batch.n_tokens = len(live)
+            b = step.batch
+            for j, i in enumerate(live):  # sequence i's last token, at its position, its logits kept
+                b.token[j], b.pos[j] = ids[i][-1], len(group[i]) + len(ids[i]) - 1
+                b.seq_id[j][0], b.n_seq_id[j], b.logits[j] = i, 1, True
+            b.n_tokens = len(live)
             rows = decode() if live else []
         spent = (time.perf_counter() - first) / len(group)  # the group's decoding time, shared
         outs += [{"prompt_ids": p, "output_ids": o, "eos_id": eos_id, "positions": r, "decode_s": spent}
@@ -256,8 +257,8 @@ def run(args) -> list[dict]:
                 measured[f"{name} kv={kv}"] = calibrate(llm, refs, chunk, f"{name} kv={kv}")
                 print(describe(measured[f"{name} kv={kv}"], f"{name} kv={kv}"), flush=True)
         greedy = None
-        first = ["greedy"] if args.calibrate or args.batch > 1 and "greedy" not in settings else []
-        for s in first + ([] if args.calibrate else [s for s in settings if s not in first]):  # greedy for `self`
+        order = (["greedy"] if args.batch > 1 and "greedy" not in settings else []) + settings  # --batch: alone
+        for s in (["greedy"] if args.calibrate else order):  # --calibrate: greedy, for `self`
             if s == "greedy":
                 llm = single
             else:
@@ -279,7 +280,8 @@ def run(args) -> list[dict]:
                                       **speed))
                 if args.batch > 1 and not args.calibrate:  # does batching change it? Judged as speculation is
                     tag = f"greedy batch {args.batch}"
-                    others = parallel(single, prompts, args.batch, args.max_new_tokens, model.args.eos_id, f"{tag} kv={kv}")
+                    others = parallel(single, prompts, args.batch, args.max_new_tokens, model.args.eos_id,
+                                      f"{tag} kv={kv}")
                     save(args, f"llama.cpp-batch{args.batch}-kv{kv}", others)
                     if refs is not None:
                         runs.append(judge(refs, others, tolerance(kv, ["single", "batched"]), setting=tag, kv=kv,
