@@ -8,12 +8,12 @@ Response shapes, as the servers named in the README return them:
 - "llama-server": logprobs.content[i] with id, token, logprob and top_logprobs (with ids).
 flip_at=N plants a speculation bug: from output position N on, the runner-up token is emitted
 once. refuse_ids=True answers 422 to a prompt of ids (as llama-cpp-python's server does).
-batch_flip_at=N plants a batch dependence: each request is held `hold` seconds, and one that
-overlaps another request emits the runner-up at position N (a lone request never does).
+batch_flip_at=N plants a batch dependence: each request is held until another arrives or for `hold`
+seconds, and one that overlaps another request emits the runner-up at position N (a lone request
+never does).
 """
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -22,9 +22,9 @@ from nanospec.engine import generate
 
 
 class Stub:
-    def __init__(self, model, tok, shape="vllm", flip_at=None, refuse_ids=False, batch_flip_at=None, hold=0.3):
+    def __init__(self, model, tok, shape="vllm", flip_at=None, refuse_ids=False, batch_flip_at=None, hold=2.0):
         self.model, self.tok, self.shape, self.flip_at, self.refuse_ids = model, tok, shape, flip_at, refuse_ids
-        self.batch_flip_at, self.hold, self.in_flight, self.lock = batch_flip_at, hold, 0, threading.Lock()
+        self.batch_flip_at, self.hold, self.active, self.cond = batch_flip_at, hold, {}, threading.Condition()
         self.requests = []
         stub = self
 
@@ -56,16 +56,19 @@ class Stub:
         self.server.server_close()
 
     def overlapped(self) -> bool:
-        """With batch_flip_at: whether another request was in flight while this one was held."""
+        """With batch_flip_at: whether another request was in flight while this one was held. A request
+        is held until another arrives (then both overlap) or for `hold` seconds: requests sent at once
+        overlap however slowly the client's threads start, and a lone request never does."""
         if self.batch_flip_at is None:
             return False
-        with self.lock:
-            self.in_flight += 1
-            seen = self.in_flight > 1
-        time.sleep(self.hold)
-        with self.lock:
-            seen, self.in_flight = seen or self.in_flight > 1, self.in_flight - 1
-        return seen
+        me = object()
+        with self.cond:
+            if self.active:  # everyone in flight overlaps the newcomer, and it them
+                self.active = dict.fromkeys(self.active, True)
+            self.active[me] = bool(self.active)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.active[me], timeout=self.hold)
+            return self.active.pop(me)
 
     def decode(self, ids: list[int], max_tokens: int, overlapped=False) -> tuple[list[int], torch.Tensor, str]:
         out = generate(self.model, ids, max_new_tokens=max_tokens, record_logits=True)
