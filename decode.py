@@ -57,6 +57,8 @@ def parse_args(argv=None):
                    "(--bench default: the weights' prompts.jsonl)")
     p.add_argument("--limit", type=int, help="only the first N of --prompts")
     p.add_argument("--methods", default="ar", help="comma-separated methods for --bench")
+    p.add_argument("--batch", default="1", help="sequences decoded together: --prompts B at a time; --bench: "
+                   "comma-separated batch sizes, e.g. 1,2,4,8 (speedups against AR at the same size)")
     p.add_argument("--profile", action="store_true", help="--bench: also print each method's top host-side costs")
     p.add_argument("--peers", choices=["transformers"], help="--bench: also time transformers' greedy, prompt lookup "
                    "and assisted generation on the same prompts, interleaved with the methods")
@@ -154,6 +156,9 @@ def main(argv=None):
     weights, model, dtype, tok, own_model = setup(args)
     args.mode = args.mode or ("exact" if args.device == "cuda" else "fast")
     exact = args.mode == "exact"
+    batches = parse_batches(args.batch)
+    if not args.bench and len(batches) > 1:
+        raise NanospecError("--batch takes one size when decoding (several only with --bench)")
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     info = dict(mode=args.mode, device=args.device, dtype=str(dtype).removeprefix("torch."))
 
@@ -166,10 +171,14 @@ def main(argv=None):
         if own_model:
             note_own_model(weights)
         tune(args, model, exact, drafters)
+        if args.peers and batches != [1]:
+            raise NanospecError("--peers times transformers one prompt at a time: use it with --batch 1")
         peers = transformers_peers(weights, dtype, args.device) if args.peers else ()
-        results = bench(model, prompts, drafters, exact=exact, max_new_tokens=args.max_new_tokens,
-                        eos_id=args.eos_id, sampling=sampling, profile=args.profile, peers=peers)
-        print(table(results))
+        results = []
+        for B in batches:
+            results += bench(model, prompts, drafters, exact=exact, max_new_tokens=args.max_new_tokens,
+                             eos_id=args.eos_id, sampling=sampling, profile=args.profile, peers=peers, batch=B)
+            print(table([r for r in results if r["batch"] == B]), flush=True)
         if args.json:
             print(json.dumps({**info, "max_new_tokens": args.max_new_tokens, "results": results}))
         return 0
@@ -190,21 +199,48 @@ def main(argv=None):
         S = shapes([drafter, AR], len(prompt), args.max_new_tokens, args.block, args.max_len)[1]
         check_room(len(prompt), S - 1 - drafter.reserved_slots)
     tune(args, model, exact, [drafter])
-    for i, (text, prompt) in enumerate(zip(texts, prompts)):
+    B = batches[0]
+    for i in range(0, len(prompts), B):
         if i:
             print("-" * 72)
-        status = max(status, decode_one(args, model, tok, drafter, text, prompt, info, exact, sampling, meta, entries))
+        status = max(status, decode_batch(args, model, tok, drafter, texts[i:i + B], prompts[i:i + B], info, exact,
+                                          sampling, meta, entries))
     if args.trace:
         trace.write(args.trace, entries)
         print(f"wrote {args.trace}: {len(entries)} prompt(s), format {trace.FORMAT}", file=sys.stderr)
     return status
 
 
-def decode_one(args, model, tok, drafter, text, prompt, info, exact, sampling, meta, entries) -> int:
-    Q, S = shapes([drafter, AR], len(prompt), args.max_new_tokens, args.block, args.max_len)
+def parse_batches(text: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise NanospecError(f"--batch {text!r}: give positive sizes, e.g. 4 or 1,2,4,8")
+    return sizes
+
+
+def decode_batch(args, model, tok, drafter, texts, prompts, info, exact, sampling, meta, entries) -> int:
+    """Prompts decoded together (one batch; each output as if decoded alone), printed in turn."""
+    Q, S = shapes([drafter, AR], max(map(len, prompts)), args.max_new_tokens, args.block, args.max_len)
     kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S, eos_id=args.eos_id,
               record_logits=args.check or meta is not None, **sampling)
-    out = generate(model, prompt, drafter, **kw)
+    outs = generate(model, prompts, drafter, **kw)
+    refs = [generate(model, p, AR, **kw) for p in prompts] if args.check else [None] * len(prompts)
+    if len(prompts) > 1:
+        new = sum(len(o.tokens) for o in outs)
+        print(f"[{args.method}] batch of {len(prompts)}: {new} tokens in {outs[0].decode_s:.2f}s "
+              f"({new / outs[0].decode_s:.1f} tok/s together)", file=sys.stderr)
+    status = 0
+    for i, (text, prompt, out, ref) in enumerate(zip(texts, prompts, outs, refs)):
+        if i:
+            print("-" * 72)
+        status = max(status, report_one(args, tok, text, prompt, out, ref, S, info, exact, meta, entries))
+    return status
+
+
+def report_one(args, tok, text, prompt, out, ref, S, info, exact, meta, entries) -> int:
     if meta is not None:
         entries.append(trace.record(prompt, out.tokens, out.logits, args.trace_k, **meta))
     new_text = tok.decode(out.tokens) if tok else None
@@ -218,7 +254,6 @@ def decode_one(args, model, tok, drafter, text, prompt, info, exact, sampling, m
         print(f"note: stopped early: the cache of {S} slots is full; raise --max-len", file=sys.stderr)
     identical = None
     if args.check:
-        ref = generate(model, prompt, AR, **kw)
         identical = same_as_ar(out, ref, exact)
         what = "tokens and logits (bitwise)" if exact else "tokens"
         speed = f"; AR {ref.tokens_per_s:.1f} tok/s, so {out.tokens_per_s / ref.tokens_per_s:.2f}x" if args.method != "ar" else ""

@@ -3,9 +3,10 @@
 Speedups are always against the fastest AR measured in the same run: fast-mode AR (one
 row per step), in an exact-mode bench also exact-mode AR at its own smallest block (on a GPU
 it replays a CUDA graph, and can be the faster one), and `ar`'s own row when it is among the
-methods (the same decoding, timed at other moments). Mismatches count prompts whose tokens
-differ from AR's in the benchmark's mode (and, in exact mode, whose accepted logits differ in
-any bit). On a GPU each method's kernel time per forward is read with the torch profiler on one
+methods (the same decoding, timed at other moments). With batch B, the prompts run B at a time
+(engine.generate's batches), AR too, and speedups are against AR at the same B. Mismatches count
+prompts whose tokens differ from AR's on that prompt alone, in the benchmark's mode (and, in
+exact mode, whose accepted logits differ in any bit). On a GPU each method's kernel time per forward is read with the torch profiler on one
 prompt.
 """
 import copy
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import NanospecError
+from . import engine
 from .engine import Decoding, Drafter, Output, generate, shapes
 
 
@@ -56,15 +58,19 @@ def first_difference(out, ref) -> str:
 
 
 def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=False,
-          max_new_tokens=128, eos_id=None, sampling=None, profile=False, peers=()) -> list[dict]:
-    """Run every drafter over every prompt; one result dict per drafter. Per step: step_ms (wall
-    time), forward_ms (the step's device program, synchronised on a GPU) and host_ms, the rest:
-    drafting, tree building, read-back, commit. profile: print each method's top host-side costs."""
+          max_new_tokens=128, eos_id=None, sampling=None, profile=False, peers=(), batch=1) -> list[dict]:
+    """Run every drafter over every prompt (batch at a time); one result dict per drafter. Per step:
+    step_ms (wall time), forward_ms (the step's device program, synchronised on a GPU) and host_ms,
+    the rest: drafting, tree building, read-back, commit. profile: print each method's top host-side costs."""
     sampling = sampling or {}
     everyone = [Drafter()] + drafters
+    width = {i: max(map(len, prompts[i - i % batch:i - i % batch + batch])) for i in range(len(prompts))}
 
-    def run(d, prompt, exact, n=max_new_tokens):
-        Q, S = shapes(everyone, len(prompt), max_new_tokens)  # same shapes for every run of a prompt
+    def run(d, prompt, exact, n=max_new_tokens, i=None):
+        """prompt: one prompt, or a batch of them (a list of Outputs back); i: the prompt's index
+        when decoded alone as a reference, at its batch's shapes."""
+        longest = max(map(len, prompt)) if isinstance(prompt[0], list) else width.get(i, len(prompt))
+        Q, S = shapes(everyone, longest, max_new_tokens)  # same shapes for every run of a prompt
         return generate(model, prompt, d, max_new_tokens=n, exact=exact, Q=Q, n_slots=S,
                         eos_id=eos_id, record_logits=exact, **sampling)
 
@@ -89,7 +95,18 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     t0 = time.perf_counter()
     base = {"fast AR": [], "exact AR": []} if exact else {"fast AR": []}
     ref, outs, peer_outs = [], [[] for _ in drafters], [[] for _ in peers]
-    for i, p in enumerate(prompts):
+    if batch > 1:  # references: each prompt alone; timings: batches, AR's as well
+        base.pop("exact AR", None)
+        ref = [run(Drafter(), p, exact, i=i) for i, p in enumerate(prompts)]
+        for i in range(0, len(prompts), batch):
+            part = prompts[i:i + batch]
+            base["fast AR"] += batched(run(Drafter(), part, False))
+            for d, o in zip(drafters, outs):
+                o += batched(run(d, part, exact))
+            done = time.perf_counter() - t0
+            print(f"[bench] batch {i // batch + 1}/{-(-len(prompts) // batch)} of {batch}: {done:.0f}s", file=sys.stderr,
+                  flush=True)
+    for i, p in enumerate(prompts if batch == 1 else ()):
         base["fast AR"].append(run(Drafter(), p, False))
         if exact:
             base["exact AR"].append(own_ar(p))
@@ -122,7 +139,7 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         kernel = kernel_ms(lambda d, p: run(d, p, exact), d, prompts[0])
         if profile:
             print(host_profile(lambda d, p: run(d, p, exact), d, prompts[0]), file=sys.stderr, flush=True)
-        results.append(dict(method=d.name, prompts=len(prompts), new_tokens=new, steps=steps,
+        results.append(dict(method=d.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=steps,
                             mean_accepted=round(new / steps, 3), step_ms=round(step_ms, 3), forward_ms=round(fwd_ms, 3),
                             host_ms=round(step_ms - fwd_ms, 3), kernel_ms=None if kernel is None else round(kernel, 3),
                             tokens_per_s=round(tps, 2),
@@ -132,11 +149,20 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     for peer, runs in zip(peers, peer_outs):
         new = sum(len(o.tokens) for o in runs)
         tps = new / sum(o.decode_s for o in runs)
-        results.append(dict(method=peer.name, prompts=len(prompts), new_tokens=new, steps=None, mean_accepted=None,
+        results.append(dict(method=peer.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=None, mean_accepted=None,
                             step_ms=None, forward_ms=None, host_ms=None, kernel_ms=None, tokens_per_s=round(tps, 2),
                             speedup=round(tps / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
                             mismatches=sum(o.tokens != r.tokens for o, r in zip(runs, ref)), notes=""))
     return results
+
+
+def batched(outs: list[Output]) -> list[Output]:
+    """A batch's outputs, its one decoding time shared out by tokens (sums give the batch's tokens/s)."""
+    total = max(sum(len(o.tokens) for o in outs), 1)
+    for o in outs:
+        share = len(o.tokens) / total
+        o.decode_s, o.forward_s = o.decode_s * share, o.forward_s * share
+    return outs
 
 
 def kernel_ms(run, drafter, prompt) -> float | None:
@@ -171,25 +197,26 @@ def host_profile(run, drafter, prompt, top: int = 12) -> str:
     host work is listed."""
     d = copy.deepcopy(drafter)
     prof = cProfile.Profile()
-    real = {name: getattr(Decoding, name) for name in ("program", "run")}
+    real = [(engine, "program"), (Decoding, "run")]
+    saved = [getattr(*r) for r in real]
 
     def unprofiled(fn):
-        def call(self, *a, **k):
+        def call(*a, **k):
             prof.disable()
             try:
-                return fn(self, *a, **k)
+                return fn(*a, **k)
             finally:
                 prof.enable()
         return call
-    for name, fn in real.items():
-        setattr(Decoding, name, unprofiled(fn))
+    for (owner, name), fn in zip(real, saved):
+        setattr(owner, name, unprofiled(fn))
     try:
         prof.enable()
         out = run(d, prompt)
         prof.disable()
     finally:
-        for name, fn in real.items():
-            setattr(Decoding, name, fn)
+        for (owner, name), fn in zip(real, saved):
+            setattr(owner, name, fn)
     stats = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
     lines = [f"[profile] {drafter.name}: {out.steps} steps; host time by function (own time), ms per step:"]
     for fn, (cc, nc, tt, ct, callers) in stats:
@@ -199,7 +226,7 @@ def host_profile(run, drafter, prompt, top: int = 12) -> str:
 
 
 def table(results: list[dict]) -> str:
-    cols = ["method", "prompts", "new_tokens", "steps", "mean_accepted", "step_ms", "forward_ms", "host_ms",
+    cols = ["method", "batch", "prompts", "new_tokens", "steps", "mean_accepted", "step_ms", "forward_ms", "host_ms",
             "kernel_ms", "tokens_per_s", "speedup", "mismatches"]
     rows = [cols] + [["-" if r[c] is None else str(r[c]) for c in cols] for r in results]
     w = [max(len(r[i]) for r in rows) for i in range(len(cols))]

@@ -32,13 +32,15 @@ class Forward:
     method's trainer and its decoder share one layer loop."""
 
     def __init__(self, model, block: Block, ctx: Context, kv):
-        """kv(i): layer i's key/value buffers (the KV cache's, or a training forward's own)."""
+        """kv(i): layer i's key/value buffers (the KV cache's, or a training forward's own). The
+        block holds B sequences' rows (a batch; one in training's masked forwards' sense too)."""
         self.model, self.block, self.ctx, self.kv = model, block, ctx, kv
         self.exact = ctx.exact
 
     @classmethod
-    def on_cache(cls, model, block: Block, cache, exact: bool) -> "Forward":
-        return cls(model, block, model.context(block, cache.n_slots, exact), cache.layer)
+    def on_cache(cls, model, block: Block, cache, exact: bool, seqs=None) -> "Forward":
+        """seqs (B,): the cache rows of the block's sequences (None: the cache's rows in order)."""
+        return cls(model, block, model.context(block, cache.n_slots, exact, seqs), cache.layer)
 
     @classmethod
     def training(cls, model, tokens, pos, vis, prefix=None) -> "Forward":
@@ -62,10 +64,12 @@ class Forward:
         return self.model.embed(self.block.tokens)
 
     def layers(self, x, start: int = 0, stop: int | None = None, active=None) -> torch.Tensor:
-        """x after layers start..stop-1. active (R,) bool: the rows that need them; fast mode runs
-        only those (the others keep x), exact mode runs all rows (inactive ones are never read)."""
+        """x after layers start..stop-1. active (R,) or per sequence (B, R) bool: the rows that need
+        them; fast mode runs only those (in a batch, the rows some sequence needs; the others keep x),
+        exact mode runs all rows (inactive ones are never read)."""
         layers = range(start, len(self.model.layers) if stop is None else stop)
         ctx, rows = self.ctx, None
+        active = active.any(0) if active is not None and active.dim() == 2 else active
         if active is not None and not self.exact and not bool(active.all()):
             rows = active.nonzero()[:, 0]
             ctx, y = ctx.select(rows), x[:, rows]
@@ -79,31 +83,38 @@ class Forward:
         return self.model.norm(x)
 
     def logits(self, h, n: int) -> torch.Tensor:
-        """The first n rows' logits (n, V). Exact mode multiplies every row, as AR's block does (a
+        """The first n rows' logits (B, n, V). Exact mode multiplies every row, as AR's block does (a
         GEMM's rows depend on its shape); fast mode only the n asked for."""
         if self.exact:
-            return self.model.lm_head(self.ctx.rows(h))[0, :n]
-        return self.ctx.mm(self.model.lm_head, h[0, :n])
+            return self.model.lm_head(self.ctx.rows(h))[:, :n]
+        return self.ctx.mm(self.model.lm_head, h[:, :n])
 
 
 @dataclass
 class Out:
-    """What a method's verification forward computed, per tree node (tree rows come first)."""
-    logits: torch.Tensor                 # (N, V): each node's logits, verified against AR
-    drafts: torch.Tensor | None = None   # (N, K', D): per node, what drafts the next tree if it ends the
+    """What a method's verification forward computed, per sequence of the batch and tree node (tree
+    rows come first)."""
+    logits: torch.Tensor                 # (B, N, V): each node's logits, verified against AR
+    drafts: torch.Tensor | None = None   # (B, N, K', D): per node, what drafts the next tree if it ends the
     #                                      accepted path (hidden states); Drafter.propose makes (K, V) of them
-    depths: torch.Tensor | None = None   # (N,): how many of the K draft depths are real (None: all; 0: none)
-    alive: torch.Tensor | None = None    # (N,) bool: the nodes left to verify (ProPD prunes the rest)
+    depths: torch.Tensor | None = None   # (B, N): how many of the K draft depths are real (None: all; 0: none)
+    alive: torch.Tensor | None = None    # (B, N) bool: the nodes left to verify (ProPD prunes the rest)
 
 
 @dataclass
 class Nodes:
-    """A step's tree as the forward sees it, on the device (padded to Q nodes in exact mode)."""
-    tokens: torch.Tensor  # (N,) -1 for padding
-    lay: object           # tree.Layout
-    real: torch.Tensor    # (N,) bool
-    n: int                # real nodes
-    parents: tuple        # the real tree's parents, on the host
+    """A step's trees as the forward sees them, on the device: one per sequence of the batch, padded
+    to N nodes (Q in exact mode). A method whose rows depend on n (its shape_key) gets a batch of
+    trees of one shape."""
+    tokens: torch.Tensor  # (B, N) -1 for padding (one sequence's alone: (N,))
+    lay: object           # tree.Layout, each field with the batch dim first
+    real: torch.Tensor    # (B, N) bool
+    n: int                # real nodes (the most of any sequence)
+    parents: tuple        # the real tree's parents, on the host (the first sequence's)
+
+    @property
+    def N(self) -> int:
+        return self.tokens.shape[-1]
 
 
 class Drafter:
@@ -149,7 +160,7 @@ class Drafter:
         return None
 
     def forward(self, f: Forward, nodes) -> Out:
-        return Out(f.logits(f.norm(f.layers(f.embed())), len(nodes.real)))
+        return Out(f.logits(f.norm(f.layers(f.embed())), nodes.N))
 
     def propose(self, drafts: torch.Tensor, mm) -> torch.Tensor:
         """Logits per draft depth (K, V) from the last accepted node's drafts (K', D); a bias-free

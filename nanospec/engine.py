@@ -30,19 +30,23 @@ SLOT_BUCKET = 64  # default cache sizes are rounded up to this: prompts of simil
 
 
 class Decoding:
-    """The state of one generation, handed to the drafter at every step (batch of one)."""
+    """The state of one sequence's generation, handed to its drafter at every step. A batch is a
+    Decoding per sequence on one cache, each with its own cache row (seq) and cursor (cur)."""
 
     def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None,
-                 sampler: Sampler | None = None):
+                 sampler: Sampler | None = None, seq: int = 0):
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
         self.reserved = reserved   # the drafter's own cache slots (e.g. BiTA's prompt keys)
         self.device = model.embed.weight.device
         self.sampler = sampler or Sampler()
         self.prompt = prompt
+        self.seq = seq             # this sequence's cache row
+        self.seqs = None if cache.k.shape[1] == 1 else torch.tensor([seq], device=self.device)
         self.out: list[int] = []   # tokens emitted so far
         self.last = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
         self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
         self.forward_s = 0.0       # time in forwards (synchronised), for the benchmark's host time
+        self.cands = self.lists = None  # the next candidates its last accepted node drafted (step())
         self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
         self.cuda = self.device.type == "cuda"
         # programs run through graphs.run only where it captures them (or simulates that, in tests)
@@ -69,12 +73,12 @@ class Decoding:
         """Fill the drafter's reserved cache slots: with per-layer keys and values as given, or with
         those that rows of embeds compute, causal among themselves from position 0 (BiTA's deep and
         shallow prompts)."""
-        slots = self.reserved
+        slots, s = self.reserved, self.seq
         if embeds is None:
             for i, (k, v) in enumerate(zip(keys, values)):
                 kc, vc = self.cache.layer(i)
-                kc[:, :, slots] = k
-                vc[:, :, slots] = v
+                kc[s:s + 1, :, slots] = k
+                vc[s:s + 1, :, slots] = v
             return
         P = len(slots)
         extra = torch.where(torch.arange(P)[None] <= torch.arange(P)[:, None], slots[None], -1)
@@ -96,36 +100,6 @@ class Decoding:
             return AR, tree.prefix(1)
         return drafter, tree.prefix(m)
 
-    def program(self, drafter: Drafter, block: Block, nodes: Nodes, greedy: bool):
-        """The step's device program: the method's forward, then (greedy) verification and the next
-        candidates' top-k. Exact mode: fixed shapes, one CUDA graph per method and shape key."""
-        model, cache, exact = self.model, self.cache, self.exact
-        R = max(drafter.topk, default=1)
-
-        def run(tokens, pos, slots, prefix, extra, node_tokens, parent, depth, index, anc, real):
-            f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact)
-            lay = type(nodes.lay)(parent, depth, index, anc)
-            out = drafter.forward(f, Nodes(node_tokens, lay, real, nodes.n, nodes.parents))
-            N = len(node_tokens)  # drafts may cover the real nodes only: pad them to the padded tree
-            if out.drafts is not None and len(out.drafts) < N:
-                out.drafts = F.pad(out.drafts, (0, 0, 0, 0, 0, N - len(out.drafts)))
-            if out.depths is not None and len(out.depths) < N:
-                out.depths = F.pad(out.depths, (0, N - len(out.depths)))
-            if not greedy:
-                return out.logits, out.drafts, out.depths, out.alive
-            path, emitted = accept(node_tokens, lay, out.logits, out.alive)
-            if out.drafts is None:
-                return pack(path, emitted), out.logits
-            last = path.max().view(1)  # the path's deepest node (indices grow along a path); no host sync
-            cands = drafter.propose(out.drafts[last][0], self.mm).topk(R, dim=-1).indices  # (K, R)
-            depth = out.depths[last] if out.depths is not None else torch.full_like(last, len(cands))
-            return pack(path, emitted, depth, cands), out.logits
-        lay = nodes.lay
-        args = (*(block.tokens, block.pos, block.slots, block.prefix, block.extra),
-                nodes.tokens, lay.parent, lay.depth, lay.index, lay.anc, nodes.real)
-        key = ("step", id(drafter), drafter.shape_key(nodes) if exact else None, greedy)  # the graph keeps drafter alive
-        return self.launch(key, run, args)
-
     def prepare(self, drafter: Drafter, tree: Tree) -> tuple[Block, Nodes]:
         """A step's rows and nodes on the device; exact mode pads both to Q."""
         n = len(tree)
@@ -138,34 +112,6 @@ class Decoding:
             block, lay = self.fixed(block), lay.pad(self.Q)
             tokens, real = F.pad(tokens, (0, self.Q - n), value=-1), F.pad(real, (0, self.Q - n))
         return block, Nodes(tokens, lay, real, n, tree.parents)
-
-    def step(self, drafter: Drafter, tree: Tree, record: bool):
-        """Verify a tree: the method's forward, greedy verification on the device and its next
-        candidates, with one read-back (sampling verifies on the host).
-        Returns (the tree as verified, path, emitted tokens, the next candidates (D, R) on the device
-        and as host lists, or None and None, the path's logits if record)."""
-        drafter, tree = self.fit(drafter, tree)
-        n = len(tree)
-        block, nodes = self.prepare(drafter, tree)
-        greedy = self.sampler.greedy
-        self.sync()
-        t0 = time.perf_counter()
-        res = self.program(drafter, block, nodes, greedy)
-        self.sync()
-        self.forward_s += time.perf_counter() - t0
-        if greedy:
-            packed, logits = res
-            path, emitted, cands, lists = unpack(packed, nodes.lay.anc.shape[1], max(drafter.topk, default=1))
-        else:  # sampling verifies on the host: the logits are read back anyway
-            logits, drafts, depths, alive = res
-            path, emitted = verify(tree, logits[:n], self.sampler, len(self.out), None if alive is None else alive[:n])
-            cands = lists = None
-            if drafts is not None:
-                top = drafter.propose(drafts[path[-1]], self.mm).topk(max(drafter.topk), dim=-1).indices
-                depth = int(depths[path[-1]]) if depths is not None else len(top)
-                if depth:
-                    cands, lists = top[:depth], top[:depth].tolist()
-        return tree, path, emitted, cands, lists, logits[path].float().cpu() if record else None
 
     def fixed(self, block: Block) -> Block:
         """An exact-mode block at fixed shapes: Q rows (padding rows write and read the trash slot),
@@ -188,11 +134,11 @@ class Decoding:
         if embeds is not None and exact:
             embeds = F.pad(embeds, (0, 0, 0, self.Q - n))
 
-        def run(embeds, *b):
-            f = Forward.on_cache(model, Block(*b), cache, exact)
+        def run(embeds, seqs, *b):
+            f = Forward.on_cache(model, Block(*b), cache, exact, seqs)
             x = f.embed() if embeds is None else embeds
-            return f.logits(f.norm(f.layers(x)), len(f.block))
-        args = (embeds, block.tokens, block.pos, block.slots, block.prefix, block.extra)
+            return f.logits(f.norm(f.layers(x)), len(f.block))[0]
+        args = (embeds, self.seqs, block.tokens, block.pos, block.slots, block.prefix, block.extra)
         return self.launch(("run",), run, args)[:n]
 
     def launch(self, key, fn, args):
@@ -212,7 +158,7 @@ class Decoding:
 
     def commit(self, path: list[int], tokens: list[int]) -> None:
         """Keep the accepted path's keys (node i sits at slot cur+i) and emit its tokens."""
-        self.cache.compact([self.cur + i for i in path], self.cur)
+        self.cache.compact([self.cur + i for i in path], self.cur, self.seq)
         self.cur += len(path)
         self.out += tokens
         self.last = tokens[-1]
@@ -227,6 +173,107 @@ class Decoding:
         return mm(None if self.exact else self.model.kernels, layer, x)
 
 
+def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
+    """A group's rows and nodes as one batch: each sequence padded to the group's longest (exact
+    mode's are Q rows already). A fast-mode padding row writes the trash slot and sees slot 0 of its
+    own sequence, so it widens no attention. Also the group's cache rows (None: the cache's own order)."""
+    d = decs[0]
+    if len(decs) == 1:
+        x = nodes[0]
+        lay = type(x.lay)(*(t[None] for t in (x.lay.parent, x.lay.depth, x.lay.index, x.lay.anc)))
+        return blocks[0], Nodes(x.tokens[None], lay, x.real[None], x.n, x.parents), d.seqs
+    T, N, dev = max(map(len, blocks)), max(len(x.tokens) for x in nodes), d.device
+    E = max(b.extra.shape[-1] for b in blocks)
+    rows = []
+    for b in blocks:
+        m = T - len(b)
+        z = torch.zeros(1, m, dtype=torch.long, device=dev)
+        b = Block.cat(b, Block(z, z, torch.full((m,), d.cache.trash, device=dev), z + 1, z[..., None] - 1))
+        rows.append(Block(b.tokens, b.pos, b.slots[None], b.prefix, F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)))
+    block = Block(*(torch.cat([getattr(b, f) for b in rows]) for f in ("tokens", "pos", "slots", "prefix", "extra")))
+    lays = [x.lay.pad(N) for x in nodes]
+    lay = type(lays[0])(*(torch.stack([getattr(l, f) for l in lays]) for f in ("parent", "depth", "index", "anc")))
+    pad = lambda t, v: torch.stack([F.pad(x, (0, N - len(x)), value=v) for x in t])
+    batch = Nodes(pad([x.tokens for x in nodes], -1), lay, pad([x.real for x in nodes], False), max(x.n for x in nodes),
+                  nodes[0].parents)
+    seqs = [x.seq for x in decs]
+    return block, batch, None if seqs == list(range(d.cache.k.shape[1])) else torch.tensor(seqs, device=dev)
+
+
+def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs, greedy: bool):
+    """A step's device program for a group of sequences (batch dim first): the method's forward,
+    then (greedy) each sequence's verification and next candidates' top-k, packed as rows of one
+    tensor. Exact mode: fixed shapes, one CUDA graph per method, shape key and group size."""
+    model, cache, exact = d.model, d.cache, d.exact
+    R = max(drafter.topk, default=1)
+
+    def run(tokens, pos, slots, prefix, extra, seqs, node_tokens, parent, depth, index, anc, real):
+        f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact, seqs)
+        lay = type(nodes.lay)(parent, depth, index, anc)
+        out = drafter.forward(f, Nodes(node_tokens, lay, real, nodes.n, nodes.parents))
+        N = node_tokens.shape[-1]  # drafts may cover the real nodes only: pad them to the padded tree
+        if out.drafts is not None and out.drafts.shape[1] < N:
+            out.drafts = F.pad(out.drafts, (0, 0, 0, 0, 0, N - out.drafts.shape[1]))
+        if out.depths is not None and out.depths.shape[1] < N:
+            out.depths = F.pad(out.depths, (0, N - out.depths.shape[1]))
+        if not greedy:
+            return out.logits, out.drafts, out.depths, out.alive
+        packs = []
+        for b in range(len(out.logits)):
+            lb = type(lay)(parent[b], depth[b], index[b], anc[b])
+            path, emitted = accept(node_tokens[b], lb, out.logits[b], None if out.alive is None else out.alive[b])
+            if out.drafts is None:
+                packs.append(pack(path, emitted))
+                continue
+            last = path.max().view(1)  # the path's deepest node (indices grow along a path); no host sync
+            cands = drafter.propose(out.drafts[b][last][0], d.mm).topk(R, dim=-1).indices  # (K, R)
+            depth_b = out.depths[b][last] if out.depths is not None else torch.full_like(last, len(cands))
+            packs.append(pack(path, emitted, depth_b, cands))
+        return torch.stack(packs), out.logits
+    lay = nodes.lay
+    args = (*(block.tokens, block.pos, block.slots, block.prefix, block.extra), seqs,
+            nodes.tokens, lay.parent, lay.depth, lay.index, lay.anc, nodes.real)
+    key = ("step", id(drafter), drafter.shape_key(nodes) if exact else None, greedy)  # the graph keeps drafter alive
+    return d.launch(key, run, args)
+
+
+def step(decs: list[Decoding], drafter: Drafter, trees: list[Tree], record: bool):
+    """Verify each sequence's tree in one forward over the group (one drafter, one shape key): greedy
+    verification on the device and the next candidates, with one read-back (sampling verifies on
+    the host). Per sequence: (the tree as verified, path, emitted tokens, the path's logits if record);
+    each Decoding's next candidates go to its cands (D, R) on the device and lists on the host."""
+    d = decs[0]
+    prepared = [x.prepare(drafter, t) for x, t in zip(decs, trees)]
+    block, nodes, seqs = stack(decs, [p[0] for p in prepared], [p[1] for p in prepared])
+    greedy = d.sampler.greedy
+    d.sync()
+    t0 = time.perf_counter()
+    res = program(d, drafter, block, nodes, seqs, greedy)
+    d.sync()
+    took, results = time.perf_counter() - t0, []
+    if greedy:
+        packed, logits = res
+        head = packed.tolist()  # the step's one read-back
+    else:  # sampling verifies on the host: the logits are read back anyway
+        logits, drafts, depths, alive = res
+    for b, (x, tree) in enumerate(zip(decs, trees)):
+        x.forward_s += took  # the step's forward, as the sequence's decode time is the batch's
+        n = len(tree)
+        if greedy:
+            E = nodes.lay.anc.shape[-1]
+            path, emitted, x.cands, x.lists = unpack(head[b], packed[b], E, max(drafter.topk, default=1))
+        else:
+            path, emitted = verify(tree, logits[b, :n], x.sampler, len(x.out), None if alive is None else alive[b, :n])
+            x.cands = x.lists = None
+            if drafts is not None:
+                top = drafter.propose(drafts[b, path[-1]], d.mm).topk(max(drafter.topk), dim=-1).indices
+                depth = int(depths[b, path[-1]]) if depths is not None else len(top)
+                if depth:
+                    x.cands, x.lists = top[:depth], top[:depth].tolist()
+        results.append((tree, path, emitted, logits[b, path].float().cpu() if record else None))
+    return results
+
+
 def pack(path, emitted, depth=None, cands=None) -> torch.Tensor:
     """A greedy step's results as one tensor, for its one read-back: the accepted path (E,) and its
     tokens (E,), both -1 padded, then, for a method that drafts, the depths drafted (1,) and the
@@ -234,10 +281,10 @@ def pack(path, emitted, depth=None, cands=None) -> torch.Tensor:
     return torch.cat([path, emitted] + ([depth, cands.flatten()] if cands is not None else []))
 
 
-def unpack(packed: torch.Tensor, E: int, R: int):
-    """pack's results, read back once: (path, emitted tokens, the candidates of the depths drafted
-    as (D, R) left on the device and as lists on the host, or None and None)."""
-    head = packed.tolist()  # the step's one read-back
+def unpack(head: list, packed: torch.Tensor, E: int, R: int):
+    """pack's results, read back once (head: packed as a host list): (path, emitted tokens, the
+    candidates of the depths drafted as (D, R) left on the device and as lists on the host, or None
+    and None)."""
     path = [i for i in head[:E] if i >= 0]
     emitted = head[E:E + len(path)]
     depth = head[2 * E] if len(head) > 2 * E else 0
@@ -286,18 +333,18 @@ def ones(n: int, device) -> torch.Tensor:
     return torch.ones(n, dtype=torch.bool, device=device)
 
 
-def cache_for(model, n_slots: int, exact: bool) -> KVCache:
-    """A generation's KV cache. Exact mode on a GPU reuses one per (S, dtype) per model: the CUDA
-    graphs captured with a cache are bound to its buffers, so later generations replay them."""
+def cache_for(model, n_slots: int, exact: bool, batch: int = 1) -> KVCache:
+    """A generation's KV cache. Exact mode on a GPU reuses one per (S, batch, dtype) per model: the
+    CUDA graphs captured with a cache are bound to its buffers, so later generations replay them."""
     w = model.embed.weight
     if not (exact and w.is_cuda and graphs.ENABLED):
-        return KVCache.for_model(model, n_slots)
+        return KVCache.for_model(model, n_slots, batch)
     pool = model.__dict__.setdefault("_exact_caches", {})
-    key = (n_slots, w.dtype, w.device)
+    key = (n_slots, batch, w.dtype, w.device)
     if key in pool:
         pool[key].reset()
     else:
-        pool[key] = KVCache.for_model(model, n_slots)
+        pool[key] = KVCache.for_model(model, n_slots, batch)
     return pool[key]
 
 
@@ -320,62 +367,87 @@ def check_room(prompt_len: int, capacity: int) -> None:
 @torch.inference_mode()
 def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=128, exact=False,
              Q=None, n_slots=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-             eos_id=None, record_logits=False) -> Output:
-    """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR).
+             eos_id=None, record_logits=False):
+    """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of
+    prompts is a batch: one Output each, every sequence as if decoded alone (its own sampling stream
+    from seed), each step one forward over every live sequence's rows (one per shape key: a method
+    whose rows depend on its tree's size runs a forward per size that step).
 
     Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)).
     eos_id None uses the model's; pass -1 to never stop on EOS.
     """
     drafter = drafter or AR
-    prompt = check_prompt(prompt, model.args.vocab_size)
-    Q, S = shapes([drafter], len(prompt), max_new_tokens, Q, n_slots)
+    batch = len(prompt) > 0 and not isinstance(prompt[0], (int, torch.Tensor)) or torch.is_tensor(prompt) and prompt.dim() == 2
+    prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if batch else [prompt])]
+    Q, S = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots)
     eos = model.args.eos_id if eos_id is None else eos_id
-    cache = cache_for(model, S, exact)
+    cache = cache_for(model, S, exact, len(prompts))
     reserved = cache.reserve(drafter.reserved_slots)
-    check_room(len(prompt), cache.capacity)
-    sampler = Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1)
-    dec = Decoding(model, cache, exact, Q, prompt, reserved, sampler)
-    res, logits = Output([], "max_new_tokens"), []
+    decs = []
+    for i, p in enumerate(prompts):
+        check_room(len(p), cache.capacity)
+        sampler = Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1)
+        decs.append(Decoding(model, cache, exact, Q, p, reserved, sampler, seq=i))
+    outs = {d: Output([], "max_new_tokens") for d in decs}
+    logits = {d: [] for d in decs}
 
     t0 = time.perf_counter()
-    dec.prefill(prompt[:-1])
-    drafter.start(dec)
-    dec.sync()
+    for d in decs:
+        d.prefill(d.prompt[:-1])
+        drafter.start(d)
+    decs[0].sync()
     t1 = time.perf_counter()
-    planner, cands, lists = drafter.planner, None, None
+    planner, live = drafter.planner, list(decs)
     if planner is not None:
-        planner.start(drafter, dec)
-    while len(dec.out) < max_new_tokens:
-        if dec.room < 1:
-            res.stop = "cache_full"
-            break
+        planner.start(drafter, decs[0])
+    while live:
         ts = time.perf_counter()
-        budget, template = planner.budget(dec) if planner is not None else (None, None)
-        step = drafter if budget != 0 else AR  # budget 0: drafting does not pay, an AR step
-        wide = step.nested and budget  # a nested draft is drafted whole: the planner scores its every prefix
-        drafted = step.draft(dec, cands, template or getattr(drafter, "template", None), None if wide else budget)
-        tree = drafted.prefix(min(len(drafted), budget + 1)) if wide else drafted
-        tree, path, toks, cands, lists, rows = dec.step(step, tree, record_logits)
-        if record_logits:
-            logits.append(rows)
-        dec.commit(path, toks)
-        drafter.accepted(dec, tree, path)
+        budget, template = planner.budget(live[0], len(live)) if planner is not None else (None, None)
+        step_drafter = drafter if budget != 0 else AR  # budget 0: drafting does not pay, an AR step
+        wide = step_drafter.nested and budget  # a nested draft is drafted whole: the planner scores its every prefix
+        groups, drafted, paths = {}, {}, {}
+        for d in live:
+            drafted[d] = step_drafter.draft(d, d.cands, template or getattr(drafter, "template", None),
+                                            None if wide else budget)
+            tree = drafted[d].prefix(min(len(drafted[d]), budget + 1)) if wide else drafted[d]
+            s, tree = d.fit(step_drafter, tree)
+            key = (id(s), s.shape_key(Nodes(None, None, None, len(tree), tree.parents)))
+            groups.setdefault(key, (s, []))[1].append((d, tree))
+        rows, done = 0, []
+        for s, members in groups.values():
+            for (d, _), (tree, path, toks, r) in zip(members, step([m[0] for m in members], s, [m[1] for m in members],
+                                                                   record_logits)):
+                rows += s.size(len(tree))
+                if record_logits:
+                    logits[d].append(r)
+                d.commit(path, toks)
+                paths[d] = path
+                drafter.accepted(d, tree, path)
+                outs[d].steps += 1
+                outs[d].accepted.append(len(toks))
+                if eos in toks or len(d.out) >= max_new_tokens or d.room < 1:
+                    outs[d].stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else "cache_full"
+                    done.append(d)
         if planner is not None:
-            planner.observe(dec, budget, step.size(len(tree)), time.perf_counter() - ts, path, drafted, lists)
-        res.steps += 1
-        res.accepted.append(len(toks))
-        if eos in toks:
-            res.stop = "eos"
-            break
-    drafter.finish(dec)
-    dec.sync()
-    res.prefill_s, res.decode_s, res.forward_s = t1 - t0, time.perf_counter() - t1, dec.forward_s
-    n = min(len(dec.out), max_new_tokens)
-    if eos in dec.out[:n]:
-        n, res.stop = dec.out.index(eos) + 1, "eos"
-    elif res.stop == "eos":  # the EOS came after the last token asked for
-        res.stop = "max_new_tokens"
-    res.tokens = dec.out[:n]
-    if record_logits:
-        res.logits = torch.cat(logits)[:n]
-    return res
+            secs = time.perf_counter() - ts
+            for i, d in enumerate(live):  # the step's rows and time once; each sequence's outcome
+                planner.observe(d, budget, rows if i == 0 else 0, secs, paths[d], drafted[d], d.lists)
+        live = [d for d in live if d not in done]
+    for d in decs:
+        drafter.finish(d)
+    decs[0].sync()
+    t2 = time.perf_counter()
+    res = []
+    for d in decs:
+        r = outs[d]
+        r.prefill_s, r.decode_s, r.forward_s = t1 - t0, t2 - t1, d.forward_s
+        n = min(len(d.out), max_new_tokens)
+        if eos in d.out[:n]:
+            n, r.stop = d.out.index(eos) + 1, "eos"
+        elif r.stop == "eos":  # the EOS came after the last token asked for
+            r.stop = "max_new_tokens"
+        r.tokens = d.out[:n]
+        if record_logits:
+            r.logits = torch.cat(logits[d])[:n]
+        res.append(r)
+    return res if batch else res[0]

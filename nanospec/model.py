@@ -65,22 +65,22 @@ class ModelArgs:
 
 @dataclass
 class Block:
-    """T rows of one forward. B is the batch; slots are shared by the batch."""
+    """T rows of one forward for each of B sequences (a batch: each sequence its own cache row)."""
     tokens: torch.Tensor  # (B, T) token ids (ignored for rows fed as embeddings)
     pos: torch.Tensor     # (B, T) RoPE positions
-    slots: torch.Tensor   # (T,) cache slot each row writes its key/value to
+    slots: torch.Tensor   # (T,) or per sequence (B, T): the cache slot each row writes its key/value to
     prefix: torch.Tensor  # (B, T) each row sees committed slots 0..prefix-1 ...
     extra: torch.Tensor   # (B, T, E) ... then these slots, in this order (-1 = none)
 
     def __len__(self):
-        return self.slots.shape[0]
+        return self.slots.shape[-1]
 
     @staticmethod
     def cat(*blocks: "Block") -> "Block":
         E = max(b.extra.shape[-1] for b in blocks)
         pad = lambda b: F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)
         return Block(torch.cat([b.tokens for b in blocks], 1), torch.cat([b.pos for b in blocks], 1),
-                     torch.cat([b.slots for b in blocks]), torch.cat([b.prefix for b in blocks], 1),
+                     torch.cat([b.slots for b in blocks], -1), torch.cat([b.prefix for b in blocks], 1),
                      torch.cat([pad(b) for b in blocks], 1))
 
     def pad(self, Q: int, trash: int) -> "Block":
@@ -89,7 +89,7 @@ class Block:
         assert n <= Q, f"block of {n} rows exceeds Q={Q}"
         B, dev = self.tokens.shape[0], self.slots.device
         z = torch.zeros(B, Q - n, dtype=torch.long, device=dev)
-        filler = Block(z, z, torch.full((Q - n,), trash, device=dev), z, (z + trash)[..., None])
+        filler = Block(z, z, torch.full((*self.slots.shape[:-1], Q - n), trash, device=dev), z, (z + trash)[..., None])
         return Block.cat(self, filler)
 
     def to(self, device) -> "Block":
@@ -108,6 +108,7 @@ class Context:
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
     kernels: object = None             # fast: Kernels, the products' forms by row count
+    seqs: torch.Tensor | None = None   # (B,) the cache rows of the block's sequences; None: 0..B-1
 
     def rows(self, x):
         """Matmul input: in exact mode, each row laid out 64-byte aligned (see `aligned`)."""
@@ -123,8 +124,21 @@ class Context:
     def select(self, rows: torch.Tensor) -> "Context":
         """The context of a subset of rows (e.g. survivors of pruning), sliced rather than rebuilt."""
         pick = lambda t: None if t is None else t[:, rows]
-        return Context(pick(self.cos), pick(self.sin), self.slots[rows], self.exact,
-                       pick(self.idx), pick(self.valid), pick(self.mask), self.L, self.kernels)
+        return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact,
+                       pick(self.idx), pick(self.valid), pick(self.mask), self.L, self.kernels, self.seqs)
+
+    def write(self, kc, vc, k, v):
+        """Store the rows' keys and values (B, T, Hkv, D) at their slots of their sequences' cache rows."""
+        if self.seqs is None and self.slots.dim() == 1:
+            kc.index_copy_(2, self.slots, k.transpose(1, 2))
+            vc.index_copy_(2, self.slots, v.transpose(1, 2))
+            return
+        b = self.rows_of(k.shape[0])[:, None]
+        kc[b, :, self.slots] = k  # advanced indices first: (B, T, Hkv, D)
+        vc[b, :, self.slots] = v
+
+    def rows_of(self, B: int) -> torch.Tensor:
+        return torch.arange(B, device=self.slots.device) if self.seqs is None else self.seqs
 
 
 def aligned_pad(x) -> int:
@@ -223,7 +237,7 @@ class RMSNorm(nn.Module):
 def attend_exact(q, kc, vc, ctx):
     """q (B, T, H, D); kc, vc (B, Hkv, S, D). Each row reduces over its own keys in canonical order."""
     (B, T, H, D), Hkv = q.shape, kc.shape[1]
-    b = torch.arange(B, device=q.device)[:, None, None, None]
+    b = ctx.rows_of(B)[:, None, None, None]
     h = torch.arange(Hkv, device=q.device)[None, None, :, None]
     k = kc[b, h, ctx.idx[:, :, None, :]]  # (B, T, Hkv, Sp, D): row t's visible keys, canonical order
     v = vc[b, h, ctx.idx[:, :, None, :]]
@@ -239,7 +253,8 @@ def attend_fast(q, kc, vc, ctx):
     """SDPA over cache slots 0..L-1; query heads folded into rows so GQA needs no key copy."""
     (B, T, H, D), Hkv = q.shape, kc.shape[1]
     G = H // Hkv
-    k, v = kc[:, :, :ctx.L], vc[:, :, :ctx.L]  # (B, Hkv, L, D)
+    seqs = slice(None) if ctx.seqs is None else ctx.seqs
+    k, v = kc[seqs, :, :ctx.L], vc[seqs, :, :ctx.L]  # (B, Hkv, L, D)
     q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
     mask = ctx.mask
     if mask is not None:
@@ -267,8 +282,7 @@ class Attention(nn.Module):
         if kc is None:  # no cache (training): the rows' own keys are slots 0..T-1
             kc, vc = k.transpose(1, 2), v.transpose(1, 2)
         else:
-            kc.index_copy_(2, ctx.slots, k.transpose(1, 2))  # (B, Hkv, T, D) into the slots
-            vc.index_copy_(2, ctx.slots, v.transpose(1, 2))
+            ctx.write(kc, vc, k, v)
         y = (attend_exact if ctx.exact else attend_fast)(q, kc, vc, ctx)
         return ctx.mm(self.o_proj, ctx.rows(y.reshape(B, T, self.n_heads * self.hd)))
 
@@ -319,8 +333,8 @@ class Llama(nn.Module):
         f = rowwise if exact else lambda fn, x: fn(x)
         return f(torch.cos, emb).to(dt), f(torch.sin, emb).to(dt)
 
-    def context(self, block: Block, n_slots: int, exact: bool) -> Context:
-        ctx = Context(*self.rope(block.pos, exact), block.slots, exact, kernels=None if exact else self.kernels)
+    def context(self, block: Block, n_slots: int, exact: bool, seqs=None) -> Context:
+        ctx = Context(*self.rope(block.pos, exact), block.slots, exact, kernels=None if exact else self.kernels, seqs=seqs)
         prefix, extra = block.prefix[..., None], block.extra
         if exact:
             # each row's keys padded to a multiple of 32, so every row's slice starts 64-byte aligned:
@@ -386,9 +400,9 @@ class KVCache:
         self.n_reserved += n
         return torch.arange(self.capacity, self.capacity + n)  # host tensor, like the blocks that use it
 
-    def compact(self, src: list[int], dst_start: int) -> None:
-        """Rollback/commit: move the entries at slots src to dst_start, dst_start+1, ... in order (the
-        accepted path, scattered over scratch slots, after the prefix); every other slot stays."""
+    def compact(self, src: list[int], dst_start: int, seq: int = 0) -> None:
+        """Rollback/commit of sequence seq: move the entries at slots src to dst_start, dst_start+1, ...
+        in order (the accepted path, scattered over scratch slots, after the prefix); every other slot stays."""
         k = 0  # entries already in place (the root, and a path along the tree's first nodes) stay
         while k < len(src) and src[k] == dst_start + k:
             k += 1
@@ -396,5 +410,5 @@ class KVCache:
             return
         idx = torch.tensor(src[k:], device=self.k.device)
         lo, hi = dst_start + k, dst_start + len(src)
-        self.k[:, :, :, lo:hi] = self.k.index_select(3, idx)  # index_select copies first, so overlap is safe
-        self.v[:, :, :, lo:hi] = self.v.index_select(3, idx)
+        for c in (self.k[:, seq], self.v[:, seq]):  # (layers, Hkv, S, D) views
+            c[:, :, lo:hi] = c.index_select(2, idx)  # index_select copies first, so overlap is safe

@@ -49,6 +49,7 @@ class Planner:
     def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
         self.used, self.clock, self.gap, self.probe_at = Counter(), 0, 0, 0  # steps per size; tokens decoded; the probes' cadence
+        self.batch = 1  # the sequences of the step planned (the cost model's key: a batch's rows share a forward)
         self.P, self.gain, self.tries = None, {}, Counter()  # unranked: size -> drafts accepted
 
     def start(self, drafter, dec) -> None:
@@ -59,7 +60,8 @@ class Planner:
             self.P = [[sum(row[:r + 1]) for r in range(R)] for row in acc]
         if not drafter.topk:  # a trie takes in each prompt's branches: its gains go stale, probe afresh
             self.gap, self.probe_at = 0, self.clock
-        self.pending, self.drafts, self.at, self.size, self.tree, self.probe = [], [], None, None, None, None
+        self.pending, self.drafts = {}, {}  # per sequence (its cache row): candidate lists and drafts to score
+        self.at, self.size, self.tree, self.probe = None, None, None, None
         self.probing, self.probed, self.fresh = 0, False, Counter()
 
     def p(self, sure: bool = False) -> list[list[float]]:
@@ -71,10 +73,14 @@ class Planner:
             {s: 1 + (s if sure else self.gain.get(s, s)) for s in self.sizes}
 
     def seconds(self, s: int) -> float:
-        return self.cost.estimate(self.drafter.size(s + 1) if s else 1)
+        """A step's cost with a tree of s draft nodes for each sequence of the batch."""
+        return self.cost.estimate(self.batch * (self.drafter.size(s + 1) if s else 1), self.batch)
 
-    def budget(self, dec) -> tuple[int, Template | None]:
-        """This step's draft nodes (0: an AR step) and, for a ranked drafter, the tree of that size."""
+    def budget(self, dec, batch: int = 1) -> tuple[int, Template | None]:
+        """This step's draft nodes for every sequence of a batch (0: an AR step) and, for a ranked
+        drafter, the tree of that size; replanned when the batch changes, as section 4.2 does."""
+        if batch != self.batch:
+            self.batch, self.at = batch, None
         size = self.choose(dec)
         self.used[size] += 1
         if size and self.P and (self.tree is None or self.tree[0] != size):  # built once per plan
@@ -87,9 +93,10 @@ class Planner:
             self.probing -= 1
             self.at = self.at if self.probing else None  # then replan on the probe's outcomes
             return self.probe
-        if self.cost.estimate(1) is None:  # an online cost model has no line yet: two sizes first
+        B = self.batch
+        if self.cost.estimate(B, B) is None:  # an online cost model has no line yet: two sizes first
             first = len(self.drafter.template) - 1 if getattr(self.drafter, "template", None) else self.sizes[-1]
-            return next((s for s in (first, 1) if (1, self.drafter.size(s + 1)) not in self.cost.perf), 1)
+            return next((s for s in (first, 1) if (B, B * self.drafter.size(s + 1)) not in self.cost.perf), 1)
         if self.at is None or dec.cur - self.at >= self.replan or self.P is None:
             self.at, self.size = dec.cur, best(self.lengths(), self.seconds)
             if self.size or not best(self.lengths(sure=True), self.seconds):  # drafting (or AR though every draft
@@ -111,27 +118,30 @@ class Planner:
         """After a step: its time (online costs learn from steps of several rows: one row takes another
         kernel path on a CPU), its accepted path (node indices, root first), a nested drafter's whole
         draft (the step ran its first size + 1 nodes), and the next candidates (host lists per depth)."""
-        if rows > 1:
-            self.cost.update(rows, seconds)
+        if rows > self.batch:
+            self.cost.update(rows, seconds, self.batch)
         self.clock += len(path)
+        seq = getattr(dec, "seq", 0)
+        drafts = self.drafts.get(seq, [])
         if self.P is None and size and self.drafter.nested:  # drafted whole: its first s nodes are budget s's draft,
-            self.drafts.append((len(dec.out) - len(path), drafted))  # scored at every s once the output is known
+            drafts.append((len(dec.out) - len(path), drafted))  # scored at every s once the output is known
         elif self.P is None and size:
             self.learn(size, len(path) - 1)
-        scored = [(d, d[1].follow(dec.out[d[0]:])) for d in self.drafts]
-        self.drafts = [d for d, got in scored if got is None]
+        scored = [(d, d[1].follow(dec.out[d[0]:])) for d in drafts]
+        self.drafts[seq] = [d for d, got in scored if got is None]
         for s, got in ((s, got) for _, got in scored if got for s in self.sizes if s):
             self.learn(s, sum(0 < i <= s for i in got))
         if self.P is None:
             return
         n, out = len(dec.out), dec.out
-        for i, depth, guess, probed in self.pending:  # a candidate list of depth d guessed output i
+        for i, depth, guess, probed in self.pending.get(seq, []):  # a candidate list of depth d guessed output i
             if i < n:
                 self.fresh[depth] += probed  # a probe's outcomes: their mean, then the EMA
                 w = max(1 / self.fresh[depth], self.alpha) if probed else self.alpha
                 rank = guess.index(out[i]) if out[i] in guess else len(guess)
                 self.P[depth] = [(1 - w) * q + w * (rank <= k) for k, q in enumerate(self.P[depth])]
-        self.pending = [q for q in self.pending if q[0] >= n] + [(n + d, d, c, self.probed) for d, c in enumerate(cands or [])]
+        self.pending[seq] = [q for q in self.pending.get(seq, []) if q[0] >= n] + \
+            [(n + d, d, c, self.probed) for d, c in enumerate(cands or [])]
 
     def learn(self, s: int, accepted: int) -> None:
         self.tries[s] += 1

@@ -8,7 +8,7 @@ import torch
 from hypothesis import strategies as st
 
 from nanospec import cli
-from nanospec.engine import Decoding, Drafter, generate, shapes
+from nanospec.engine import Decoding, Drafter, generate, program, shapes, stack
 from nanospec.model import Block, KVCache, Llama, ModelArgs
 from nanospec.costs import Measured
 from nanospec.tree import Tree
@@ -88,8 +88,9 @@ def one_forward(model, drafter, tree, prompt, exact, plain=False):
     dec.prefill(prompt[:-1])
     drafter.start(dec)
     d = Drafter() if plain else drafter
-    logits, drafts, _, _ = dec.program(d, *dec.prepare(d, tree), greedy=False)
-    return logits[:len(tree)], None if drafts is None else drafts[:len(tree)]
+    block, nodes, seqs = stack([dec], *([x] for x in dec.prepare(d, tree)))
+    logits, drafts, _, _ = program(dec, d, block, nodes, seqs, greedy=False)
+    return logits[0, :len(tree)], None if drafts is None else drafts[0, :len(tree)]
 
 
 def check_exact(model, prompt, drafter, n: int, sampling=None, fast: bool = True, peeking: float = 0.0,
@@ -115,10 +116,11 @@ def check_exact(model, prompt, drafter, n: int, sampling=None, fast: bool = True
     return out
 
 
-def peek(drafter, truth: list[int], p: float = 0.9, seed: int = 0):
+def peek(drafter, truths, p: float = 0.9, seed: int = 0):
     """A truth-peeking variant of a trained drafter: before it drafts, the candidates its last
     accepted node proposed (cands[d]: ranked tokens for output position len(out) + d) get the
-    true token at rank 0 of the first depth, and of each deeper depth with probability p (there
+    true token (truths: AR's output, or per prompt in a batch: {tuple(prompt): output}) at rank 0
+    of the first depth, and of each deeper depth with probability p (there
     mostly rank 0, sometimes another rank). The rest stays the method's own, so its own forward
     (heads, mask rows, pseudo states, adaptive tokens, pruning, layer loops) runs on trees that do
     get accepted, in part: every drafting step accepts at least one draft.
@@ -133,7 +135,7 @@ def peek(drafter, truth: list[int], p: float = 0.9, seed: int = 0):
         drafter.early = KeepTruth(early.up.out_features, early.up.weight, rng)
 
     def drafting(dec, cands, template, budget):
-        n = len(dec.out)
+        n, truth = len(dec.out), truths[tuple(dec.prompt)] if isinstance(truths, dict) else truths
         if cands is not None:
             cands = cands.clone()
             for d in range(len(cands)):
@@ -168,8 +170,8 @@ class KeepTruth(torch.nn.Module):
                 table[node, truth[d]] = 1e4
         self.table.copy_(table)
 
-    def forward(self, x):
-        return self.table[:x.shape[0]]
+    def forward(self, x):  # x (B, N, D): one aimed tree, so a batch of one
+        return self.table[:x.shape[-2]].expand(*x.shape[:-1], -1)
 
 
 class Corrupt(Drafter):
@@ -192,7 +194,7 @@ class Corrupt(Drafter):
     def forward(self, f, nodes):
         out = super().forward(f, nodes)
         if self.step == self.at:
-            row = out.logits[0]
+            row = out.logits[0, 0]  # the root row of the (only) sequence
             if self.ulp:
                 j = row.argmin()
                 row[j] = torch.nextafter(row[j], row[j] + 1)

@@ -54,10 +54,10 @@ def test_generated_branches_are_inserted_after_every_step():
         prompt, out = [1, 2, 3], []
     d.start(Dec)
     Dec.out = [7, 8]
-    d.accepted(Dec, None, None)
+    d.accepted(Dec, None, [0, 1])
     assert t_has(d.trie, [3, 7, 8]) and d.trie.match([7, 8]).freq == 1
     Dec.out = [7, 8, 9, 10]
-    d.accepted(Dec, None, None)
+    d.accepted(Dec, None, [0, 1])
     win = lambda s: [s[i:i + 3] for i in range(len(s))]
     ref = Trie(100)
     for w in win([3, 7, 8, 9, 10]):

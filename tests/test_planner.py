@@ -129,8 +129,8 @@ def test_ar_steps_reuse_one_drafter(monkeypatch):
     from nanospec import engine
     model = random_model(ARGS, 1)
     d = medusa(model).plan(Planner(FixedCost(0.0, 1.0), replan=8))
-    seen, step = [], engine.Decoding.step
-    monkeypatch.setattr(engine.Decoding, "step", lambda dec, drafter, *a: seen.append(drafter) or step(dec, drafter, *a))
+    seen, step = [], engine.step
+    monkeypatch.setattr(engine, "step", lambda decs, drafter, *a: seen.append(drafter) or step(decs, drafter, *a))
     generate(model, [3, 4, 5], d, max_new_tokens=10, eos_id=-1)
     assert len(seen) == 10 and all(s is engine.AR for s in seen)
 
@@ -242,13 +242,13 @@ def test_a_nested_draft_is_scored_at_every_budget():
     p = Planner(FixedCost(0.01, 1e-4))
     p.start(SimpleNamespace(topk=None, nested=True), None)
     p.observe(SimpleNamespace(out=[99, 12, 15, 19, 7]), 16, 17, 0.01, [0, 2, 5, 9], tree)
-    assert {s: p.gain[s] for s in want} == want and not p.drafts
+    assert {s: p.gain[s] for s in want} == want and not p.drafts[0]
     p = Planner(FixedCost(0.01, 1e-4))
     p.start(SimpleNamespace(topk=None, nested=True), None)
     p.observe(SimpleNamespace(out=[99, 12]), 1, 2, 0.01, [0], tree)  # budget 1: node 1 is wrong; 12 is AR's token
-    assert not p.gain and len(p.drafts) == 1  # node 2 has a child: the output so far cannot tell
+    assert not p.gain and len(p.drafts[0]) == 1  # node 2 has a child: the output so far cannot tell
     p.observe(SimpleNamespace(out=[99, 12, 15, 19, 7]), 0, 1, 0.01)  # later steps bring the output
-    assert {s: p.gain[s] for s in want} == want and not p.drafts
+    assert {s: p.gain[s] for s in want} == want and not p.drafts[0]
 
 
 def test_unlucky_first_steps_do_not_lock_a_budget_out():

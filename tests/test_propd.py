@@ -26,7 +26,10 @@ ACC = [[0.5, 0.3, 0.2]] * 3
 
 
 def nodes_of(tree):
-    return Nodes(torch.tensor(tree.tokens), layout(tree.parents), torch.ones(len(tree), dtype=torch.bool), len(tree), tree.parents)
+    """A batch of one tree, as the engine hands a method's forward."""
+    lay = layout(tree.parents)
+    lay = type(lay)(*(t[None] for t in (lay.parent, lay.depth, lay.index, lay.anc)))
+    return Nodes(torch.tensor(tree.tokens)[None], lay, torch.ones(1, len(tree), dtype=torch.bool), len(tree), tree.parents)
 
 
 def test_pruning_takes_descendants_and_keeps_the_root():
@@ -38,9 +41,9 @@ def test_pruning_takes_descendants_and_keeps_the_root():
     x[0, [1, 7]] = 1.0  # root's top-2: tokens 1 and 7 -> node 2 (b) and its child 5 go
     x[1, [3, 8]] = 1.0  # a's top-2: 3 and 8 -> node 4 (d) goes
     early = lambda h: h  # the states are the early logits
-    assert pruned(nodes_of(tree), x, early, k=2).nonzero()[:, 0].tolist() == [2, 4, 5]
-    assert not pruned(nodes_of(tree), x, early, k=10).any()
-    assert not pruned(nodes_of(Tree.chain(9)), x[:1], early, k=1).any()
+    assert pruned(nodes_of(tree), x[None], early, k=2)[0].nonzero()[:, 0].tolist() == [2, 4, 5]
+    assert not pruned(nodes_of(tree), x[None], early, k=10).any()
+    assert not pruned(nodes_of(Tree.chain(9)), x[None, :1], early, k=1).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -84,7 +87,7 @@ def test_acceptance_resolves_each_prediction_when_its_token_arrives():
     plan.observe(dec, 1, 2, 0.01, [0, 1], cands=[[1, 2], [3, 4]])
     assert plan.P[0] == [0.0, 1.0]  # output 1 was 6: head 0's rank 2
     assert plan.P[1] == [0.0, 0.0]  # output 2 was 9: not in head 1's top 2
-    assert [q[0] for q in plan.pending] == [3, 4]  # the latest guesses wait
+    assert [q[0] for q in plan.pending[0]] == [3, 4]  # the latest guesses wait
 
 
 def test_the_plan_is_redone_only_when_the_sequence_moves(monkeypatch):

@@ -112,15 +112,16 @@ class BiTA(Ranked):
 
     def forward(self, f, nodes):
         """One forward: the tree (verified) and a mask group on each node (or the root) that drafts next."""
-        n, M, N = nodes.n, self.tune.M, len(nodes.real)
+        n, M, N = nodes.n, self.tune.M, nodes.N
         G = self.groups(n)
         x = f.embed()
         x[:, n:n + G * M] = self.tune.mask.to(x.dtype).repeat(G, 1)
         h = f.norm(f.layers(x))
-        masks = h[0, n:n + G * M].view(G, M, -1)
+        masks = h[:, n:n + G * M].view(len(h), G, M, -1)
         if self.decoding == "straight":  # a node at depth c drafts from the root group's masks c..
-            depth = nodes.lay.depth
-            drafts = masks[0, (depth[:, None] + torch.arange(M, device=depth.device)).clamp(max=M - 1)]
+            depth = nodes.lay.depth  # (B, N)
+            i = (depth[..., None] + torch.arange(M, device=depth.device)).clamp(max=M - 1)
+            drafts = masks[torch.arange(len(h), device=h.device)[:, None, None], 0, i]
             return Out(f.logits(h, N), drafts=drafts, depths=(M - depth).clamp(min=0))
         return Out(f.logits(h, N), drafts=masks)
 

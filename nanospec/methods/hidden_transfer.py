@@ -130,9 +130,10 @@ class HiddenTransfer(Ranked):
         n, k = nodes.n, self.tr.k
         dev = f.block.tokens.device
         rows = [n + torch.arange(n, device=dev) * k + i for i in range(k)]
-        h = transfer(f, self.tr, f.embed(), torch.arange(n, device=dev)[None], rows)
-        pseudo = h[0, n:n * (1 + k)].view(n, k, -1)  # normed; decoded only for the last accepted node
-        return Out(f.logits(h, len(nodes.real)), drafts=pseudo)
+        x = f.embed()
+        h = transfer(f, self.tr, x, torch.arange(n, device=dev).expand(len(x), n), rows)
+        pseudo = h[:, n:n * (1 + k)].view(len(h), n, k, -1)  # normed; decoded only for the last accepted node
+        return Out(f.logits(h, nodes.N), drafts=pseudo)
 
     def propose(self, pseudo, mm):
         return mm(self.lm_head, pseudo)  # (k, V): pseudo state i predicts the depth-i draft

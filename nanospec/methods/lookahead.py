@@ -222,10 +222,8 @@ class Lookahead(Drafter):
                 self.trie.insert(w)
 
     def start(self, dec):
-        self.prompt_branches = self.windows(dec.prompt)  # prompt branch inserting
-        for w in self.prompt_branches:
+        for w in self.windows(dec.prompt):  # prompt branch inserting (a batch's sequences share the trie)
             self.trie.insert(w, prompt=True)
-        self.seen = 0  # tokens of the response (the prompt's last token, then the output) inserted
 
     def retrieve(self, dec) -> tuple[int, Node | None]:
         """(how long a suffix of the sequence the trie matched, the node it leads to, or None)."""
@@ -243,12 +241,12 @@ class Lookahead(Drafter):
         """Generated branch inserting: extend every window the new tokens reach."""
         seq = dec.prompt[-1:] + dec.out
         n, L = len(seq), self.branch_length
-        for i in range(max(0, self.seen - L + 1), n):  # window i holds seq[i:seen] already
-            self.trie.insert(seq[i:i + L], skip=max(0, self.seen - i))
-        self.seen = n
+        seen = n - len(path) if len(dec.out) > len(path) else 0  # tokens of seq inserted before this step
+        for i in range(max(0, seen - L + 1), n):  # window i holds seq[i:seen] already
+            self.trie.insert(seq[i:i + L], skip=max(0, seen - i))
 
     def finish(self, dec):
-        self.trie.eliminate(self.prompt_branches)
+        self.trie.eliminate(self.windows(dec.prompt))
 
 
 def read_responses(path, tok: Tokenizer) -> list[list[int]]:

@@ -85,8 +85,7 @@ class Medusa(Ranked):
     def forward(self, f, nodes):
         """One forward verifies the tree and gives every node's final state h: the heads' input."""
         h = f.norm(f.layers(f.embed()))
-        N = len(nodes.real)
-        return Out(f.logits(h, N), drafts=h[0, :N, None])
+        return Out(f.logits(h, nodes.N), drafts=h[:, :nodes.N, None])
 
     def propose(self, h, mm):
         return self.heads(h[0], mm)  # (K, V): head k guesses the token k+1 after the next one

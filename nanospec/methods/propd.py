@@ -102,14 +102,16 @@ class EarlyHead(nn.Module):
 
 
 def pruned(nodes, x: torch.Tensor, early: EarlyHead, k: int) -> torch.Tensor:
-    """(N,) bool: nodes to prune given the rows' layer-n states x (N, D). A node goes when its
+    """(B, N) bool: nodes to prune given the rows' layer-n states x (B, N, D). A node goes when its
     token is not in the top-k of its parent's early prediction, or when an ancestor goes."""
     logits = early(x)
-    top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # (N, k): each row's guesses for its children
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # (B, N, k): each row's guesses for its children
     lay = nodes.lay
-    bad = ~(top[lay.parent] == nodes.tokens[:, None]).any(-1)
-    bad[0] = False  # the root is no draft
-    return (bad[lay.anc.clamp(min=0)] & (lay.anc >= 0)).any(-1)
+    parents = top.gather(1, lay.parent.clamp(min=0)[..., None].expand_as(top))  # the root (-1) is no draft
+    bad = ~(parents == nodes.tokens[..., None]).any(-1)
+    bad[:, 0] = False  # the root is no draft
+    anc = lay.anc.clamp(min=0)
+    return (bad.gather(1, anc.flatten(1)).view(anc.shape) & (lay.anc >= 0)).any(-1)
 
 
 # --- the drafter ---------------------------------------------------------------------------------
@@ -133,14 +135,14 @@ class ProPD(Medusa):
     def forward(self, f, nodes):
         if self.early is None:
             return super().forward(f, nodes)
-        N = len(nodes.real)
+        N = nodes.N
         x = f.layers(f.embed(), 0, self.layer)
-        alive = ~pruned(nodes, x[0, :N], self.early, self.k)
+        alive = ~pruned(nodes, x[:, :N], self.early, self.k)
         h = f.norm(f.layers(x, self.layer, None, active=alive))
         drafts = nodes.real.clone()
-        drafts[0] = False
+        drafts[:, 0] = False
         self.pruning.add_(torch.stack([drafts.sum(), (drafts & ~alive).sum()]))
-        return Out(f.logits(h, N), drafts=h[0, :N, None], alive=alive)
+        return Out(f.logits(h, N), drafts=h[:, :N, None], alive=alive)
 
     def report(self) -> str:
         parts = [self.off] if self.off else []

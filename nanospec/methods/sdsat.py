@@ -90,9 +90,10 @@ class SDSAT(Ranked):
     def forward(self, f, nodes):
         n, k = nodes.n, self.k
         h = f.norm(f.layers(f.embed()))
-        adaptive = h[0, n:n + k]  # drafts for the next loop, if the whole top-1 chain is accepted
+        adaptive = h[:, None, n:n + k]  # drafts for the next loop, if the whole top-1 chain is accepted
         host = torch.arange(n, device=h.device) == chain_end(nodes.parents)
-        return Out(f.logits(h, len(nodes.real)), drafts=adaptive[None].expand(n, k, -1), depths=torch.where(host, k, 0))
+        return Out(f.logits(h, nodes.N), drafts=adaptive.expand(-1, n, -1, -1),
+                   depths=torch.where(host, k, 0).expand(len(h), n))
 
     def propose(self, adaptive, mm):
         return mm(self.lm_head, adaptive)

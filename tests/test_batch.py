@@ -1,0 +1,90 @@
+"""Batches: every sequence of a batch decodes as it would alone. In exact mode its accepted logits
+are bitwise those of the same prompt decoded alone by AR, whatever its batch-mates (their number,
+lengths, methods' acceptance, stops); in fast mode its tokens are. Planted faults (a sequence that
+reads its neighbour's cache slot, a sequence's rows one position off) are caught."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from helpers import peek, random_model
+from nanospec import engine, model as model_mod
+from nanospec.engine import generate, shapes
+from nanospec.methods.lookahead import Lookahead
+from test_edges import ARGS, METHODS, drafter
+
+EOS = 5
+
+
+def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0):
+    """The batch against each prompt decoded alone by AR at the same shapes (Q, S): the same tokens
+    and stop, and in exact mode bitwise the same logits (fast mode: fp32 only; in bf16 a near-tie
+    may flip with a block's shape). peeking: per prompt, how often the
+    drafts carry AR's tokens (their acceptance)."""
+    d = d or engine.AR
+    Q, S = shapes([d], max(map(len, prompts)), n)
+    kw = dict(max_new_tokens=n, exact=exact, Q=Q, n_slots=S, eos_id=EOS, record_logits=True)
+    alone = [generate(model, p, **kw) for p in prompts]
+    if isinstance(d, Lookahead):
+        d.warm_up([p[-1:] + a.tokens for p, a in zip(prompts, alone) if a.tokens])
+    elif peeking and d is not engine.AR:
+        peek(d, {tuple(p): a.tokens for p, a in zip(prompts, alone)}, max(peeking), seed)
+    batch = generate(model, prompts, d, **kw)
+    assert len(batch) == len(prompts)
+    for i, (a, b) in enumerate(zip(alone, batch)):
+        assert b.tokens == a.tokens and b.stop == a.stop, f"sequence {i}"
+        if exact:
+            assert torch.equal(b.logits, a.logits), f"sequence {i}: logits differ"
+    return batch
+
+
+prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1, max_size=14), min_size=1, max_size=5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(["ar"] + METHODS), prompts=prompt_lists, n=st.integers(1, 24), seed=st.integers(0, 6),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), exact=st.booleans())
+def test_each_sequence_of_a_batch_decodes_as_alone(device, name, prompts, n, seed, dtype, exact):
+    model = random_model(ARGS, seed=seed, dtype=dtype if exact else torch.float32, device=device)  # fast bf16: near-ties
+    d = None if name == "ar" else Lookahead(decoding_length=8, branch_length=4) if name == "lookahead" \
+        else drafter(name, model)
+    check_batch(model, prompts, d, n, exact, peeking=(0.9,), seed=seed)
+
+
+def test_batch_mates_of_every_kind_leave_a_sequence_alone(device):
+    """One fixed batch: lengths 1 to 30, an EOS that stops some early, drafts that are accepted."""
+    model = random_model(ARGS, seed=3, device=device)
+    prompts = [[7], [1, 2, 3, 4] * 7, [9, 8, 7, 6, 5 + 1], [11, 12] * 3, [20 + i for i in range(30)]]
+    for name in ["medusa", "bita-deep", "hidden_transfer", "sdsat", "propd"]:
+        out = check_batch(model, prompts, drafter(name, model), 40, peeking=(0.9,))
+        assert sum(len(o.tokens) for o in out) > sum(o.steps for o in out)  # drafts were accepted
+
+
+def test_a_sequence_reading_its_neighbours_slot_is_caught(monkeypatch, device):
+    model = random_model(ARGS, seed=1, device=device)
+    prompts = [[3, 9, 4, 1], [8, 2, 6, 10, 11]]
+    check_batch(model, prompts, drafter("medusa", model), 12)
+    attend = model_mod.attend_exact
+
+    def leaky(q, kc, vc, ctx):
+        if q.shape[0] > 1:  # sequence 0 sees sequence 1's key at slot 0
+            kc = kc.clone()
+            kc[0, :, 0] = kc[1, :, 0]
+        return attend(q, kc, vc, ctx)
+    monkeypatch.setattr(model_mod, "attend_exact", leaky)
+    with pytest.raises(AssertionError, match="sequence 0"):
+        check_batch(model, prompts, drafter("medusa", model), 12)
+
+
+def test_rows_one_position_off_are_caught(monkeypatch, device):
+    model = random_model(ARGS, seed=1, device=device)
+    prompts = [[3, 9, 4, 1], [8, 2, 6, 10, 11], [4, 4]]
+    stack = engine.stack
+
+    def shifted(decs, blocks, nodes):
+        block, batch, seqs = stack(decs, blocks, nodes)
+        if block.pos.shape[0] > 1:
+            block.pos[1] += 1
+        return block, batch, seqs
+    monkeypatch.setattr(engine, "stack", shifted)
+    with pytest.raises(AssertionError, match="sequence 1"):
+        check_batch(model, prompts, None, 12)
