@@ -13,10 +13,11 @@ import time
 
 import torch
 
-from .engine import MIN_BLOCK, Decoding
+from .engine import Decoding
 from .files import atomic_write, cache_root, fingerprint, hardware
 from .kernels import to_json
 from .model import KVCache
+from .sizes import MIN_BLOCK
 from .tree import Tree
 
 COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)

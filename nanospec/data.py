@@ -26,7 +26,7 @@ import torch
 
 from . import ArgumentParser, NanospecError, cli
 from .files import atomic_write
-from .model import Block, KVCache
+from .engine import generate
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 VAL_PERCENT = 5
@@ -162,7 +162,7 @@ def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64, c
     data, t0 = [], time.time()
     for i in range(0, len(prompts), batch):
         part = prompts[i:i + batch]
-        data += list(zip(part, generate_batch(model, part, new_tokens)))
+        data += [(p, o.tokens) for p, o in zip(part, generate(model, part, max_new_tokens=new_tokens, eos_id=-1))]
         done = len(data)
         eta = (time.time() - t0) / done * (len(prompts) - done)
         print(f"distill: {done}/{len(prompts)} prompts, {done * new_tokens / (time.time() - t0):.0f} tok/s, "
@@ -209,34 +209,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     cli(main)
-
-
-@torch.inference_mode()
-def generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy AR continuations of many prompts at once, in fast mode (self-distillation data).
-
-    Prompts are left-padded: prompt b fills slots start_b..P-1 with positions from 0. Every
-    row lists what it sees in `extra` (its own prompt's slots up to itself); a padding row
-    sees only itself, so nothing it computes reaches a real row.
-    """
-    B, P = len(prompts), max(map(len, prompts))
-    dev = model.embed.weight.device
-    cache = KVCache.for_model(model, P + max_new_tokens, batch=B)
-    start = torch.tensor([P - len(p) for p in prompts], device=dev)[:, None, None]  # (B, 1, 1)
-
-    def block(tokens, lo):  # rows for slots lo..lo+T-1 of every sequence
-        hi = lo + tokens.shape[1]
-        slots = torch.arange(lo, hi, device=dev)
-        j = torch.arange(hi, device=dev)
-        own = slots[None, :, None] < start  # (B, T, 1): padding rows
-        vis = torch.where(own, j == slots[:, None], (j >= start) & (j <= slots[:, None]))  # (B, T, hi)
-        pos = (slots - start[:, :, 0]).clamp(min=0)
-        return Block(tokens, pos, slots, torch.zeros_like(pos), torch.where(vis, j, -1))
-
-    x = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], device=dev)
-    out = []
-    for i in range(max_new_tokens):
-        nxt = model(block(x, P + i - x.shape[1] if i else 0), cache, False)[:, -1].argmax(-1)
-        out.append(nxt)
-        x = nxt[:, None]
-    return torch.stack(out, 1).tolist()

@@ -6,9 +6,9 @@ takes the next candidates' top-k there (greedy), all as one program that is one 
 exact mode on a GPU, and reads back the accepted path and the candidates (pack, unpack): one
 host-device synchronisation per step.
 
-In exact mode every forward runs exactly Q rows (padded) on a cache of S slots, so AR and every
-method must use the same Q and S to compare bitwise: generate() takes both, and shapes() gives
-values that fit a set of drafters.
+In exact mode every forward runs exactly Q rows (padded) for each sequence on a cache of S slots,
+so AR and every method must use the same Q and S to compare bitwise: generate() takes both, and
+sizes.shapes() gives values that fit a set of drafters.
 """
 import functools
 import time
@@ -20,13 +20,10 @@ import torch.nn.functional as F
 from . import NanospecError, graphs
 from .drafter import AR, Drafter, Forward, Nodes
 from .model import Block, KVCache, mm
-from .tree import Sampler, Tree, accept, layout, step_layout, verify
+from .sizes import cache_for, check_prompt, check_room, shapes
+from .tree import Layout, Sampler, Tree, accept, layout, step_layout, verify
 
-# Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
-# on another path than the first ones (tests/test_model.py checks blocks of 16 and more).
-MIN_BLOCK = 16
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
-SLOT_BUCKET = 64  # default cache sizes are rounded up to this: prompts of similar length share CUDA graphs
 
 
 class Decoding:
@@ -180,10 +177,9 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
     d = decs[0]
     if len(decs) == 1:
         x = nodes[0]
-        lay = type(x.lay)(*(t[None] for t in (x.lay.parent, x.lay.depth, x.lay.index, x.lay.anc)))
-        return blocks[0], Nodes(x.tokens[None], lay, x.real[None], x.n, x.parents), d.seqs
-    T, N, dev = max(map(len, blocks)), max(len(x.tokens) for x in nodes), d.device
-    E = max(b.extra.shape[-1] for b in blocks)
+        return blocks[0], Nodes(x.tokens[None], x.lay.at(None), x.real[None], x.n, x.parents), d.seqs
+    T, N, E = max(map(len, blocks)), max(len(x.tokens) for x in nodes), max(b.extra.shape[-1] for b in blocks)
+    dev = d.device
     rows = []
     for b in blocks:
         m = T - len(b)
@@ -191,11 +187,9 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
         b = Block.cat(b, Block(z, z, torch.full((m,), d.cache.trash, device=dev), z + 1, z[..., None] - 1))
         rows.append(Block(b.tokens, b.pos, b.slots[None], b.prefix, F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)))
     block = Block(*(torch.cat([getattr(b, f) for b in rows]) for f in ("tokens", "pos", "slots", "prefix", "extra")))
-    lays = [x.lay.pad(N) for x in nodes]
-    lay = type(lays[0])(*(torch.stack([getattr(l, f) for l in lays]) for f in ("parent", "depth", "index", "anc")))
     pad = lambda t, v: torch.stack([F.pad(x, (0, N - len(x)), value=v) for x in t])
-    batch = Nodes(pad([x.tokens for x in nodes], -1), lay, pad([x.real for x in nodes], False), max(x.n for x in nodes),
-                  nodes[0].parents)
+    batch = Nodes(pad([x.tokens for x in nodes], -1), Layout.stack([x.lay for x in nodes], N),
+                  pad([x.real for x in nodes], False), max(x.n for x in nodes), nodes[0].parents)
     seqs = [x.seq for x in decs]
     return block, batch, None if seqs == list(range(d.cache.k.shape[1])) else torch.tensor(seqs, device=dev)
 
@@ -209,7 +203,7 @@ def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs, gre
 
     def run(tokens, pos, slots, prefix, extra, seqs, node_tokens, parent, depth, index, anc, real):
         f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact, seqs)
-        lay = type(nodes.lay)(parent, depth, index, anc)
+        lay = Layout(parent, depth, index, anc)
         out = drafter.forward(f, Nodes(node_tokens, lay, real, nodes.n, nodes.parents))
         N = node_tokens.shape[-1]  # drafts may cover the real nodes only: pad them to the padded tree
         if out.drafts is not None and out.drafts.shape[1] < N:
@@ -220,8 +214,7 @@ def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs, gre
             return out.logits, out.drafts, out.depths, out.alive
         packs = []
         for b in range(len(out.logits)):
-            lb = type(lay)(parent[b], depth[b], index[b], anc[b])
-            path, emitted = accept(node_tokens[b], lb, out.logits[b], None if out.alive is None else out.alive[b])
+            path, emitted = accept(node_tokens[b], lay.at(b), out.logits[b], None if out.alive is None else out.alive[b])
             if out.drafts is None:
                 packs.append(pack(path, emitted))
                 continue
@@ -314,54 +307,10 @@ class Output:
         return len(self.tokens) / max(self.decode_s, 1e-9)
 
 
-def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None) -> tuple[int, int]:
-    """The exact-mode block Q and cache size S that fit every drafter: runs to compare share them.
-
-    S holds the prompt, its continuation, one step's scratch rows, reserved slots and the trash slot,
-    rounded up to a multiple of SLOT_BUCKET.
-    """
-    Q = Q or max(MIN_BLOCK, *(d.max_rows for d in drafters))
-    if Q < MIN_BLOCK:
-        raise NanospecError(f"the exact-mode block must have at least {MIN_BLOCK} rows (got --block {Q})")
-    S = prompt_len + max_new_tokens + Q + max(d.reserved_slots for d in drafters) + 1
-    return Q, n_slots or -(-S // SLOT_BUCKET) * SLOT_BUCKET
-
-
 @functools.lru_cache(maxsize=256)
 def ones(n: int, device) -> torch.Tensor:
     """n True flags on the device, made once (every real node of a fast-mode step); read-only."""
     return torch.ones(n, dtype=torch.bool, device=device)
-
-
-def cache_for(model, n_slots: int, exact: bool, batch: int = 1) -> KVCache:
-    """A generation's KV cache. Exact mode on a GPU reuses one per (S, batch, dtype) per model: the
-    CUDA graphs captured with a cache are bound to its buffers, so later generations replay them."""
-    w = model.embed.weight
-    if not (exact and w.is_cuda and graphs.ENABLED):
-        return KVCache.for_model(model, n_slots, batch)
-    pool = model.__dict__.setdefault("_exact_caches", {})
-    key = (n_slots, batch, w.dtype, w.device)
-    if key in pool:
-        pool[key].reset()
-    else:
-        pool[key] = KVCache.for_model(model, n_slots, batch)
-    return pool[key]
-
-
-def check_prompt(prompt, vocab_size: int) -> list[int]:
-    prompt = [int(t) for t in prompt]
-    if not prompt:
-        raise NanospecError("the prompt is empty")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise NanospecError(f"token id {bad[0]} is out of range for a vocabulary of {vocab_size}")
-    return prompt
-
-
-def check_room(prompt_len: int, capacity: int) -> None:
-    if prompt_len > capacity:
-        raise NanospecError(f"the prompt has {prompt_len} tokens but the cache holds {capacity}; "
-                            "shorten it or raise --max-len")
 
 
 @torch.inference_mode()
@@ -369,7 +318,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
              Q=None, n_slots=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
              eos_id=None, record_logits=False):
     """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of
-    prompts is a batch: one Output each, every sequence as if decoded alone (its own sampling stream
+    prompts (lists of ids) is a batch: one Output each, every sequence as if decoded alone (its own sampling stream
     from seed), each step one forward over every live sequence's rows (one per shape key: a method
     whose rows depend on its tree's size runs a forward per size that step).
 
@@ -377,17 +326,16 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     eos_id None uses the model's; pass -1 to never stop on EOS.
     """
     drafter = drafter or AR
-    batch = len(prompt) > 0 and not isinstance(prompt[0], (int, torch.Tensor)) or torch.is_tensor(prompt) and prompt.dim() == 2
+    batch = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
     prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if batch else [prompt])]
     Q, S = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots)
     eos = model.args.eos_id if eos_id is None else eos_id
     cache = cache_for(model, S, exact, len(prompts))
     reserved = cache.reserve(drafter.reserved_slots)
-    decs = []
-    for i, p in enumerate(prompts):
+    for p in prompts:
         check_room(len(p), cache.capacity)
-        sampler = Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1)
-        decs.append(Decoding(model, cache, exact, Q, p, reserved, sampler, seq=i))
+    decs = [Decoding(model, cache, exact, Q, p, reserved, Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1),
+                     seq=i) for i, p in enumerate(prompts)]
     outs = {d: Output([], "max_new_tokens") for d in decs}
     logits = {d: [] for d in decs}
 
@@ -425,8 +373,10 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
                 drafter.accepted(d, tree, path)
                 outs[d].steps += 1
                 outs[d].accepted.append(len(toks))
-                if eos in toks or len(d.out) >= max_new_tokens or d.room < 1:
-                    outs[d].stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else "cache_full"
+                stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \
+                    "cache_full" if d.room < 1 else None
+                if stop:
+                    outs[d].stop = stop
                     done.append(d)
         if planner is not None:
             secs = time.perf_counter() - ts
@@ -437,9 +387,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         drafter.finish(d)
     decs[0].sync()
     t2 = time.perf_counter()
-    res = []
-    for d in decs:
-        r = outs[d]
+    for d, r in outs.items():
         r.prefill_s, r.decode_s, r.forward_s = t1 - t0, t2 - t1, d.forward_s
         n = min(len(d.out), max_new_tokens)
         if eos in d.out[:n]:
@@ -449,5 +397,4 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         r.tokens = d.out[:n]
         if record_logits:
             r.logits = torch.cat(logits[d])[:n]
-        res.append(r)
-    return res if batch else res[0]
+    return list(outs.values()) if batch else outs[decs[0]]

@@ -12,7 +12,7 @@ exactly the kernels the eager capture chose (tests/test_graphs.py checks graph =
 
 A graph is bound to the addresses of its static inputs, its outputs and the KV cache it
 writes, so graphs live on the cache they were captured with (KVCache.graphs), and the
-engine keeps one cache per (S, dtype) per model alive across generations (engine.cache_for).
+engine keeps one cache per (S, dtype) per model alive across generations (sizes.cache_for).
 Set NANOSPEC_CUDA_GRAPHS=0 to run exact mode eagerly on CUDA.
 
 Without a GPU, SIMULATE (tests) stands in for capture on the CPU: each program is traced once

@@ -1,14 +1,14 @@
 """A Llama that computes a block of rows with explicit positions, cache slots and visibility.
 
-Every forward takes a Block: T rows, each with a RoPE position, the KVCache slot its key/value is
-written to, and the slots it may attend to: "the committed prefix 0..prefix-1, then `extra` in the
-given order" -- for a tree node, its ancestors by depth and itself: the canonical key order of the
-exactness contract (DESIGN.md section 2). Two modes:
-- exact: each row gathers its visible keys in canonical order, padded to the cache's S slots, so
-  its result depends only on its own input and visible keys, not on the block's other rows: in a
-  fixed block of Q rows (the engine pads), a tree node's logits are bitwise AR's for its token.
-- fast: SDPA over the used part of the cache with a boolean mask, no padding, and each matrix
-  product in the form fastest for its row count (Kernels, tuned by kernels.py), when set.
+Every forward takes a Block: T rows, each with a RoPE position, the KVCache slot its key/value is written to, and
+the slots it may attend to: "the committed prefix 0..prefix-1, then `extra` in the given order" -- for a tree
+node, its ancestors by depth and itself: the canonical key order of the exactness contract (DESIGN.md section 2).
+A batch's sequences each have their own cache row (a forward's seqs; slots per sequence). Two modes:
+- exact: each row gathers its visible keys in canonical order, padded to the cache's S slots, so its result
+  depends only on its own input and visible keys, not on the block's other rows: in a fixed block of Q rows
+  per sequence (the engine pads), a tree node's logits are bitwise AR's for its token.
+- fast: SDPA over the used part of the cache with a boolean mask, no padding, and each product in the form
+  fastest for its row count (Kernels, tuned by kernels.py), when set.
 """
 import math
 from dataclasses import dataclass, fields
@@ -18,8 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# Fast mode's SDPA backends, chosen explicitly: on CUDA, PyTorch may pick cuDNN, which plans
-# anew for every new key length (milliseconds of CPU per call, every step).
+# Fast mode's SDPA backends, explicit: on CUDA PyTorch may pick cuDNN, which replans per key length.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # fast mode's row counts, each with its tuned forms
 FORMS = {"linear": lambda x, w, wt: F.linear(x, w), "weight-first": lambda x, w, wt: (w @ x.T).T,
@@ -53,7 +52,6 @@ class ModelArgs:
         if kind not in ("default", "linear", "llama3"):
             raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
 
-    # derived values, computed without overwriting what the user set
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
@@ -78,15 +76,13 @@ class Block:
     @staticmethod
     def cat(*blocks: "Block") -> "Block":
         E = max(b.extra.shape[-1] for b in blocks)
-        pad = lambda b: F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)
-        return Block(torch.cat([b.tokens for b in blocks], 1), torch.cat([b.pos for b in blocks], 1),
-                     torch.cat([b.slots for b in blocks], -1), torch.cat([b.prefix for b in blocks], 1),
-                     torch.cat([pad(b) for b in blocks], 1))
+        cat = lambda ts, dim=1: torch.cat(list(ts), dim)
+        return Block(cat(b.tokens for b in blocks), cat(b.pos for b in blocks), cat((b.slots for b in blocks), -1),
+                     cat(b.prefix for b in blocks), cat(F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1) for b in blocks))
 
     def pad(self, Q: int, trash: int) -> "Block":
         """Pad to exactly Q rows; padding rows write and read only the trash slot."""
-        n = len(self)
-        assert n <= Q, f"block of {n} rows exceeds Q={Q}"
+        n = len(self)  # at most Q (the engine checks)
         B, dev = self.tokens.shape[0], self.slots.device
         z = torch.zeros(B, Q - n, dtype=torch.long, device=dev)
         filler = Block(z, z, torch.full((*self.slots.shape[:-1], Q - n), trash, device=dev), z, (z + trash)[..., None])
@@ -128,17 +124,15 @@ class Context:
                        pick(self.idx), pick(self.valid), pick(self.mask), self.L, self.kernels, self.seqs)
 
     def write(self, kc, vc, k, v):
-        """Store the rows' keys and values (B, T, Hkv, D) at their slots of their sequences' cache rows."""
-        if self.seqs is None and self.slots.dim() == 1:
-            kc.index_copy_(2, self.slots, k.transpose(1, 2))
-            vc.index_copy_(2, self.slots, v.transpose(1, 2))
-            return
-        b = self.rows_of(k.shape[0])[:, None]
-        kc[b, :, self.slots] = k  # advanced indices first: (B, T, Hkv, D)
-        vc[b, :, self.slots] = v
-
-    def rows_of(self, B: int) -> torch.Tensor:
-        return torch.arange(B, device=self.slots.device) if self.seqs is None else self.seqs
+        """Store the rows' keys and values (B, T, Hkv, D) at their slots of their sequences' cache rows; the cache."""
+        b = None if self.seqs is None and self.slots.dim() == 1 else \
+            (torch.arange(len(k), device=k.device) if self.seqs is None else self.seqs)[:, None]
+        for c, x in ((kc, k), (vc, v)):
+            if b is None:  # one row of slots for the batch: the faster copy
+                c.index_copy_(2, self.slots, x.transpose(1, 2))
+            else:
+                c[b, :, self.slots] = x  # advanced indices first: (B, T, Hkv, D)
+        return kc, vc
 
 
 def aligned_pad(x) -> int:
@@ -148,8 +142,8 @@ def aligned_pad(x) -> int:
 
 
 def aligned(x):
-    """x as a view whose rows start 64-byte aligned (the last dim's stride padded): CPU BLAS takes
-    alignment-dependent paths, so with fp32 rows of odd length a row's result would depend on its index."""
+    """x as a view whose rows start 64-byte aligned (the last dim's stride padded): CPU BLAS takes alignment-
+    dependent paths, so with fp32 rows of odd length a row's result would depend on its index."""
     pad = aligned_pad(x)
     return F.pad(x, (0, pad))[..., :x.shape[-1]] if pad else x
 
@@ -192,8 +186,7 @@ class Kernels:
         x2 = x.reshape(M, -1)
         if rows > M:
             x2 = torch.cat([x2, x2.new_zeros(rows - M, x2.shape[1])])
-        # row-major out, as F.linear's: a weight-first product's transposed result would make the
-        # next ops keep its layout, on which the following products run several times slower
+        # row-major out, as F.linear's: later products on a weight-first result's layout run slower
         y = FORMS[form](x2, w, self.t.get(id(w)))[:M].contiguous()
         return y.reshape(*x.shape[:-1], -1)
 
@@ -202,19 +195,17 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     hd, sc = args.hd, args.rope_scaling
     inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     kind = (sc or {}).get("rope_type", "default")
-    if kind == "default":
-        return inv
-    if kind == "linear":
-        return inv / sc["factor"]
-    if kind == "llama3":  # frequency-dependent scaling, as in Llama 3.1
-        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-        old = sc["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
-        return torch.where(medium, smoothed, scaled)
+    if kind != "llama3":
+        return inv / sc["factor"] if kind == "linear" else inv
+    # llama3: frequency-dependent scaling, as in Llama 3.1
+    factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    old = sc["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x, cos, sin):  # x (B, T, H, D); cos, sin (B, T, 1, D)
@@ -237,7 +228,7 @@ class RMSNorm(nn.Module):
 def attend_exact(q, kc, vc, ctx):
     """q (B, T, H, D); kc, vc (B, Hkv, S, D). Each row reduces over its own keys in canonical order."""
     (B, T, H, D), Hkv = q.shape, kc.shape[1]
-    b = ctx.rows_of(B)[:, None, None, None]
+    b = (torch.arange(B, device=q.device) if ctx.seqs is None else ctx.seqs)[:, None, None, None]
     h = torch.arange(Hkv, device=q.device)[None, None, :, None]
     k = kc[b, h, ctx.idx[:, :, None, :]]  # (B, T, Hkv, Sp, D): row t's visible keys, canonical order
     v = vc[b, h, ctx.idx[:, :, None, :]]
@@ -279,10 +270,8 @@ class Attention(nn.Module):
         q = apply_rope(ctx.mm(self.q_proj, x).view(B, T, self.n_heads, self.hd), ctx.cos, ctx.sin)
         k = apply_rope(ctx.mm(self.k_proj, x).view(B, T, self.n_kv, self.hd), ctx.cos, ctx.sin)
         v = ctx.mm(self.v_proj, x).view(B, T, self.n_kv, self.hd)
-        if kc is None:  # no cache (training): the rows' own keys are slots 0..T-1
-            kc, vc = k.transpose(1, 2), v.transpose(1, 2)
-        else:
-            ctx.write(kc, vc, k, v)
+        # no cache (training): the rows' own keys are slots 0..T-1
+        kc, vc = (k.transpose(1, 2), v.transpose(1, 2)) if kc is None else ctx.write(kc, vc, k, v)
         y = (attend_exact if ctx.exact else attend_fast)(q, kc, vc, ctx)
         return ctx.mm(self.o_proj, ctx.rows(y.reshape(B, T, self.n_heads * self.hd)))
 
@@ -348,8 +337,7 @@ class Llama(nn.Module):
             ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)
             # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
             mask = torch.arange(L + 1, device=extra.device) < prefix
-            mask.scatter_(-1, torch.where(extra < 0, L, extra), True)
-            mask = mask[..., :L]
+            mask = mask.scatter_(-1, torch.where(extra < 0, L, extra), True)[..., :L]
             ctx.mask = None if bool(mask.all()) else mask
         return ctx
 
@@ -364,9 +352,8 @@ class Llama(nn.Module):
 
 
 class KVCache:
-    """A static KV cache of S slots for all layers: slots 0..capacity-1 hold the sequence (committed
-    tokens, then the step's scratch rows), above them the slots a method reserves for its own keys
-    (BiTA's prompt keys), and last the trash slot that exact-mode padding rows write and read."""
+    """A static KV cache, S slots per sequence and layer: 0..capacity-1 hold the sequence (committed tokens, then a
+    step's scratch rows), then a method's reserved slots (BiTA's prompt keys), last the trash slot padding rows use."""
 
     def __init__(self, n_layers, batch, n_slots, n_kv_heads, head_dim, dtype, device):
         shape = (n_layers, batch, n_kv_heads, n_slots, head_dim)
@@ -403,9 +390,8 @@ class KVCache:
     def compact(self, src: list[int], dst_start: int, seq: int = 0) -> None:
         """Rollback/commit of sequence seq: move the entries at slots src to dst_start, dst_start+1, ...
         in order (the accepted path, scattered over scratch slots, after the prefix); every other slot stays."""
-        k = 0  # entries already in place (the root, and a path along the tree's first nodes) stay
-        while k < len(src) and src[k] == dst_start + k:
-            k += 1
+        # entries already in place (the root, and a path along the tree's first nodes) stay
+        k = next((i for i, s in enumerate(src) if s != dst_start + i), len(src))
         if k == len(src):  # decided on the host: no device sync
             return
         idx = torch.tensor(src[k:], device=self.k.device)

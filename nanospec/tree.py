@@ -83,6 +83,16 @@ class Layout:
     index: torch.Tensor
     anc: torch.Tensor
 
+    @staticmethod
+    def stack(lays: list["Layout"], N: int) -> "Layout":
+        """A batch of layouts (batch dim first), each padded to N nodes."""
+        lays = [x.pad(N) for x in lays]
+        return Layout(*(torch.stack([getattr(x, f) for x in lays]) for f in ("parent", "depth", "index", "anc")))
+
+    def at(self, b) -> "Layout":
+        """Sequence b's layout of a batch (b=None: a layout as a batch of one)."""
+        return Layout(*(t[None] if b is None else t[b] for t in (self.parent, self.depth, self.index, self.anc)))
+
     def pad(self, N: int) -> "Layout":
         """N nodes with paths of up to N (fixed shapes for exact mode): the extra nodes are padding
         (parent 0, no ancestors); verification tells them apart by their token -1."""

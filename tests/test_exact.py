@@ -88,7 +88,7 @@ def test_cache_full_stops_cleanly(device):
 
 
 def test_exact_block_below_the_minimum_is_refused():
-    """Blocks under 16 rows would put rows on MKL's small-GEMM tail path (see engine.MIN_BLOCK)."""
+    """Blocks under 16 rows would put rows on MKL's small-GEMM tail path (see sizes.MIN_BLOCK)."""
     from nanospec import NanospecError
     from nanospec.model import ModelArgs
     model = random_model(ModelArgs(dim=24, n_layers=1, n_heads=2, vocab_size=30, hidden_dim=30))

@@ -11,7 +11,7 @@ LAYERS = [
     {"model", "tree", "planner", "kernels", "graphs"},                          # the model and its parts
     {"checkpoint", "tokenizer", "chat", "gguf_export", "convert", "sources",    # weights and text in and out
      "fetch", "calibration", "trace", "verdict"},
-    {"drafter", "engine"},                                                      # the contract and the loop
+    {"drafter", "sizes", "engine"},                                             # the contract and the loop
     {"costs", "data", "training", "pretrain", "methods", "methods.lookahead", "methods.medusa", "methods.propd",
      "methods.bita", "methods.hidden_transfer", "methods.sdsat"},               # drafters and their trainers
     {"bench", "peers", "analysis", "engines", "engines.hf", "engines.llamacpp", "engines.openai",

@@ -1,0 +1,55 @@
+"""The sizes a generation runs at: exact mode's block of Q rows and cache of S slots (runs compared
+bitwise share both), the cache itself (one per shape on a GPU, where CUDA graphs bind to it), and
+the checks that a prompt fits."""
+
+from . import NanospecError, graphs
+from .model import KVCache
+
+# Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
+# on another path than the first ones (tests/test_model.py checks blocks of 16 and more).
+MIN_BLOCK = 16
+SLOT_BUCKET = 64  # default cache sizes are rounded up to this: prompts of similar length share CUDA graphs
+
+
+def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None) -> tuple[int, int]:
+    """The exact-mode block Q and cache size S that fit every drafter: runs to compare share them.
+
+    S holds the prompt, its continuation, one step's scratch rows, reserved slots and the trash slot,
+    rounded up to a multiple of SLOT_BUCKET.
+    """
+    Q = Q or max(MIN_BLOCK, *(d.max_rows for d in drafters))
+    if Q < MIN_BLOCK:
+        raise NanospecError(f"the exact-mode block must have at least {MIN_BLOCK} rows (got --block {Q})")
+    S = prompt_len + max_new_tokens + Q + max(d.reserved_slots for d in drafters) + 1
+    return Q, n_slots or -(-S // SLOT_BUCKET) * SLOT_BUCKET
+
+
+def cache_for(model, n_slots: int, exact: bool, batch: int = 1) -> KVCache:
+    """A generation's KV cache. Exact mode on a GPU reuses one per (S, batch, dtype) per model: the
+    CUDA graphs captured with a cache are bound to its buffers, so later generations replay them."""
+    w = model.embed.weight
+    if not (exact and w.is_cuda and graphs.ENABLED):
+        return KVCache.for_model(model, n_slots, batch)
+    pool = model.__dict__.setdefault("_exact_caches", {})
+    key = (n_slots, batch, w.dtype, w.device)
+    if key in pool:
+        pool[key].reset()
+    else:
+        pool[key] = KVCache.for_model(model, n_slots, batch)
+    return pool[key]
+
+
+def check_prompt(prompt, vocab_size: int) -> list[int]:
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise NanospecError("the prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise NanospecError(f"token id {bad[0]} is out of range for a vocabulary of {vocab_size}")
+    return prompt
+
+
+def check_room(prompt_len: int, capacity: int) -> None:
+    if prompt_len > capacity:
+        raise NanospecError(f"the prompt has {prompt_len} tokens but the cache holds {capacity}; "
+                            "shorten it or raise --max-len")
