@@ -6,6 +6,7 @@
     python decode.py --weights FILE.gguf --chat --prompt "Write a haiku about caches."
     python decode.py --bench --methods ar            # the default model's held-out prompts
 """
+import copy
 import json
 import sys
 from pathlib import Path
@@ -175,8 +176,8 @@ def main(argv=None):
             raise NanospecError("--peers times transformers one prompt at a time: use it with --batch 1")
         peers = transformers_peers(weights, dtype, args.device) if args.peers else ()
         results = []
-        for B in batches:
-            results += bench(model, prompts, drafters, exact=exact, max_new_tokens=args.max_new_tokens,
+        for B in batches:  # each size with fresh drafters: a trie or a planner learns nothing from another size's run
+            results += bench(model, prompts, copy.deepcopy(drafters) if len(batches) > 1 else drafters, exact=exact, max_new_tokens=args.max_new_tokens,
                              eos_id=args.eos_id, sampling=sampling, profile=args.profile, peers=peers, batch=B)
             print(table([r for r in results if r["batch"] == B]), flush=True)
         if args.json:

@@ -9,8 +9,9 @@
 - forward(f, nodes) is the verification forward on a Forward f; it returns an Out: the nodes'
   logits, and per node the drafts that node would make if it ended the accepted path. Forward and
   Out live here: they are what a method's forward is written with.
-- propose(drafts, mm) turns the last accepted node's drafts into logits per depth (K, V), its
-  vocabulary products through mm(layer, x) (fast mode's tuned kernels: model.Kernels).
+- propose(drafts, mm) turns each sequence's last accepted node's drafts into logits per depth
+  (B, K, V), its vocabulary products through mm(layer, x) (fast mode's tuned kernels: model.Kernels)
+  as one product for the batch.
 - accepted(dec, tree, path) is told what was accepted (Lookahead's trie, SDSAT's statistics).
 Plain AR is the base Drafter: a tree of the root alone.
 """
@@ -163,8 +164,8 @@ class Drafter:
         return Out(f.logits(f.norm(f.layers(f.embed())), nodes.N))
 
     def propose(self, drafts: torch.Tensor, mm) -> torch.Tensor:
-        """Logits per draft depth (K, V) from the last accepted node's drafts (K', D); a bias-free
-        layer's product runs as mm(layer, x) (Decoding.mm)."""
+        """Logits per draft depth (B, K, V) from each sequence's last accepted node's drafts (B, K', D);
+        a bias-free layer's product runs as mm(layer, x) (Decoding.mm)."""
         return drafts
 
     def accepted(self, dec, tree: Tree, path: list[int]) -> None:

@@ -212,17 +212,15 @@ def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs, gre
             out.depths = F.pad(out.depths, (0, N - out.depths.shape[1]))
         if not greedy:
             return out.logits, out.drafts, out.depths, out.alive
-        packs = []
-        for b in range(len(out.logits)):
-            path, emitted = accept(node_tokens[b], lay.at(b), out.logits[b], None if out.alive is None else out.alive[b])
-            if out.drafts is None:
-                packs.append(pack(path, emitted))
-                continue
-            last = path.max().view(1)  # the path's deepest node (indices grow along a path); no host sync
-            cands = drafter.propose(out.drafts[b][last][0], d.mm).topk(R, dim=-1).indices  # (K, R)
-            depth_b = out.depths[b][last] if out.depths is not None else torch.full_like(last, len(cands))
-            packs.append(pack(path, emitted, depth_b, cands))
-        return torch.stack(packs), out.logits
+        paths = [accept(node_tokens[b], lay.at(b), out.logits[b], None if out.alive is None else out.alive[b])
+                 for b in range(len(out.logits))]
+        if out.drafts is None:
+            return torch.stack([pack(path, emitted) for path, emitted in paths]), out.logits
+        last = torch.stack([path.max() for path, _ in paths])  # each path's deepest node (indices grow along a path)
+        b = torch.arange(len(last), device=last.device)
+        cands = drafter.propose(out.drafts[b, last], d.mm).topk(R, dim=-1).indices  # (B, K, R): one product for all
+        depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])
+        return torch.stack([pack(p, e, depth[i:i + 1], cands[i]) for i, (p, e) in enumerate(paths)]), out.logits
     lay = nodes.lay
     args = (*(block.tokens, block.pos, block.slots, block.prefix, block.extra), seqs,
             nodes.tokens, lay.parent, lay.depth, lay.index, lay.anc, nodes.real)
@@ -259,7 +257,7 @@ def step(decs: list[Decoding], drafter: Drafter, trees: list[Tree], record: bool
             path, emitted = verify(tree, logits[b, :n], x.sampler, len(x.out), None if alive is None else alive[b, :n])
             x.cands = x.lists = None
             if drafts is not None:
-                top = drafter.propose(drafts[b, path[-1]], d.mm).topk(max(drafter.topk), dim=-1).indices
+                top = drafter.propose(drafts[b, path[-1]][None], d.mm)[0].topk(max(drafter.topk), dim=-1).indices
                 depth = int(depths[b, path[-1]]) if depths is not None else len(top)
                 if depth:
                     x.cands, x.lists = top[:depth], top[:depth].tolist()

@@ -15,14 +15,14 @@ from test_edges import ARGS, METHODS, drafter
 EOS = 5
 
 
-def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0):
+def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=None):
     """The batch against each prompt decoded alone by AR at the same shapes (Q, S): the same tokens
     and stop, and in exact mode bitwise the same logits (fast mode: fp32 only; in bf16 a near-tie
     may flip with a block's shape). peeking: per prompt, how often the
     drafts carry AR's tokens (their acceptance)."""
     d = d or engine.AR
     Q, S = shapes([d], max(map(len, prompts)), n)
-    kw = dict(max_new_tokens=n, exact=exact, Q=Q, n_slots=S, eos_id=EOS, record_logits=True)
+    kw = dict(max_new_tokens=n, exact=exact, Q=Q, n_slots=S, eos_id=EOS, record_logits=True, **(sampling or {}))
     alone = [generate(model, p, **kw) for p in prompts]
     if isinstance(d, Lookahead):
         d.warm_up([p[-1:] + a.tokens for p, a in zip(prompts, alone) if a.tokens])
@@ -42,12 +42,23 @@ prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1
 
 @settings(max_examples=25, deadline=None)
 @given(name=st.sampled_from(["ar"] + METHODS), prompts=prompt_lists, n=st.integers(1, 24), seed=st.integers(0, 6),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), exact=st.booleans())
-def test_each_sequence_of_a_batch_decodes_as_alone(device, name, prompts, n, seed, dtype, exact):
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), exact=st.booleans(), sampled=st.booleans())
+def test_each_sequence_of_a_batch_decodes_as_alone(device, name, prompts, n, seed, dtype, exact, sampled):
+    """Greedy, or sampled: each sequence draws from its own stream, the one it draws from alone."""
     model = random_model(ARGS, seed=seed, dtype=dtype if exact else torch.float32, device=device)  # fast bf16: near-ties
     d = None if name == "ar" else Lookahead(decoding_length=8, branch_length=4) if name == "lookahead" \
         else drafter(name, model)
-    check_batch(model, prompts, d, n, exact, peeking=(0.9,), seed=seed)
+    sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else None
+    check_batch(model, prompts, d, n, exact, peeking=(0.9,), seed=seed, sampling=sampling)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["ar", "medusa"])
+def test_a_full_batch_of_eight_is_bitwise_each_alone(device, dtype, name):
+    """Eight sequences of one forward (8 x Q rows per product): each row's bits as in AR's Q-row block alone."""
+    model = random_model(ARGS, seed=2, dtype=dtype, device=device)
+    prompts = [[(7 * i + j) % ARGS.vocab_size for j in range(1 + 3 * i)] for i in range(8)]
+    check_batch(model, prompts, None if name == "ar" else drafter(name, model), 24, peeking=(0.9,))
 
 
 def test_batch_mates_of_every_kind_leave_a_sequence_alone(device):

@@ -126,7 +126,7 @@ class BiTA(Ranked):
         return Out(f.logits(h, N), drafts=masks)
 
     def propose(self, masks, mm):
-        return mm(self.lm_head, masks)  # (M, V): mask i predicts the token i+1 after the next one
+        return mm(self.lm_head, masks)  # (B, M, V): mask i predicts the token i+1 after the next one
 
 
 # --- weights on disk ---------------------------------------------------------------------------

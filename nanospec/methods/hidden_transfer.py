@@ -136,7 +136,7 @@ class HiddenTransfer(Ranked):
         return Out(f.logits(h, nodes.N), drafts=pseudo)
 
     def propose(self, pseudo, mm):
-        return mm(self.lm_head, pseudo)  # (k, V): pseudo state i predicts the depth-i draft
+        return mm(self.lm_head, pseudo)  # (B, k, V): pseudo state i predicts the depth-i draft
 
 
 # --- weights on disk ---------------------------------------------------------------------------

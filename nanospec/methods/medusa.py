@@ -88,7 +88,7 @@ class Medusa(Ranked):
         return Out(f.logits(h, nodes.N), drafts=h[:, :nodes.N, None])
 
     def propose(self, h, mm):
-        return self.heads(h[0], mm)  # (K, V): head k guesses the token k+1 after the next one
+        return self.heads(h[:, 0], mm).transpose(0, 1)  # (B, K, V): head k guesses the token k+1 after the next one
 
 
 # --- weights on disk ---------------------------------------------------------------------------
