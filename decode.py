@@ -154,12 +154,14 @@ def main(argv=None):
     methods = split_specs(args.methods) if args.bench else [args.method]
     for m in methods:  # before loading any weights
         check_method(m)
-    weights, model, dtype, tok, own_model = setup(args)
-    args.mode = args.mode or ("exact" if args.device == "cuda" else "fast")
-    exact = args.mode == "exact"
     batches = parse_batches(args.batch)
     if not args.bench and len(batches) > 1:
         raise NanospecError("--batch takes one size when decoding (several only with --bench)")
+    if args.peers and batches != [1]:
+        raise NanospecError("--peers times transformers one prompt at a time: use it with --batch 1")
+    weights, model, dtype, tok, own_model = setup(args)
+    args.mode = args.mode or ("exact" if args.device == "cuda" else "fast")
+    exact = args.mode == "exact"
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     info = dict(mode=args.mode, device=args.device, dtype=str(dtype).removeprefix("torch."))
 
@@ -172,8 +174,6 @@ def main(argv=None):
         if own_model:
             note_own_model(weights)
         tune(args, model, exact, drafters)
-        if args.peers and batches != [1]:
-            raise NanospecError("--peers times transformers one prompt at a time: use it with --batch 1")
         peers = transformers_peers(weights, dtype, args.device) if args.peers else ()
         results = []
         for B in batches:  # each size with fresh drafters: a trie or a planner learns nothing from another size's run

@@ -157,11 +157,11 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
 
 
 def batched(outs: list[Output]) -> list[Output]:
-    """A batch's outputs, its one decoding time shared out by tokens (sums give the batch's tokens/s)."""
+    """A batch's outputs, its one decoding time shared out by tokens (sums give the batch's tokens/s;
+    each output's forward_s is its share of the forwards already)."""
     total = max(sum(len(o.tokens) for o in outs), 1)
     for o in outs:
-        share = len(o.tokens) / total
-        o.decode_s, o.forward_s = o.decode_s * share, o.forward_s * share
+        o.decode_s *= len(o.tokens) / total
     return outs
 
 

@@ -42,7 +42,7 @@ class Decoding:
         self.out: list[int] = []   # tokens emitted so far
         self.last = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
         self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
-        self.forward_s = 0.0       # time in forwards (synchronised), for the benchmark's host time
+        self.forward_s = 0.0       # time in forwards (synchronised; in a batch, its share), for the benchmark's host time
         self.cands = self.lists = None  # the next candidates its last accepted node drafted (step())
         self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
         self.cuda = self.device.type == "cuda"
@@ -248,7 +248,7 @@ def step(decs: list[Decoding], drafter: Drafter, trees: list[Tree], record: bool
     else:  # sampling verifies on the host: the logits are read back anyway
         logits, drafts, depths, alive = res
     for b, (x, tree) in enumerate(zip(decs, trees)):
-        x.forward_s += took  # the step's forward, as the sequence's decode time is the batch's
+        x.forward_s += took / len(decs)  # its share of the step's forward
         n = len(tree)
         if greedy:
             E = nodes.lay.anc.shape[-1]

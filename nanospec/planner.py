@@ -115,12 +115,14 @@ class Planner:
         return max((s for s in drafting if self.seconds(s) <= 2 * self.seconds(0)), default=min(drafting))
 
     def observe(self, dec, size: int, rows: int, seconds: float, path=(0,), drafted=None, cands=None) -> None:
-        """After a step: its time (online costs learn from steps of several rows: one row takes another
-        kernel path on a CPU), its accepted path (node indices, root first), a nested drafter's whole
+        """After a step, per sequence: the step's rows and time (rows 0: a batch's step is counted with
+        its first sequence; online costs learn from steps of several rows: one row takes another kernel
+        path on a CPU), the sequence's accepted path (node indices, root first), a nested drafter's whole
         draft (the step ran its first size + 1 nodes), and the next candidates (host lists per depth)."""
         if rows > self.batch:
             self.cost.update(rows, seconds, self.batch)
-        self.clock += len(path)
+        if rows:  # a batch's step is timed with its first sequence: the probes' cadence is one sequence's tokens
+            self.clock += len(path)
         seq = getattr(dec, "seq", 0)
         drafts = self.drafts.get(seq, [])
         if self.P is None and size and self.drafter.nested:  # drafted whole: its first s nodes are budget s's draft,

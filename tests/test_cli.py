@@ -62,6 +62,22 @@ def test_bench_json(weights, tmp_path):
     assert {"new_tokens", "steps", "mean_accepted", "forward_ms", "tokens_per_s"} <= r.keys() and r["forward_ms"] > 0
 
 
+def test_prompts_decode_in_batches_and_bench_by_batch_size(weights, tmp_path):
+    """--batch 2 decodes the prompts two at a time, each as alone (--check: AR alone, bitwise in
+    exact mode); --bench --batch 1,2 reports each size against AR at that size."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n", "class A:"]) + "\n")
+    code, out, err = call(decode.main, "--weights", weights, "--prompts", prompts, "--batch", 2, "--method", "lookahead",
+                          "--mode", "exact", "--max-new-tokens", 10, "--check", "--json")
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert code == 0 and len(rows) == 3 and all(r["identical_to_ar"] for r in rows), err
+    assert "batch of 2" in err
+    res = last_json(call(decode.main, "--weights", weights, "--bench", "--prompts", prompts, "--methods", "ar,lookahead",
+                         "--max-new-tokens", 8, "--batch", "1,2", "--json"))["results"]
+    assert [(r["method"], r["batch"]) for r in res] == [("ar", 1), ("lookahead", 1), ("ar", 2), ("lookahead", 2)]
+    assert all(r["mismatches"] == 0 and r["speedup"] > 0 for r in res)
+
+
 def test_bench_times_the_peers_in_the_same_run(weights, tmp_path):
     """--peers transformers: transformers' greedy, prompt lookup and assisted generation beside the
     methods, judged the same way (tok/s, speedup against the run's fastest AR, mismatches)."""
@@ -137,6 +153,10 @@ def bad_prompts(tmp_path):
     (["--temperature", "-1"], "--temperature >= 0"),
     (["--top-k", "-2"], "--top-k >= 0"),
     (["--dtype", "float8"], "invalid choice: 'float8'"),
+    (["--batch", "0"], "--batch '0': give positive sizes"),
+    (["--batch", "two"], "--batch 'two': give positive sizes"),
+    (["--batch", "1,2"], "--batch takes one size when decoding"),
+    (["--bench", "--batch", "2", "--peers", "transformers"], "use it with --batch 1"),
     (["--max-new-tokens", "many"], "invalid int value"),
     (["--device", "cuda"], "no CUDA device") if not torch.cuda.is_available() else (["--device", "tpu"], "invalid choice"),
 ])
