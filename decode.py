@@ -177,8 +177,9 @@ def main(argv=None):
         peers = transformers_peers(weights, dtype, args.device) if args.peers else ()
         results = []
         for B in batches:  # each size with fresh drafters: a trie or a planner learns nothing from another size's run
-            results += bench(model, prompts, copy.deepcopy(drafters) if len(batches) > 1 else drafters, exact=exact, max_new_tokens=args.max_new_tokens,
-                             eos_id=args.eos_id, sampling=sampling, profile=args.profile, peers=peers, batch=B)
+            fresh = copy.deepcopy(drafters) if len(batches) > 1 else drafters
+            results += bench(model, prompts, fresh, exact=exact, max_new_tokens=args.max_new_tokens, eos_id=args.eos_id,
+                             sampling=sampling, profile=args.profile, peers=peers, batch=B)
             print(table([r for r in results if r["batch"] == B]), flush=True)
         if args.json:
             print(json.dumps({**info, "max_new_tokens": args.max_new_tokens, "results": results}))

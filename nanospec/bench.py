@@ -6,8 +6,8 @@ it replays a CUDA graph, and can be the faster one), and `ar`'s own row when it 
 methods (the same decoding, timed at other moments). With batch B, the prompts run B at a time
 (engine.generate's batches), AR too, and speedups are against AR at the same B. Mismatches count
 prompts whose tokens differ from AR's on that prompt alone, in the benchmark's mode (and, in
-exact mode, whose accepted logits differ in any bit). On a GPU each method's kernel time per forward is read with the torch profiler on one
-prompt.
+exact mode, whose accepted logits differ in any bit). On a GPU each method's kernel time per
+forward is read with the torch profiler on one prompt.
 """
 import copy
 import cProfile
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import NanospecError
-from . import engine
+from . import NanospecError, engine
 from .engine import Decoding, Drafter, Output, generate, shapes
 
 
@@ -149,7 +148,8 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     for peer, runs in zip(peers, peer_outs):
         new = sum(len(o.tokens) for o in runs)
         tps = new / sum(o.decode_s for o in runs)
-        results.append(dict(method=peer.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=None, mean_accepted=None,
+        results.append(dict(method=peer.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=None,
+                            mean_accepted=None,
                             step_ms=None, forward_ms=None, host_ms=None, kernel_ms=None, tokens_per_s=round(tps, 2),
                             speedup=round(tps / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
                             mismatches=sum(o.tokens != r.tokens for o, r in zip(runs, ref)), notes=""))

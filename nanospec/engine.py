@@ -182,9 +182,9 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
     dev = d.device
     rows = []
     for b in blocks:
-        m = T - len(b)
-        z = torch.zeros(1, m, dtype=torch.long, device=dev)
-        b = Block.cat(b, Block(z, z, torch.full((m,), d.cache.trash, device=dev), z + 1, z[..., None] - 1))
+        if len(b) < T:  # exact mode's blocks are Q rows already
+            z = torch.zeros(1, T - len(b), dtype=torch.long, device=dev)
+            b = Block.cat(b, Block(z, z, torch.full((T - len(b),), d.cache.trash, device=dev), z + 1, z[..., None] - 1))
         rows.append(Block(b.tokens, b.pos, b.slots[None], b.prefix, F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)))
     block = Block(*(torch.cat([getattr(b, f) for b in rows]) for f in ("tokens", "pos", "slots", "prefix", "extra")))
     pad = lambda t, v: torch.stack([F.pad(x, (0, N - len(x)), value=v) for x in t])
@@ -247,20 +247,22 @@ def step(decs: list[Decoding], drafter: Drafter, trees: list[Tree], record: bool
         head = packed.tolist()  # the step's one read-back
     else:  # sampling verifies on the host: the logits are read back anyway
         logits, drafts, depths, alive = res
+        found = [verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
+                 for b, (x, t) in enumerate(zip(decs, trees))]
+        if drafts is not None:  # each path's end drafts: one product for the batch, as greedy's
+            ends = torch.tensor([path[-1] for path, _ in found], device=drafts.device)
+            top = drafter.propose(drafts[torch.arange(len(ends), device=ends.device), ends], d.mm)
+            top = top.topk(max(drafter.topk), dim=-1).indices  # (B, K, R)
     for b, (x, tree) in enumerate(zip(decs, trees)):
         x.forward_s += took / len(decs)  # its share of the step's forward
-        n = len(tree)
         if greedy:
             E = nodes.lay.anc.shape[-1]
             path, emitted, x.cands, x.lists = unpack(head[b], packed[b], E, max(drafter.topk, default=1))
         else:
-            path, emitted = verify(tree, logits[b, :n], x.sampler, len(x.out), None if alive is None else alive[b, :n])
-            x.cands = x.lists = None
-            if drafts is not None:
-                top = drafter.propose(drafts[b, path[-1]][None], d.mm)[0].topk(max(drafter.topk), dim=-1).indices
-                depth = int(depths[b, path[-1]]) if depths is not None else len(top)
-                if depth:
-                    x.cands, x.lists = top[:depth], top[:depth].tolist()
+            (path, emitted), x.cands, x.lists = found[b], None, None
+            depth = 0 if drafts is None else int(depths[b, path[-1]]) if depths is not None else top.shape[1]
+            if depth:
+                x.cands, x.lists = top[b, :depth], top[b, :depth].tolist()
         results.append((tree, path, emitted, logits[b, path].float().cpu() if record else None))
     return results
 
@@ -316,9 +318,9 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
              Q=None, n_slots=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
              eos_id=None, record_logits=False):
     """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of
-    prompts (lists of ids) is a batch: one Output each, every sequence as if decoded alone (its own sampling stream
-    from seed), each step one forward over every live sequence's rows (one per shape key: a method
-    whose rows depend on its tree's size runs a forward per size that step).
+    prompts (lists of ids) is a batch: one Output each, every sequence as if decoded alone (its own
+    sampling stream from seed), each step one forward over every live sequence's rows (one per shape
+    key: a method whose rows depend on its tree's size runs a forward per size that step).
 
     Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)).
     eos_id None uses the model's; pass -1 to never stop on EOS.
@@ -332,8 +334,8 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     reserved = cache.reserve(drafter.reserved_slots)
     for p in prompts:
         check_room(len(p), cache.capacity)
-    decs = [Decoding(model, cache, exact, Q, p, reserved, Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1),
-                     seq=i) for i, p in enumerate(prompts)]
+    sampler = lambda: Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1)  # one stream per sequence
+    decs = [Decoding(model, cache, exact, Q, p, reserved, sampler(), seq=i) for i, p in enumerate(prompts)]
     outs = {d: Output([], "max_new_tokens") for d in decs}
     logits = {d: [] for d in decs}
 

@@ -76,13 +76,14 @@ class Block:
     @staticmethod
     def cat(*blocks: "Block") -> "Block":
         E = max(b.extra.shape[-1] for b in blocks)
-        cat = lambda ts, dim=1: torch.cat(list(ts), dim)
-        return Block(cat(b.tokens for b in blocks), cat(b.pos for b in blocks), cat((b.slots for b in blocks), -1),
-                     cat(b.prefix for b in blocks), cat(F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1) for b in blocks))
+        cat = lambda f, dim=1: torch.cat([getattr(b, f) for b in blocks], dim)
+        extra = torch.cat([F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1) for b in blocks], 1)
+        return Block(cat("tokens"), cat("pos"), cat("slots", -1), cat("prefix"), extra)
 
     def pad(self, Q: int, trash: int) -> "Block":
         """Pad to exactly Q rows; padding rows write and read only the trash slot."""
-        n = len(self)  # at most Q (the engine checks)
+        n = len(self)
+        assert n <= Q, f"block of {n} rows exceeds Q={Q}"
         B, dev = self.tokens.shape[0], self.slots.device
         z = torch.zeros(B, Q - n, dtype=torch.long, device=dev)
         filler = Block(z, z, torch.full((*self.slots.shape[:-1], Q - n), trash, device=dev), z, (z + trash)[..., None])
@@ -124,7 +125,7 @@ class Context:
                        pick(self.idx), pick(self.valid), pick(self.mask), self.L, self.kernels, self.seqs)
 
     def write(self, kc, vc, k, v):
-        """Store the rows' keys and values (B, T, Hkv, D) at their slots of their sequences' cache rows; the cache."""
+        """Store the rows' keys and values (B, T, Hkv, D) in their sequences' cache rows; returns (kc, vc)."""
         b = None if self.seqs is None and self.slots.dim() == 1 else \
             (torch.arange(len(k), device=k.device) if self.seqs is None else self.seqs)[:, None]
         for c, x in ((kc, k), (vc, v)):
@@ -137,8 +138,7 @@ class Context:
 
 def aligned_pad(x) -> int:
     """Elements to add to x's last dim for 64-byte aligned rows."""
-    m = 64 // x.element_size()
-    return -x.shape[-1] % m
+    return -x.shape[-1] % (64 // x.element_size())
 
 
 def aligned(x):
