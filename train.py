@@ -6,7 +6,8 @@
     python train.py --method propd         # ProPD's early heads alone
     python train.py --method bita          # BiTA's mask and prompt tokens (--prompting deep|shallow|none)
     python train.py --method hidden_transfer  # Hidden Transfer's maps W_i (--layers 5,6,7)
-    python train.py --method sdsat         # SDSAT: fine-tunes weights/NAME into weights/NAME-sdsat
+    python train.py --method sdsat         # SDSAT: the adaptive token and its rank-r update
+    python train.py --method sdsat_full    # the paper's SDSAT: fine-tunes weights/NAME into weights/NAME-sdsat
     python train.py --method medusa --weights FILE.gguf  # drafters for another base model (dir, .gguf, org/name)
     python train.py --method base --help   # a method's own options
 """
@@ -18,7 +19,7 @@ import torch
 from nanospec import ArgumentParser, NanospecError, cli
 from nanospec import pretrain
 from nanospec.data import distill_args
-from nanospec.methods import bita, hidden_transfer, medusa, propd, sdsat
+from nanospec.methods import bita, hidden_transfer, medusa, propd, sdsat, sdsat_full
 from nanospec.sources import resolve
 
 ROOT = Path(__file__).parent
@@ -47,6 +48,7 @@ TRAINERS = {  # method -> (add_args, train)
     "bita": (bita.add_args, bita.train),
     "hidden_transfer": (hidden_transfer.add_args, hidden_transfer.train),
     "sdsat": (sdsat.add_args, sdsat.train),
+    "sdsat_full": (sdsat_full.add_args, sdsat_full.train),
 }
 
 

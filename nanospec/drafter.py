@@ -15,7 +15,7 @@
 - accepted(dec, tree, path) is told what was accepted (Lookahead's trie, SDSAT's statistics).
 Plain AR is the base Drafter: a tree of the root alone.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,12 +64,13 @@ class Forward:
     def embed(self) -> torch.Tensor:
         return self.model.embed(self.block.tokens)
 
-    def layers(self, x, start: int = 0, stop: int | None = None, active=None) -> torch.Tensor:
+    def layers(self, x, start: int = 0, stop: int | None = None, active=None, delta=None) -> torch.Tensor:
         """x after layers start..stop-1. active (R,) or per sequence (B, R) bool: the rows that need
         them; fast mode runs only those (in a batch, the rows some sequence needs; the others keep x),
-        exact mode runs all rows (inactive ones are never read)."""
+        exact mode runs all rows (inactive ones are never read). delta: an update of every product
+        on some rows (model.Context.delta: SDSAT's adaptive rows), for a whole block (no active)."""
         layers = range(start, len(self.model.layers) if stop is None else stop)
-        ctx, rows = self.ctx, None
+        ctx, rows = self.ctx if delta is None else replace(self.ctx, delta=delta), None
         active = active.any(0) if active is not None and active.dim() == 2 else active
         if active is not None and not self.exact and not bool(active.all()):
             rows = active.nonzero()[:, 0]

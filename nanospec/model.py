@@ -106,13 +106,15 @@ class Context:
     L: int = 0                         # fast: number of cache slots in use
     kernels: object = None             # fast: Kernels, the products' forms by row count
     seqs: torch.Tensor | None = None   # (B,) the cache rows of the block's sequences; None: 0..B-1
+    delta: object = None               # delta(layer, x, y): a product's update on some rows (SDSAT's adaptive rows)
 
     def rows(self, x):
         """Matmul input: in exact mode, each row laid out 64-byte aligned (see `aligned`)."""
         return aligned(x) if self.exact else x
 
     def mm(self, layer, x):
-        return mm(self.kernels, layer, x)
+        y = mm(self.kernels, layer, x)
+        return y if self.delta is None else self.delta(layer, x, y)
 
     def map(self, fn, x):
         """An elementwise fn; in exact mode each row's result is independent of its index (see `rowwise`)."""
@@ -221,8 +223,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def attend_exact(q, kc, vc, ctx):
@@ -230,8 +231,7 @@ def attend_exact(q, kc, vc, ctx):
     (B, T, H, D), Hkv = q.shape, kc.shape[1]
     b = (torch.arange(B, device=q.device) if ctx.seqs is None else ctx.seqs)[:, None, None, None]
     h = torch.arange(Hkv, device=q.device)[None, None, :, None]
-    k = kc[b, h, ctx.idx[:, :, None, :]]  # (B, T, Hkv, Sp, D): row t's visible keys, canonical order
-    v = vc[b, h, ctx.idx[:, :, None, :]]
+    k, v = (c[b, h, ctx.idx[:, :, None, :]] for c in (kc, vc))  # (B, T, Hkv, Sp, D): row t's visible keys in order
     q = aligned(q.reshape(B, T, Hkv, H // Hkv, D))  # query head h uses key head h // G
     att = q @ k.transpose(-1, -2) * D ** -0.5  # (B, T, Hkv, G, Sp)
     att = att.masked_fill(~ctx.valid[:, :, None, None, :], float("-inf"))

@@ -52,12 +52,6 @@ class Tokenizer:
         pid = self.sp.piece_to_id(piece)
         return None if pid == self.sp.unk_id() and piece != self.sp.id_to_piece(pid) else pid
 
-    def reserved(self, i: int) -> int:
-        """Id of the i-th reserved control token."""
-        rid = self.sp.piece_to_id(f"<reserved_{i}>")
-        if rid == self.sp.unk_id():
-            raise NanospecError(f"this tokenizer has no <reserved_{i}> token")
-        return rid
 
 
 def load_tokenizer(path):

@@ -73,11 +73,3 @@ class JsonTokenizer:
 
     def token_id(self, piece: str) -> int | None:
         return self.tk.token_to_id(piece)
-
-    def reserved(self, i: int) -> int:
-        """A <reserved_i> token, where the vocabulary has one (the shipped tokenizers do; most
-        pretrained ones do not, and a method that needs them must be trained with its own)."""
-        rid = self.tk.token_to_id(f"<reserved_{i}>")
-        if rid is None:
-            raise NanospecError(f"this tokenizer has no <reserved_{i}> token")
-        return rid

@@ -14,7 +14,7 @@ from test_default_model import SHIPPED, W
 from gguf_files import write_llama_cpp_gguf
 
 SMOL = Path(__file__).resolve().parents[1] / "weights" / "smollm2"
-TRAINED = [s for s in SHIPPED if s not in ("lookahead", "sdsat")]
+TRAINED = [s for s in SHIPPED if s not in ("lookahead", "sdsat_full")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -32,7 +32,7 @@ def test_smollm2_drafters_load_in_every_dtype(dtype):
         pytest.skip("SmolLM2 is not fetched: python -m nanospec.fetch smollm2")
     model = load(base, dtype)
     assert drafters_for(model, base) == SMOL
-    for spec in ("medusa", "propd", "bita", "hidden_transfer"):
+    for spec in ("medusa", "propd", "bita", "hidden_transfer", "sdsat"):
         load_drafter(spec, model, SMOL)
 
 

@@ -111,7 +111,7 @@ def test_the_script_itself_reports_bad_input_in_one_line(weights):
     res = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--weights", str(weights), "--method", "nope"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
-        "error: unknown method 'nope'; choose from: ar, lookahead, medusa, propd, bita, hidden_transfer, sdsat"]
+        "error: unknown method 'nope'; choose from: ar, lookahead, medusa, propd, bita, hidden_transfer, sdsat, sdsat_full"]
 
 
 # --- bad input: one `error:` line on stderr, exit code 2, for each case ---------------------------------
@@ -186,8 +186,8 @@ def test_malformed_config(tmp_path):
 
 @pytest.fixture(scope="module")
 def foreign(tmp_path_factory):
-    """The shipped drafters next to base weights they were not trained for (and an SDSAT record of
-    another model beside them)."""
+    """The shipped drafters next to base weights they were not trained for (and an sdsat_full record
+    of another model beside them)."""
     d = tmp_path_factory.mktemp("foreign") / "w"
     save(random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=8192, hidden_dim=48)), d,
          tokenizer_model=PYLM / "tokenizer.model")
@@ -207,7 +207,8 @@ def foreign(tmp_path_factory):
     ("bita:prompting=shallow", "bita-shallow.safetensors was trained for another base model"),
     ("bita:prompting=none", "bita-none.safetensors was trained for another base model"),
     ("hidden_transfer", "hidden_transfer.safetensors was trained for another base model"),
-    ("sdsat", "holds another model than the one loaded"),
+    ("sdsat", "sdsat.safetensors was trained for another base model"),
+    ("sdsat_full", "holds another model than the one loaded"),
 ])
 def test_drafter_for_other_weights_is_refused(foreign, spec, message):
     assert message in run_cli(decode.main, "--weights", foreign, "--method", spec, "--prompt", "def f(x):")
@@ -215,5 +216,6 @@ def test_drafter_for_other_weights_is_refused(foreign, spec, message):
 
 def test_missing_drafter_weights_say_how_to_train_them(weights):
     assert "no medusa.safetensors in" in run_cli(decode.main, "--weights", weights, "--method", "medusa")
-    assert "fine-tune one with python train.py --method sdsat" in run_cli(decode.main, "--weights", weights,
-                                                                          "--method", "sdsat")
+    assert "no sdsat.safetensors in" in run_cli(decode.main, "--weights", weights, "--method", "sdsat")
+    assert "fine-tune one with python train.py --method sdsat_full" in run_cli(decode.main, "--weights", weights,
+                                                                               "--method", "sdsat_full")

@@ -62,7 +62,7 @@ def test_exact_tree_decoding_on_the_default_model(dtype, device):
 
 
 SHIPPED = ["lookahead", "medusa", "propd:layer=2,k=10,replan=8", "bita", "bita:prompting=shallow",
-           "bita:prompting=none", "hidden_transfer", "sdsat"]
+           "bita:prompting=none", "hidden_transfer", "sdsat", "sdsat_full"]
 
 
 def test_every_shipped_drafter_is_tested():
@@ -70,15 +70,16 @@ def test_every_shipped_drafter_is_tested():
     files = {f.name for f in W.glob("*.safetensors")} - {"model.safetensors"}
     named = {"bita": "bita.safetensors", "bita:prompting=shallow": "bita-shallow.safetensors",
              "bita:prompting=none": "bita-none.safetensors", "medusa": "medusa.safetensors",
+             "sdsat": "sdsat.safetensors",
              "propd:layer=2,k=10,replan=8": "propd.safetensors", "hidden_transfer": "hidden_transfer.safetensors"}
     assert files == set(named.values()) and set(named) < set(SHIPPED)
-    assert (ROOT / "weights" / "pylm-sdsat" / "sdsat.json").is_file() and "sdsat" in SHIPPED
+    assert (ROOT / "weights" / "pylm-sdsat" / "sdsat.json").is_file() and "sdsat_full" in SHIPPED
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spec", SHIPPED)
 def test_shipped_drafters_are_exact_and_accept(spec, dtype, device):
-    """Each method's shipped weights: bitwise AR in exact mode (SDSAT: AR of its fine-tuned
+    """Each method's shipped weights: bitwise AR in exact mode (sdsat_full: AR of its fine-tuned
     model), and drafts do get accepted (non-vacuous); ProPD's early head does prune rows."""
     model = load(model_dir([spec], W), dtype).to(device)
     d = load_drafter(spec, model, W)
@@ -95,7 +96,7 @@ def test_shipped_drafters_are_exact_and_accept(spec, dtype, device):
 # one that gains as much: then its weights or its code changed, and the figure is updated on purpose.
 TOKENS_PER_STEP = {"lookahead": 2.639, "medusa": 3.160, "propd:layer=2,k=10,planner=static": 3.160, "bita": 2.151,
                    "bita:prompting=shallow": 1.620, "bita:prompting=none": 1.552, "hidden_transfer": 3.122,
-                   "sdsat": 2.415}
+                   "sdsat": 1.855, "sdsat_full": 2.415}
 
 
 def tokens_per_step(spec: str) -> float:

@@ -15,7 +15,7 @@ from nanospec.methods.lookahead import Lookahead
 from nanospec.methods.medusa import Heads, Medusa
 from nanospec.tree import choose_tree
 from nanospec.methods.propd import EarlyHead, ProPD
-from nanospec.methods.sdsat import SDSAT
+from nanospec.methods.sdsat import SDSAT, Delta
 from nanospec.model import ModelArgs
 
 ARGS = ModelArgs(dim=30, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=6, vocab_size=53, hidden_dim=37)
@@ -39,7 +39,7 @@ def drafter(name, model):
         "bita-straight": lambda: BiTA(noisy(Tuning(a, 3, 4, "none"), 3, 1.0), model.lm_head, "straight", 1),
         "hidden_transfer": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 4, 0.3), choose_tree(ACC[:2], 8),
                                                   model.lm_head),
-        "sdsat": lambda: SDSAT([7], model.lm_head, k=4, width=2),
+        "sdsat": lambda: SDSAT(noisy(Delta(model, 4), 5, 0.3), model.lm_head, k=4, width=2),
     }[name]()
 
 

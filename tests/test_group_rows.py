@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 from helpers import noisy, one_forward, path_to, random_model
 from nanospec.methods.bita import BiTA, Tuning
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
-from nanospec.methods.sdsat import SDSAT
+from nanospec.methods.sdsat import SDSAT, Delta
 from nanospec.model import ModelArgs
 from nanospec.tree import Tree
 
@@ -26,7 +26,7 @@ def group_drafter(name, model):
         "bita-deep": lambda: BiTA(noisy(Tuning(a, 3, 4, "deep"), 2, 1.0), model.lm_head, "efficient", 2),
         "bita-shallow": lambda: BiTA(noisy(Tuning(a, 2, 3, "shallow"), 2, 1.0), model.lm_head, "full", 2),
         "bita-none": lambda: BiTA(noisy(Tuning(a, 3, 2, "none"), 2, 1.0), model.lm_head, "efficient", 2),
-        "sdsat": lambda: SDSAT([7], model.lm_head, k=3),
+        "sdsat": lambda: SDSAT(noisy(Delta(model, 4), 2, 0.3).to(model.embed.weight), model.lm_head, k=3),
     }[name]()
 
 

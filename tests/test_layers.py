@@ -13,7 +13,7 @@ LAYERS = [
      "fetch", "calibration", "trace", "verdict"},
     {"drafter", "sizes", "engine"},                                             # the contract and the loop
     {"costs", "data", "training", "pretrain", "methods", "methods.lookahead", "methods.medusa", "methods.propd",
-     "methods.bita", "methods.hidden_transfer", "methods.sdsat"},               # drafters and their trainers
+     "methods.bita", "methods.hidden_transfer", "methods.sdsat", "methods.sdsat_full"},  # drafters and their trainers
     {"bench", "peers", "analysis", "engines", "engines.hf", "engines.llamacpp", "engines.openai",
      "compare"},                                                                # command lines and the oracle
 ]

@@ -75,6 +75,6 @@ def test_bigram_baseline():
 def test_unknown_training_method_is_one_line():
     code, _, err = call(train.main, "--method", "nope")
     assert code == 2 and err.strip() == ("error: unknown method 'nope'; choose from: tokenizer, base, medusa, propd, "
-                                         "bita, hidden_transfer, sdsat")
+                                         "bita, hidden_transfer, sdsat, sdsat_full")
     code, _, err = call(train.main, "--method", "medusa", "--heads", "three")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "invalid int value" in err

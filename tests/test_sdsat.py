@@ -1,29 +1,86 @@
-"""SDSAT: exactness against AR of the same (fine-tuned) model, the two-step loop, the masking
-process's statistics, the improved loss and training."""
-import argparse
-
+"""SDSAT: standard rows are the base model's bitwise whatever the adaptive rows' update, exactness
+against AR of the base model, the two-step loop, section 2.2's windows, and training."""
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-from helpers import check_exact, model_args, peek, random_model
-from nanospec.engine import generate
+from helpers import check_exact, model_args, noisy, peek, random_model
 from nanospec import NanospecError
-from nanospec.methods import model_dir
-from nanospec.methods.sdsat import SDSAT, mask, sdsat_loss
-from nanospec.model import ModelArgs
+from nanospec.drafter import Forward
+from nanospec.engine import Decoding, generate, stack
+from nanospec.methods.sdsat import SDSAT, Delta, adaptive_logits, adaptive_rows, starts
+from nanospec.model import Block, KVCache, ModelArgs
+from nanospec.tree import Tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
+
+
+def delta_for(model, seed, tokens=1, rank=4):
+    """A delta that changes adaptive rows a lot: every factor random, on the model's device and dtype."""
+    return noisy(Delta(model, rank, tokens), seed, 0.3).to(model.embed.weight)
+
+
+def interleaved(model, adaptive: torch.Tensor, delta, seed: int, planted: str = ""):
+    """Logits (T, V) of one exact-mode block whose rows are adaptive where `adaptive` (T,) says:
+    a standard row sees the standard rows up to itself, an adaptive row every row up to itself.
+    delta None: the block without the delta (adaptive rows then run the base weights)."""
+    T, dev = len(adaptive), model.embed.weight.device
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.args.vocab_size, (1, T), generator=g).to(dev)
+    t = torch.arange(T)
+    sees = (t[None] <= t[:, None]) & (adaptive[:, None] | ~adaptive[None])  # (row, key)
+    if planted == "standard sees adaptive":
+        sees = t[None] <= t[:, None]
+    extra = torch.stack([F.pad(row.nonzero()[:, 0], (0, T - int(row.sum())), value=-1) for row in sees])
+    block = Block(tokens, t[None].to(dev), t.to(dev), torch.zeros(1, T, dtype=torch.long, device=dev), extra[None].to(dev))
+    cache = KVCache.for_model(model, T + 1)
+    f = Forward.on_cache(model, block, cache, exact=True)
+    x = f.embed()
+    rows = adaptive.nonzero()[:, 0].to(dev)
+    if delta is None:
+        return f.logits(f.norm(f.layers(x)), T)[0]
+    x[:, rows] = delta.embed[0].to(x.dtype)
+    on = delta.on(None if planted == "delta on every row" else rows)
+    return f.logits(f.norm(f.layers(x, delta=on)), T)[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(args=model_args(), seed=st.integers(0, 2**16), pattern=st.lists(st.booleans(), min_size=2, max_size=24))
+def test_standard_rows_are_bitwise_the_base_models(device, dtype, args, seed, pattern):
+    """The issue's property: with and without the delta, every standard row's logits are the same
+    bits, over random tiny models and random interleavings of adaptive rows (exact mode)."""
+    model = random_model(args, seed, DTYPES[dtype], device)
+    adaptive = torch.tensor(pattern)
+    with torch.inference_mode():
+        delta = delta_for(model, seed)
+        on, off = interleaved(model, adaptive, delta, seed), interleaved(model, adaptive, None, seed)
+    assert torch.equal(on[~adaptive.to(on.device)], off[~adaptive.to(on.device)])
+    if adaptive.any():  # and the delta does change the adaptive rows
+        assert not torch.equal(on[adaptive.to(on.device)], off[adaptive.to(on.device)])
+
+
+@pytest.mark.parametrize("planted", ["delta on every row", "standard sees adaptive"])
+def test_planted_faults_change_standard_rows(planted):
+    """The property test can fail: a delta that reaches standard rows, or a standard row that sees
+    an adaptive row, changes their bits."""
+    model = random_model(TINY, 5)
+    adaptive = torch.tensor([False, True, False, False, True, True, False, False])
+    with torch.inference_mode():
+        delta = delta_for(model, 5)
+        on = interleaved(model, adaptive, delta, 5, planted)
+        off = interleaved(model, adaptive, None, 5)
+    assert not torch.equal(on[~adaptive], off[~adaptive])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 24), k=st.integers(1, 5),
        width=st.integers(1, 3), diverse=st.booleans(), sampled=st.booleans())
 def test_sdsat_equals_ar(device, dtype, args, seed, plen, k, width, diverse, sampled):
+    """Every standard token is the base model's: SDSAT's output is the base model's AR, bitwise."""
     model = random_model(args, seed, DTYPES[dtype], device)
-    ids = [(seed + i) % args.vocab_size for i in range(k if diverse else 1)]
-    d = SDSAT(ids, model.lm_head, k, width)
+    d = SDSAT(delta_for(model, seed, tokens=k if diverse else 1), model.lm_head, k, width)
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     out = check_exact(model, prompt, d, 20, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
@@ -36,7 +93,7 @@ def test_two_step_loop():
     model = random_model(TINY, 3)
     prompt, k = [5, 9, 2, 7], 3
     ar = generate(model, prompt, max_new_tokens=40, eos_id=-1)
-    d = peek(SDSAT([4], model.lm_head, k=k), ar.tokens, p=0.6, seed=1)
+    d = peek(SDSAT(delta_for(model, 3), model.lm_head, k=k), ar.tokens, p=0.6, seed=1)
     seen, accepted = [], type(d).accepted
 
     def spy(dec, tree, path):
@@ -49,81 +106,69 @@ def test_two_step_loop():
         whole = size == 1 or got == size  # step 1, or the whole chain accepted
         assert nxt == (k + 1 if whole else 1)
     assert {(k + 1, k + 1), (1, 1)} <= set(seen) and any(1 < g < k + 1 for _, g in seen)
-    wide = SDSAT([4], None, k=3, width=2)
+    wide = SDSAT(delta_for(model, 3), None, k=3, width=2)
     t = wide.template.tree(9, torch.tensor([[11, 15], [12, 16], [13, 17]]))
     kids = [sum(p == i for p in t.parents) for i in range(len(t))]
     assert len(t) == 1 + 6 and kids[:2] == [2, 2]  # only top-1s branch
 
 
-def test_masking_statistics():
-    """About `rate` of the positions start a window, of a length uniform on 1..L; the replaced
-    fraction matches the process's exact expectation."""
+def test_window_statistics():
+    """About `rate` of the positions (never 0) start a window, of a length uniform on 1..L."""
     g = torch.Generator().manual_seed(0)
-    L, rate = 5, 0.1
-    x = torch.zeros(400, 500, dtype=torch.long)
-    mixed, replaced = mask(x, L, rate, [7], g)
-    assert torch.equal(mixed == 7, replaced) and not replaced[:, 0].any()
-    p_free = 1.0
-    for i in range(L):  # a position is free if no window starting i back reaches it
-        p_free *= 1 - rate * (L - i) / L
-    frac = replaced[:, L:].float().mean().item()
-    assert abs(frac - (1 - p_free)) < 0.005, frac
-    # sparse windows rarely touch: run lengths are then the drawn lengths, uniform on 1..L
-    _, rep = mask(torch.zeros(2000, 400, dtype=torch.long), L, 0.005, [7], g)
-    runs = []
-    for row in rep.tolist():
-        n = 0
-        for v in row + [False]:
-            if v:
-                n += 1
-            elif n:
-                runs.append(n)
-                n = 0
-    counts = torch.bincount(torch.tensor(runs), minlength=L + 2)[1:L + 1].float()
-    assert len(runs) > 3000 and (counts / counts.mean() - 1).abs().max() < 0.12, counts
-    # diverse tokens: the i-th position of a window gets the i-th id
-    mixed, replaced = mask(torch.zeros(50, 300, dtype=torch.long), L, 0.02, [30, 31, 32, 33, 34], g)
-    starts = replaced & ~torch.nn.functional.pad(replaced, (1, 0))[:, :-1]
-    assert (mixed[starts] == 30).all() and set(mixed[replaced].tolist()) <= {30, 31, 32, 33, 34}
+    L, rate, T = 5, 0.1, 500
+    wins = [w for _ in range(400) for w in starts(T, L, rate, g)]
+    assert all(0 < s < T for s, _ in wins)
+    assert abs(len(wins) / (400 * (T - 1)) - rate) < 0.005
+    counts = torch.bincount(torch.tensor([n for _, n in wins]), minlength=L + 1)[1:].float()
+    assert (counts / counts.mean() - 1).abs().max() < 0.06, counts
+    assert {n for _, n in starts(T, L, rate, g, full=True)} == {L}
 
 
-def test_improved_loss_trains_plain_halves_fully_and_mixed_halves_on_adaptive_rows():
-    model = random_model(TINY, 1)
-    x = torch.randint(5, 37, (4, 33), generator=torch.Generator().manual_seed(0))
-    args = argparse.Namespace(loss="improved", window=4, mask_rate=0.2)
-    loss, _ = sdsat_loss(model, x[:2], x[2:], args, [4], torch.Generator().manual_seed(1))
-    mixed, rep = mask(x[2:, :-1], 4, 0.2, [4], torch.Generator().manual_seed(1))
-    from nanospec.training import causal
-    logits = model(causal(torch.cat([x[:2, :-1], mixed])))
-    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="none").view(4, 32)
-    assert rep.any() and torch.allclose(loss, 0.5 * (ce[:2].mean() + ce[2:][rep].mean()))
-    basic, _ = sdsat_loss(model, x[:2], x[2:], argparse.Namespace(loss="basic", window=4, mask_rate=0.2), [4],
-                          torch.Generator().manual_seed(1))
-    assert torch.allclose(basic, ce[2:].mean())  # eq. 8: every position of the mixed sequences
+def test_adaptive_rows_see_what_inference_shows_them():
+    """Row j of a window at s sits at s+j, sees standard keys 0..s-1 and its window's rows 0..j,
+    and is labelled with the token at s+j+1 (-100 past the end); diverse rows take embedding j."""
+    x = torch.arange(10, 20)[None]  # T = 10
+    which, pos, vis, lab = adaptive_rows(x, [[(3, 2), (8, 3)]], diverse=True)
+    assert which.tolist() == [[0, 1, 0, 1, 2]] and pos.tolist() == [[3, 4, 8, 9, 10]]
+    assert lab.tolist() == [[14, 15, 19, -100, -100]]
+    T = 10
+    assert vis[0, :2, :T].sum(-1).tolist() == [3, 3] and vis[0, 2:, :T].sum(-1).tolist() == [8, 8, 8]
+    assert vis[0, :, T:].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0],
+                                            [0, 0, 1, 1, 1]]
 
 
-def test_a_few_training_steps_reduce_the_loss():
+def test_adaptive_rows_match_decoding_and_training_lowers_their_loss():
+    """The training forward (frozen keys, adaptive rows apart) gives an adaptive row the logits
+    decoding gives it, and a few steps on the delta lower the adaptive rows' loss."""
     model = random_model(TINY, 2)
-    args = argparse.Namespace(loss="improved", window=3, mask_rate=0.15)
-    x = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 4] * 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    loss = lambda: sdsat_loss(model, x[:2], x[2:], args, [4], torch.Generator().manual_seed(0))[0]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    delta = delta_for(model, 2)
+    x = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 4] * 2)
+    with torch.no_grad():  # one window after position 5: decoding's step 1 at the root x[5]
+        logits, _ = adaptive_logits(model, delta, x[:1, :7], [[(6, 3)]], diverse=False)
+        d = SDSAT(delta, model.lm_head, k=3)
+        dec = Decoding(model, KVCache.for_model(model, 16), False, 8, x[0, :6].tolist())
+        dec.prefill(dec.prompt[:-1])
+        block, nodes = dec.prepare(d, Tree.chain(dec.last))
+        block, nodes, seqs = stack([dec], [block], [nodes])
+        out = d.forward(Forward.on_cache(model, block, dec.cache, False, seqs), nodes)
+    assert torch.allclose(model.lm_head(out.drafts[0, 0]), logits[0], atol=1e-3)
+    wins = [[(s, 4) for s in range(1, 28, 3)]] * 2
+    opt = torch.optim.AdamW(delta.parameters(), lr=3e-2)
+    loss = lambda: F.cross_entropy(*(t.flatten(0, 1) if t.dim() == 3 else t.flatten()
+                                     for t in adaptive_logits(model, delta, x, wins, False)))
     before = loss().item()
-    for _ in range(20):
+    for _ in range(30):
         opt.zero_grad()
         loss().backward()
         opt.step()
     assert loss().item() < 0.5 * before
 
 
-def test_own_model_and_errors(tmp_path):
-    with pytest.raises(NanospecError, match="no SDSAT model"):
-        model_dir(["sdsat"], tmp_path)
-    (tmp_path.with_name(tmp_path.name + "-sdsat")).mkdir()
-    (tmp_path.with_name(tmp_path.name + "-sdsat") / "sdsat.json").write_text("{}")
-    assert model_dir(["ar", "sdsat:k=3"], tmp_path).name.endswith("-sdsat")
-    assert model_dir(["ar", "medusa"], tmp_path) == tmp_path
-    with pytest.raises(NanospecError, match="separate runs"):
-        model_dir(["medusa", "sdsat"], tmp_path)
+def test_errors():
+    model = random_model(TINY, 1)
     with pytest.raises(NanospecError, match="diverse"):
-        SDSAT([4, 5, 6], None, k=5)
+        SDSAT(Delta(model, 2, 3), None, k=5)
+    with pytest.raises(NanospecError, match="at least 1"):
+        SDSAT(Delta(model, 2, 1), None, k=0)

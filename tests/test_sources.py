@@ -94,4 +94,4 @@ def test_train_weights_goes_through_resolve(tmp_path):
     assert Path(args.out) == resolve(gguf) and (Path(args.out) / "config.json").is_file()
     assert "without --out" in run_cli(train.main, "--method", "medusa", "--weights", gguf, "--out", tmp_path / "x")
     assert "not for --method tokenizer or base" in run_cli(train.main, "--method", "base", "--weights", gguf)
-    assert "reserved ones" in run_cli(train.main, "--method", "sdsat", "--weights", gguf)  # no <reserved_0>
+    assert "none to spare" in run_cli(train.main, "--method", "sdsat_full", "--weights", gguf)  # no <reserved_0>

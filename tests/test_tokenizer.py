@@ -29,7 +29,7 @@ def test_byte_fallback_and_specials():
 
 
 def test_reserved_ids_are_never_produced_by_encode():
-    reserved = {TOK.reserved(i) for i in range(N_RESERVED)}
+    reserved = {TOK.token_id(f"<reserved_{i}>") for i in range(N_RESERVED)}
     assert len(reserved) == N_RESERVED
     text = "".join(f"<reserved_{i}>" for i in range(N_RESERVED)) + " def f(): pass"
     assert not reserved & set(TOK.encode(text))

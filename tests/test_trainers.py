@@ -2,6 +2,7 @@
 and decode exactly. (Training quality is the business of each method's own tests.)"""
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -20,6 +21,7 @@ SMALL = {  # each trainer's options, cut to seconds
     "propd": ["--early-layers", "1", "--early-steps", "3", "--early-batch", "32", "--early-rank", "4"],
     "bita": ["--steps", "3", "--batch-size", "2", "--groups", "2", "--prompts", "2"],
     "hidden_transfer": ["--steps", "3", "--batch-size", "2", "--layers", "1"],
+    "sdsat": ["--steps", "3", "--batch-size", "2", "--seq-len", "32", "--rank", "2"],
 }
 
 
@@ -31,30 +33,32 @@ def test_trainers_write_loadable_drafters(tmp_path):
                               "--new-tokens", 8, *opts)
         assert code == 0, err[-2000:]
     base = load(tmp_path)
-    for spec in ("medusa", "propd:layer=1", "bita", "hidden_transfer"):
+    for spec in ("medusa", "propd:layer=1", "bita", "hidden_transfer", "sdsat:k=3"):
         check_exact(base, [1, 400, 401, 402], load_drafter(spec, base, tmp_path), 12)
     code, out, err = call(analysis.main, "hidden_transfer", "--weights", tmp_path, "--distill-prompts", 6,
                           "--new-tokens", 8, "--early-steps", 2, "--early-rank", 4)
     assert code == 0 and "Figure 3" in out and "Figure 4" in out, err[-2000:]
-    # SDSAT fine-tunes the base into a model directory of its own, decoded against its own AR
-    code, out, err = call(train.main, "--method", "sdsat", "--out", tmp_path, "--steps", 2, "--batch-size", 2,
+    # the paper's SDSAT fine-tunes the base into a model directory of its own, decoded against its own AR
+    code, out, err = call(train.main, "--method", "sdsat_full", "--out", tmp_path, "--steps", 2, "--batch-size", 2,
                           "--seq-len", 32, "--max-files", 2, "--eval-windows", 2, "--distill-prompts", 6,
                           "--new-tokens", 8)
     assert code == 0, err[-2000:]
-    tuned = load(model_dir(["sdsat"], tmp_path))
-    check_exact(tuned, [1, 400, 401, 402], load_drafter("sdsat:k=3", tuned, tmp_path), 12)
+    tuned = load(model_dir(["sdsat_full"], tmp_path))
+    check_exact(tuned, [1, 400, 401, 402], load_drafter("sdsat_full:k=3", tuned, tmp_path), 12)
 
 
-def test_an_interrupted_drafter_trainer_resumes_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method, opts", [("hidden_transfer", ["--layers", 1]),
+                                          ("sdsat", ["--seq-len", 32, "--rank", 2])])
+def test_an_interrupted_drafter_trainer_resumes_exactly(tmp_path, monkeypatch, method, opts):
     """Every drafter trainer checkpoints: a run stopped after a checkpoint and resumed writes the same
     weights as an uninterrupted one."""
     from nanospec import training
     model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
     save(model, tmp_path, tokenizer_model=TOKENIZER)
-    opts = ["--method", "hidden_transfer", "--out", tmp_path, "--distill-prompts", 6, "--new-tokens", 8,
-            "--steps", 6, "--batch-size", 2, "--layers", 1, "--save-every", 2, "--cache", tmp_path / "ckpt"]
+    opts = ["--method", method, "--out", tmp_path, "--distill-prompts", 6, "--new-tokens", 8,
+            "--steps", 6, "--batch-size", 2, *opts, "--save-every", 2, "--cache", tmp_path / "ckpt"]
     assert call(train.main, *opts)[0] == 0
-    whole = load_file(tmp_path / "hidden_transfer.safetensors")
+    whole = load_file(tmp_path / f"{method}.safetensors")
     real = training.Progress.step
 
     def crash(self, step, *a, **k):
@@ -69,5 +73,5 @@ def test_an_interrupted_drafter_trainer_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.undo()
     code, out, err = call(train.main, *opts, "--resume")
     assert code == 0 and "resumed from" in out and "at step 2" in out, err
-    resumed = load_file(tmp_path / "hidden_transfer.safetensors")
+    resumed = load_file(tmp_path / f"{method}.safetensors")
     assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from .. import NanospecError
 from ..drafter import AR, Drafter
 from ..files import fingerprint
-from . import bita, hidden_transfer, lookahead, medusa, propd, sdsat
+from . import bita, hidden_transfer, lookahead, medusa, propd, sdsat, sdsat_full
 
 METHODS = {
     "ar": lambda model, weights: AR,
@@ -24,8 +24,9 @@ METHODS = {
     "bita": bita.load_bita,
     "hidden_transfer": hidden_transfer.load_hidden_transfer,
     "sdsat": sdsat.load_sdsat,
+    "sdsat_full": sdsat_full.load,
 }
-OWN_MODEL = {"sdsat": sdsat.model_dir}  # methods that decode a fine-tuned model of their own
+OWN_MODEL = {"sdsat_full": sdsat_full.model_dir}  # methods that decode a fine-tuned model of their own
 
 
 def _value(v: str):
@@ -74,7 +75,7 @@ def check_method(spec: str) -> None:
 
 def model_dir(specs: list[str], weights):
     """The model directory the methods decode: the base weights, or a method's own fine-tuned
-    model (SDSAT), which is then also the AR reference. `ar` follows the others."""
+    model (the paper's SDSAT, sdsat_full), which is then also the AR reference. `ar` follows the others."""
     names = {parse_spec(s)[0] for s in specs} - {"ar"}
     dirs = {OWN_MODEL[n](weights) if n in OWN_MODEL else weights for n in names} or {weights}
     if len(dirs) > 1:
