@@ -14,7 +14,7 @@ from test_default_model import SHIPPED, W
 from gguf_files import write_llama_cpp_gguf
 
 SMOL = Path(__file__).resolve().parents[1] / "weights" / "smollm2"
-TRAINED = [s for s in SHIPPED if s not in ("lookahead", "sdsat_full")]
+TRAINED = [s for s in SHIPPED if s != "lookahead"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

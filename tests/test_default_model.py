@@ -11,7 +11,7 @@ from helpers import Adversary, check_exact, full_logits, pruned_rows
 from nanospec.bench import load_prompts
 from nanospec.checkpoint import load
 from nanospec.engine import generate, shapes
-from nanospec.methods import load_drafter, model_dir
+from nanospec.methods import load_drafter
 from nanospec.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_exact_tree_decoding_on_the_default_model(dtype, device):
 
 
 SHIPPED = ["lookahead", "medusa", "propd:layer=2,k=10,replan=8", "bita", "bita:prompting=shallow",
-           "bita:prompting=none", "hidden_transfer", "sdsat", "sdsat_full"]
+           "bita:prompting=none", "hidden_transfer", "sdsat"]
 
 
 def test_every_shipped_drafter_is_tested():
@@ -73,15 +73,14 @@ def test_every_shipped_drafter_is_tested():
              "sdsat": "sdsat.safetensors",
              "propd:layer=2,k=10,replan=8": "propd.safetensors", "hidden_transfer": "hidden_transfer.safetensors"}
     assert files == set(named.values()) and set(named) < set(SHIPPED)
-    assert (ROOT / "weights" / "pylm-sdsat" / "sdsat.json").is_file() and "sdsat_full" in SHIPPED
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spec", SHIPPED)
 def test_shipped_drafters_are_exact_and_accept(spec, dtype, device):
-    """Each method's shipped weights: bitwise AR in exact mode (sdsat_full: AR of its fine-tuned
-    model), and drafts do get accepted (non-vacuous); ProPD's early head does prune rows."""
-    model = load(model_dir([spec], W), dtype).to(device)
+    """Each method's shipped weights: bitwise AR in exact mode, and drafts do get accepted
+    (non-vacuous); ProPD's early head does prune rows."""
+    model = load(W, dtype).to(device)
     d = load_drafter(spec, model, W)
     prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
     out = check_exact(model, prompt, d, 48, fast=False)
@@ -96,11 +95,11 @@ def test_shipped_drafters_are_exact_and_accept(spec, dtype, device):
 # one that gains as much: then its weights or its code changed, and the figure is updated on purpose.
 TOKENS_PER_STEP = {"lookahead": 2.639, "medusa": 3.160, "propd:layer=2,k=10,planner=static": 3.160, "bita": 2.151,
                    "bita:prompting=shallow": 1.620, "bita:prompting=none": 1.552, "hidden_transfer": 3.122,
-                   "sdsat": 1.855, "sdsat_full": 2.415}
+                   "sdsat": 1.855}
 
 
 def tokens_per_step(spec: str) -> float:
-    model = load(model_dir([spec], W))
+    model = load(W)
     tok = Tokenizer(W / "tokenizer.model")
     tokens = steps = 0
     for text in load_prompts(W / "prompts.jsonl")[:4]:
@@ -123,7 +122,7 @@ def test_shipped_drafters_keep_their_draft_quality(spec):
 @pytest.mark.parametrize("spec", SHIPPED)
 def test_shipped_drafters_in_fast_mode_give_ar_tokens(spec, device):
     """Fast mode (the CPU default and the benchmark's): AR's tokens on held-out prompts, fp32."""
-    model = load(model_dir([spec], W)).to(device)
+    model = load(W).to(device)
     d = load_drafter(spec, model, W)
     tok = Tokenizer(W / "tokenizer.model")
     steps = 0

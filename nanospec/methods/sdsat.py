@@ -84,21 +84,24 @@ class Delta(nn.Module):
             self.where.update({id(w): (key, i) for i, w in enumerate(ws)})
         self.a, self.b = nn.ParameterDict(a), nn.ParameterDict(b)
 
-    @property
-    def rank(self) -> int:
-        return self.a["attn_q_proj"].shape[1]
+    def factors(self) -> dict:
+        """{id(a projection's weight): (A^T, B^T)}, views of the parameters (gradients flow)."""
+        return {w: (self.a[key][i].t(), self.b[key][i].t()) for w, (key, i) in self.where.items()}
 
-    def on(self, rows: torch.Tensor | None):
-        """The update as a forward's `delta` (model.Context.delta): on rows (R,) of every sequence,
-        or on every row (None). Other products (the lm_head) and other rows keep their results."""
+    def on(self, rows, factors: dict | None = None):
+        """The update as a forward's `delta` (model.Context.delta): on rows (a slice or an index) of
+        every sequence, or on every row (None). Other products (the lm_head) and other rows keep their
+        results. factors: `factors()` made once (decoding), else made now (training)."""
+        f = self.factors() if factors is None else factors
+
         def delta(layer, x, y):
-            at = self.where.get(id(layer.weight))
-            if at is None:
+            ab = f.get(id(layer.weight))
+            if ab is None:
                 return y
-            a, b = self.a[at[0]][at[1]], self.b[at[0]][at[1]]
             if rows is None:
-                return y + (x @ a.T) @ b.T
-            return y.index_add(1, rows, (x[:, rows] @ a.T) @ b.T)
+                return y + (x @ ab[0]) @ ab[1]
+            y[:, rows] += (x[:, rows] @ ab[0]) @ ab[1]
+            return y
         return delta
 
 
@@ -115,6 +118,8 @@ class SDSAT(Ranked):
             raise NanospecError(f"sdsat k={k}: this drafter was trained with {n} diverse adaptive tokens; "
                                 f"use k <= {n}")
         self.delta, self.lm_head, self.k, self.width = delta, lm_head, k, width
+        self.factors = None if delta is None else {w: (a.detach().contiguous(), b.detach().contiguous())
+                                                   for w, (a, b) in delta.factors().items()}
         self.ids = None if ids is None else (ids * k if n == 1 else ids[:k])  # identical or diverse tokens
         self.family = [(0,) * d + (j,) for d in range(k) for j in range(width)]  # top-1s have children
         self.template = Template(self.family)
@@ -143,7 +148,7 @@ class SDSAT(Ranked):
         else:
             e = self.delta.embed  # one adaptive token repeated, or the first k diverse ones
             x[:, n:n + k] = (e.expand(k, -1) if len(e) == 1 else e[:k]).to(x.dtype)
-            h = f.norm(f.layers(x, delta=self.delta.on(torch.arange(n, n + k, device=x.device))))
+            h = f.norm(f.layers(x, delta=self.delta.on(slice(n, n + k), self.factors)))
         adaptive = h[:, None, n:n + k]  # drafts for the next loop, if the whole top-1 chain is accepted
         host = torch.arange(n, device=h.device) == chain_end(nodes.parents)
         return Out(f.logits(h, nodes.N), drafts=adaptive.expand(-1, n, -1, -1),
@@ -161,9 +166,10 @@ class SDSAT(Ranked):
 
     def report(self):
         """Figure 3's accept rate: drafts accepted per verifying step over k."""
-        n = max(self.verifying, 1)
+        n, planned = max(self.verifying, 1), super().report()
         return (f"accept rate {self.drafts_accepted / n / self.k:.3f} ({self.drafts_accepted / n:.2f} of "
-                f"{self.k} drafts per verifying step); {self.draft_only} draft-step-1 forwards")
+                f"{self.k} drafts per verifying step); {self.draft_only} draft-step-1 forwards"
+                + (f"; {planned}" if planned else ""))
 
 
 @functools.lru_cache(maxsize=512)

@@ -3,7 +3,9 @@
 Spec: ../shared/papers/sdsat.txt (section 2.2, appendix A). Decoding is sdsat.py's, on the
 fine-tuned model (weights/<name>-sdsat/), which is therefore its own AR reference: lossless
 means identical to it, not to the base model. decode.py switches to that directory for
-`--method sdsat_full` and says so.
+`--method sdsat_full` and says so. The repository does not ship it (15 MB for the default
+model, where SmolLM2's update needs the room): `python train.py --method sdsat_full` makes it,
+in about 17 minutes on 2 CPU cores.
 
 Kept beside sdsat.py's update, which leaves the base model's tokens bitwise untouched, because
 on the default model, with the same data and schedule (400 steps of 8 x 512 tokens, the model's
