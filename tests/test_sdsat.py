@@ -34,7 +34,8 @@ def interleaved(model, adaptive: torch.Tensor, delta, seed: int, planted: str = 
     if planted == "standard sees adaptive":
         sees = t[None] <= t[:, None]
     extra = torch.stack([F.pad(row.nonzero()[:, 0], (0, T - int(row.sum())), value=-1) for row in sees])
-    block = Block(tokens, t[None].to(dev), t.to(dev), torch.zeros(1, T, dtype=torch.long, device=dev), extra[None].to(dev))
+    zero = torch.zeros(1, T, dtype=torch.long, device=dev)
+    block = Block(tokens, t[None].to(dev), t.to(dev), zero, extra[None].to(dev))
     cache = KVCache.for_model(model, T + 1)
     f = Forward.on_cache(model, block, cache, exact=True)
     x = f.embed()

@@ -28,9 +28,9 @@ little and the AR reference becomes the fine-tuned model. Here the model is unto
 The paper's full fine-tune stays as sdsat_full.py: on the default model, with the same data and
 schedule, it drafts 2.88 tokens per forward to this update's 2.20 (RESULTS.md), since it also
 teaches the standard tokens' keys and values what the adaptive tokens need, which an update that
-leaves them untouched cannot. Training only has adaptive rows to learn: the standard rows' keys and values come from a
-no-grad forward of the frozen model, and only adaptive rows run backward. Eq. 9's plain-sequence
-term is then a constant, and eq. 8's and eq. 9's mixed terms are both the adaptive rows' loss.
+leaves them untouched cannot. Training has only adaptive rows to learn: the standard rows' keys
+and values come from a no-grad forward of the frozen model, and only adaptive rows run backward.
+Eq. 9's plain term is then a constant, and eq. 8's and 9's mixed terms are the adaptive rows' loss.
 
 Choices where the paper is silent, and why:
 - Masking (section 2.2): each position starts a window with probability 0.1 (position 0 never),
@@ -89,9 +89,8 @@ class Delta(nn.Module):
         return {w: (self.a[key][i].t(), self.b[key][i].t()) for w, (key, i) in self.where.items()}
 
     def on(self, rows, factors: dict | None = None):
-        """The update as a forward's `delta` (model.Context.delta): on rows (a slice or an index) of
-        every sequence, or on every row (None). Other products (the lm_head) and other rows keep their
-        results. factors: `factors()` made once (decoding), else made now (training)."""
+        """The update as a forward's `delta` (model.Context.delta) on rows (slice, index; None: all) of
+        every sequence; other products and rows keep theirs. factors: `factors()`, made once or now."""
         f = self.factors() if factors is None else factors
 
         def delta(layer, x, y):

@@ -158,7 +158,8 @@ def train(args):
     if (base_dir / "prompts.jsonl").is_file():  # the benchmark's prompts travel with the model
         atomic_write(out / "prompts.jsonl", lambda p: p.write_text((base_dir / "prompts.jsonl").read_text()))
     meta = {"fingerprint": fingerprint(shipped), "base_fingerprint": base_fp, "adaptive": ids,
-            "window": args.window, "mask_rate": args.mask_rate, "loss": args.loss, "data": args.data, "steps": args.steps,
+            "window": args.window, "mask_rate": args.mask_rate, "loss": args.loss, "data": args.data,
+            "steps": args.steps,
             "held_out_loss": round(loss, 4), "base_held_out_loss": round(base_loss, 4), "eval_windows": len(val),
             "wall_time_s": round(prog.elapsed), "hardware": hardware(torch.device(args.device)),
             "command": "python " + " ".join(sys.argv)}
