@@ -64,6 +64,17 @@ def pruned_rows(propd) -> int:
     return int(propd.pruning[1])
 
 
+def descend(loss, params, lr: float, steps: int) -> tuple[float, float]:
+    """loss() (a closure over fixed data) before and after `steps` AdamW steps on params."""
+    opt = torch.optim.AdamW(params, lr=lr)
+    before = loss().item()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    return before, loss().item()
+
+
 def noisy(module, seed: int, scale: float):
     """module with Gaussian noise of std `scale` added to every parameter: trained parts that draft
     something, sometimes right."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import check_exact, model_args, one_forward, random_model
+from helpers import check_exact, descend, model_args, one_forward, random_model
 from nanospec import NanospecError
 from nanospec.methods.hidden_transfer import (HiddenTransfer, Transfer, batches, kl_loss, pack,
                                               pseudo_states)
@@ -108,15 +108,10 @@ def test_a_few_training_steps_reduce_the_loss():
     g = torch.Generator().manual_seed(0)
     data = [(torch.randint(0, 37, (4,), generator=g).tolist(), [7, 8, 9, 10] * 4) for _ in range(8)]
     tr = Transfer(TINY.dim, [1, 2])
-    opt = torch.optim.AdamW(tr.parameters(), lr=3e-3)
     tokens, pos, vis, hosts, valid, teacher, _ = next(batches(data, 2, "paper", 4, torch.Generator().manual_seed(0), 1))
     loss = lambda: kl_loss(model, pseudo_states(model, tr, tokens, pos, vis, hosts), valid, teacher)[0]
-    before = loss().item()
-    for _ in range(20):
-        opt.zero_grad()
-        loss().backward()
-        opt.step()
-    assert loss().item() < 0.8 * before
+    before, after = descend(loss, tr.parameters(), 3e-3, 20)
+    assert after < 0.8 * before
 
 
 def test_steps_train_separately_under_the_paper_mask():

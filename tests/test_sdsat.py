@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-from helpers import check_exact, model_args, noisy, peek, random_model
+from helpers import check_exact, descend, model_args, noisy, peek, random_model
 from nanospec import NanospecError
 from nanospec.drafter import Forward
 from nanospec.engine import Decoding, generate, stack
@@ -156,15 +156,10 @@ def test_adaptive_rows_match_decoding_and_training_lowers_their_loss():
         out = d.forward(Forward.on_cache(model, block, dec.cache, False, seqs), nodes)
     assert torch.allclose(model.lm_head(out.drafts[0, 0]), logits[0], atol=1e-3)
     wins = [[(s, 4) for s in range(1, 28, 3)]] * 2
-    opt = torch.optim.AdamW(delta.parameters(), lr=3e-2)
     loss = lambda: F.cross_entropy(*(t.flatten(0, 1) if t.dim() == 3 else t.flatten()
                                      for t in adaptive_logits(model, delta, x, wins, False)))
-    before = loss().item()
-    for _ in range(30):
-        opt.zero_grad()
-        loss().backward()
-        opt.step()
-    assert loss().item() < 0.5 * before
+    before, after = descend(loss, delta.parameters(), 3e-2, 30)
+    assert after < 0.5 * before
 
 
 def test_errors():

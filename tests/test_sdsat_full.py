@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from helpers import check_exact, model_args, random_model
+from helpers import check_exact, descend, model_args, random_model
 from nanospec import NanospecError
 from nanospec.methods import model_dir
 from nanospec.methods.sdsat import SDSAT
@@ -79,14 +79,9 @@ def test_a_few_training_steps_reduce_the_loss():
     model = random_model(TINY, 2)
     args = argparse.Namespace(loss="improved", window=3, mask_rate=0.15)
     x = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 4] * 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loss = lambda: sdsat_loss(model, x[:2], x[2:], args, [4], torch.Generator().manual_seed(0))[0]
-    before = loss().item()
-    for _ in range(20):
-        opt.zero_grad()
-        loss().backward()
-        opt.step()
-    assert loss().item() < 0.5 * before
+    before, after = descend(loss, model.parameters(), 3e-3, 20)
+    assert after < 0.5 * before
 
 
 def test_own_model_and_errors(tmp_path):

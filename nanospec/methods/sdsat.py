@@ -256,8 +256,7 @@ def adaptive_logits(model, delta: Delta, x: torch.Tensor, wins, diverse: bool):
 
 
 def accuracy(model, delta, held, args, top: int = 5) -> list[list[float]]:
-    """Held-out top-`top` accuracy per window position: full windows at positions of the model's own
-    continuations (acc[j][r]: rank r is the token j+2 ahead)."""
+    """Held-out top-`top` accuracy per window position (acc[j][r]: rank r is the token j+2 ahead)."""
     acc, gen = RankAccuracy(args.window, top), torch.Generator().manual_seed(1)
     for p, c in held:
         x = torch.tensor([p + c], device=model.embed.weight.device)
@@ -286,8 +285,9 @@ def train(args):
         wins = [starts(args.seq_len, args.window, args.mask_rate, g) for _ in range(len(x))]
         logits, lab = adaptive_logits(model, delta, x, wins, args.diverse)
         loss = F.cross_entropy(logits.float().flatten(0, 1), lab.flatten())
-        update(opt, loss, cosine_lr(step, args.steps, args.lr, args.warmup))
-        prog.step(step, loss.item(), cosine_lr(step, args.steps, args.lr, args.warmup), int((lab >= 0).sum()))
+        lr = cosine_lr(step, args.steps, args.lr, args.warmup)
+        update(opt, loss, lr)
+        prog.step(step, loss.item(), lr, int((lab >= 0).sum()))
         ckpt.step(step, args.steps)
     acc = accuracy(model, delta, held, args)
     for j, a in enumerate(acc):
