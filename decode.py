@@ -9,6 +9,7 @@
 import copy
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -201,12 +202,7 @@ def main(argv=None):
         S = shapes([drafter, AR], len(prompt), args.max_new_tokens, args.block, args.max_len)[1]
         check_room(len(prompt), S - 1 - drafter.reserved_slots)
     tune(args, model, exact, [drafter])
-    B = batches[0]
-    for i in range(0, len(prompts), B):
-        if i:
-            print("-" * 72)
-        status = max(status, decode_batch(args, model, tok, drafter, texts[i:i + B], prompts[i:i + B], info, exact,
-                                          sampling, meta, entries))
+    status = decode_batch(args, model, tok, drafter, texts, prompts, batches[0], info, exact, sampling, meta, entries)
     if args.trace:
         trace.write(args.trace, entries)
         print(f"wrote {args.trace}: {len(entries)} prompt(s), format {trace.FORMAT}", file=sys.stderr)
@@ -223,17 +219,20 @@ def parse_batches(text: str) -> list[int]:
     return sizes
 
 
-def decode_batch(args, model, tok, drafter, texts, prompts, info, exact, sampling, meta, entries) -> int:
-    """Prompts decoded together (one batch; each output as if decoded alone), printed in turn."""
+def decode_batch(args, model, tok, drafter, texts, prompts, B, info, exact, sampling, meta, entries) -> int:
+    """Prompts decoded B at a time, a stopped one's row taking the next prompt (each output as if
+    decoded alone), printed in turn."""
     Q, S = shapes([drafter, AR], max(map(len, prompts)), args.max_new_tokens, args.block, args.max_len)
     kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S, eos_id=args.eos_id,
               record_logits=args.check or meta is not None, **sampling)
-    outs = generate(model, prompts, drafter, **kw)
+    t = time.perf_counter()
+    outs = generate(model, prompts, drafter, batch=B, **kw)
+    seconds = time.perf_counter() - t - outs[0].prefill_s
     refs = [generate(model, p, AR, **kw) for p in prompts] if args.check else [None] * len(prompts)
     if len(prompts) > 1:
         new = sum(len(o.tokens) for o in outs)
-        print(f"[{args.method}] batch of {len(prompts)}: {new} tokens in {outs[0].decode_s:.2f}s "
-              f"({new / outs[0].decode_s:.1f} tok/s together)", file=sys.stderr)
+        print(f"[{args.method}] {len(prompts)} prompts, {min(B, len(prompts))} at a time: {new} tokens in {seconds:.2f}s "
+              f"({new / seconds:.1f} tok/s together)", file=sys.stderr)
     status = 0
     for i, (text, prompt, out, ref) in enumerate(zip(texts, prompts, outs, refs)):
         if i:

@@ -3,8 +3,9 @@
 Speedups are always against the fastest AR measured in the same run: fast-mode AR (one
 row per step), in an exact-mode bench also exact-mode AR at its own smallest block (on a GPU
 it replays a CUDA graph, and can be the faster one), and `ar`'s own row when it is among the
-methods (the same decoding, timed at other moments). With batch B, the prompts run B at a time
-(engine.generate's batches), AR too, and speedups are against AR at the same B. Mismatches count
+methods (the same decoding, timed at other moments). With batch B, the prompts run B at a time,
+a stopped sequence's row taking the next prompt (engine.generate's batch), AR too, and speedups
+are against AR at the same B. Mismatches count
 prompts whose tokens differ from AR's on that prompt alone, in the benchmark's mode (and, in
 exact mode, whose accepted logits differ in any bit). On a GPU each method's kernel time per
 forward is read with the torch profiler on one prompt.
@@ -63,15 +64,14 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     the rest: drafting, tree building, read-back, commit. profile: print each method's top host-side costs."""
     sampling = sampling or {}
     everyone = [Drafter()] + drafters
-    width = {i: max(map(len, prompts[i - i % batch:i - i % batch + batch])) for i in range(len(prompts))}
 
-    def run(d, prompt, exact, n=max_new_tokens, i=None):
-        """prompt: one prompt, or a batch of them (a list of Outputs back); i: the prompt's index
-        when decoded alone as a reference, at its batch's shapes."""
-        longest = max(map(len, prompt)) if isinstance(prompt[0], list) else width.get(i, len(prompt))
+    def run(d, prompt, exact, n=max_new_tokens, alone=False, rows=None):
+        """prompt: one prompt, or several (a list of Outputs back), decoded rows at a time; alone: a
+        reference for a batch's prompt, at the batch's shapes."""
+        longest = max(map(len, prompt if isinstance(prompt[0], list) else prompts if alone else [prompt]))
         Q, S = shapes(everyone, longest, max_new_tokens)  # same shapes for every run of a prompt
         return generate(model, prompt, d, max_new_tokens=n, exact=exact, Q=Q, n_slots=S,
-                        eos_id=eos_id, record_logits=exact, **sampling)
+                        eos_id=eos_id, record_logits=exact, batch=rows, **sampling)
 
     def own_ar(prompt, n=max_new_tokens):  # exact AR at its own smallest block: a baseline, not a reference
         Q, S = shapes([Drafter()], len(prompt), max_new_tokens)
@@ -94,17 +94,15 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     t0 = time.perf_counter()
     base = {"fast AR": [], "exact AR": []} if exact else {"fast AR": []}
     ref, outs, peer_outs = [], [[] for _ in drafters], [[] for _ in peers]
-    if batch > 1:  # references: each prompt alone; timings: batches, AR's as well
+    if batch > 1:  # references: each prompt alone; timings: every prompt, batch at a time, AR's as well
         base.pop("exact AR", None)
-        ref = [run(Drafter(), p, exact, i=i) for i, p in enumerate(prompts)]
-        for i in range(0, len(prompts), batch):
-            part = prompts[i:i + batch]
-            base["fast AR"] += batched(run(Drafter(), part, False))
-            for d, o in zip(drafters, outs):
-                o += batched(run(d, part, exact))
-            done = time.perf_counter() - t0
-            print(f"[bench] batch {i // batch + 1}/{-(-len(prompts) // batch)} of {batch}: {done:.0f}s", file=sys.stderr,
-                  flush=True)
+        ref = [run(Drafter(), p, exact, alone=True) for p in prompts]
+        for d, o in [(Drafter(), base["fast AR"])] + list(zip(drafters, outs)):
+            ts = time.perf_counter()
+            got = run(d, prompts, exact and o is not base["fast AR"], rows=batch)
+            o += batched(got, time.perf_counter() - ts - got[0].prefill_s)
+            print(f"[bench] batch {batch}: {d.name} {sum(len(x.tokens) for x in o) / sum(x.steps for x in o):.2f} "
+                  f"tokens/step, {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
     for i, p in enumerate(prompts if batch == 1 else ()):
         base["fast AR"].append(run(Drafter(), p, False))
         if exact:
@@ -156,12 +154,12 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     return results
 
 
-def batched(outs: list[Output]) -> list[Output]:
-    """A batch's outputs, its one decoding time shared out by tokens (sums give the batch's tokens/s;
-    each output's forward_s is its share of the forwards already)."""
+def batched(outs: list[Output], seconds: float) -> list[Output]:
+    """A batch's outputs, its decoding time (seconds) shared out by tokens (sums give the batch's
+    tokens/s; each output's forward_s is its share of the forwards already)."""
     total = max(sum(len(o.tokens) for o in outs), 1)
     for o in outs:
-        o.decode_s *= len(o.tokens) / total
+        o.decode_s = seconds * len(o.tokens) / total
     return outs
 
 

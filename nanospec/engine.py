@@ -72,10 +72,9 @@ class Decoding:
         shallow prompts)."""
         slots, s = self.reserved, self.seq
         if embeds is None:
-            for i, (k, v) in enumerate(zip(keys, values)):
-                kc, vc = self.cache.layer(i)
-                kc[s:s + 1, :, slots] = k
-                vc[s:s + 1, :, slots] = v
+            for i, kv in enumerate(zip(keys, values)):
+                for c, x in zip(self.cache.layer(i), kv):
+                    c[s:s + 1, :, slots] = x
             return
         P = len(slots)
         extra = torch.where(torch.arange(P)[None] <= torch.arange(P)[:, None], slots[None], -1)
@@ -268,16 +267,14 @@ def step(decs: list[Decoding], drafter: Drafter, trees: list[Tree], record: bool
 
 
 def pack(path, emitted, depth=None, cands=None) -> torch.Tensor:
-    """A greedy step's results as one tensor, for its one read-back: the accepted path (E,) and its
-    tokens (E,), both -1 padded, then, for a method that drafts, the depths drafted (1,) and the
-    next candidates (K, R)."""
+    """A greedy step's results as one tensor, for its one read-back: the accepted path (E,) and its tokens
+    (E,), both -1 padded, then, for a method that drafts, the depths drafted (1,) and the next candidates (K, R)."""
     return torch.cat([path, emitted] + ([depth, cands.flatten()] if cands is not None else []))
 
 
 def unpack(head: list, packed: torch.Tensor, E: int, R: int):
-    """pack's results, read back once (head: packed as a host list): (path, emitted tokens, the
-    candidates of the depths drafted as (D, R) left on the device and as lists on the host, or None
-    and None)."""
+    """pack's results, read back once (head: packed as a host list): (path, emitted tokens, the candidates
+    of the depths drafted as (D, R) left on the device and as lists on the host, or None and None)."""
     path = [i for i in head[:E] if i >= 0]
     emitted = head[E:E + len(path)]
     depth = head[2 * E] if len(head) > 2 * E else 0
@@ -294,8 +291,8 @@ class Output:
     steps: int = 0
     accepted: list[int] = field(default_factory=list)  # tokens emitted per step
     forward_s: float = 0.0      # time in the steps' forwards (device-synchronised)
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    prefill_s: float = 0.0      # the call's: every prompt's, in a batch
+    decode_s: float = 0.0       # from its first step to its stop, prefills left out (in a batch, beside others)
     logits: torch.Tensor | None = None  # (new tokens, V) fp32: the logits each token came from
 
     @property
@@ -316,38 +313,44 @@ def ones(n: int, device) -> torch.Tensor:
 @torch.inference_mode()
 def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=128, exact=False,
              Q=None, n_slots=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-             eos_id=None, record_logits=False):
+             eos_id=None, record_logits=False, batch=None):
     """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of
     prompts (lists of ids) is a batch: one Output each, every sequence as if decoded alone (its own
     sampling stream from seed), each step one forward over every live sequence's rows (one per shape
-    key: a method whose rows depend on its tree's size runs a forward per size that step).
-
-    Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)).
-    eos_id None uses the model's; pass -1 to never stop on EOS.
-    """
+    key: a method whose rows depend on its tree's size runs a forward per size). batch: the sequences
+    decoded at once (None: all); a stopped one's cache row takes the next prompt (continuous batching).
+    Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)). eos_id None
+    uses the model's; pass -1 to never stop on EOS."""
     drafter = drafter or AR
-    batch = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
-    prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if batch else [prompt])]
+    many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
+    prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if many else [prompt])]
     Q, S = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots)
     eos = model.args.eos_id if eos_id is None else eos_id
-    cache = cache_for(model, S, exact, len(prompts))
+    cache = cache_for(model, S, exact, min(batch or len(prompts), len(prompts)))
     reserved = cache.reserve(drafter.reserved_slots)
     for p in prompts:
         check_room(len(p), cache.capacity)
-    sampler = lambda: Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1)  # one stream per sequence
-    decs = [Decoding(model, cache, exact, Q, p, reserved, sampler(), seq=i) for i, p in enumerate(prompts)]
-    outs = {d: Output([], "max_new_tokens") for d in decs}
-    logits = {d: [] for d in decs}
+    waiting, outs, logits, began, prefill_s = iter(prompts), {}, {}, {}, 0.0
+    clock = lambda: time.perf_counter() - prefill_s  # decoding time: prefills, even of refilled rows, left out
 
-    t0 = time.perf_counter()
-    for d in decs:
-        d.prefill(d.prompt[:-1])
+    def admit(seq: int) -> list[Decoding]:
+        """The next prompt, if any, into cache row seq: prefilled, and the drafter started on it."""
+        nonlocal prefill_s
+        p, t = next(waiting, None), time.perf_counter()
+        if p is None:
+            return []
+        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq,  # one sampling stream per sequence
+                     sampler=Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1))
+        d.prefill(p[:-1])
         drafter.start(d)
-    decs[0].sync()
-    t1 = time.perf_counter()
-    planner, live = drafter.planner, list(decs)
-    if planner is not None:
-        planner.start(drafter, decs[0])
+        d.sync()
+        outs[d], logits[d], prefill_s = Output([], "max_new_tokens"), [], prefill_s + time.perf_counter() - t
+        began[d] = clock()
+        return [d]
+
+    live = [d for seq in range(cache.k.shape[1]) for d in admit(seq)]
+    if (planner := drafter.planner) is not None:
+        planner.start(drafter, live[0])
     while live:
         ts = time.perf_counter()
         budget, template = planner.budget(live[0], len(live)) if planner is not None else (None, None)
@@ -376,19 +379,16 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
                 stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \
                     "cache_full" if d.room < 1 else None
                 if stop:
-                    outs[d].stop = stop
+                    outs[d].stop, outs[d].decode_s = stop, clock() - began[d]
                     done.append(d)
+                    drafter.finish(d)
         if planner is not None:
             secs = time.perf_counter() - ts
             for i, d in enumerate(live):  # the step's rows and time once; each sequence's outcome
                 planner.observe(d, budget, rows if i == 0 else 0, secs, paths[d], drafted[d], d.lists)
-        live = [d for d in live if d not in done]
-    for d in decs:
-        drafter.finish(d)
-    decs[0].sync()
-    t2 = time.perf_counter()
+        live = [d for d in live if d not in done] + [n for d in done for n in admit(d.seq)]
     for d, r in outs.items():
-        r.prefill_s, r.decode_s, r.forward_s = t1 - t0, t2 - t1, d.forward_s
+        r.prefill_s, r.forward_s = prefill_s, d.forward_s
         n = min(len(d.out), max_new_tokens)
         if eos in d.out[:n]:
             n, r.stop = d.out.index(eos) + 1, "eos"
@@ -397,4 +397,4 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         r.tokens = d.out[:n]
         if record_logits:
             r.logits = torch.cat(logits[d])[:n]
-    return list(outs.values()) if batch else outs[decs[0]]
+    return list(outs.values()) if many else outs[next(iter(outs))]

@@ -1,5 +1,5 @@
 """Fast mode's matrix products by row count (`--kernels tuned`, the default on a CPU): the table of
-model.Kernels, tuned here per machine and cached.
+Kernels, tuned here per machine and cached.
 
 A forward of a few rows on a CPU is bound by reading the weights, yet eager `F.linear` handles
 a small row count almost row by row. The same product written weight-first, `(W @ x.T).T`, or
@@ -13,6 +13,11 @@ run on more rows than it has, zero rows added and their results dropped, when tu
 the larger count faster: a forward's cost then never rises from n rows to n+1 below a bucket
 edge, and the planner gets the rows it pays for (costs.measure sees the padded forward).
 
+A fourth form, where PyTorch has oneDNN, runs against a copy of the weight packed once in oneDNN's
+blocked layout: eager products repack the weight on every call, which at 8-64 rows costs as much as
+the arithmetic (on this project's 2-core CPU: SmolLM2's products at 8 rows 42 -> 27 ms, at 32 rows
+91 -> 55 ms; RESULTS.md, "Packed weights").
+
 Exact mode never uses the table: there AR and every method share one kernel. Fast mode promises
 AR's tokens, not its bits (the benchmark counts mismatches), and AR runs the same table at one row.
 """
@@ -22,9 +27,42 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from .files import atomic_write, cache_root, fingerprint, hardware
-from .model import BUCKETS, FORMS, Kernels
+
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # fast mode's row counts, each with its tuned forms
+# x @ w.T in several forms (the fastest depends on rows, shape, machine); p: the weight as PREPARE made it
+FORMS = {"linear": lambda x, w, p: F.linear(x, w), "weight-first": lambda x, w, p: (w @ x.T).T,
+         "transposed": lambda x, w, p: x @ p}
+PREPARE = {"transposed": lambda w: w.t().contiguous()}  # forms run on a copy of the weight, made once
+if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    FORMS["packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+    PREPARE["packed"] = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 16)  # 16: the layout's row hint
+
+
+class Kernels:
+    """{(out, in, rows bucket): (form, rows)}: each product's fastest form and row count."""
+
+    def __init__(self, table: dict):
+        self.table = table
+        self.prepared = {}  # (id(weight), form) -> the weight as that form wants it
+
+    def linear(self, layer, x):
+        M, w = x.shape[:-1].numel(), layer.weight
+        b = next((b for b in BUCKETS if b >= M), None)
+        form, rows = self.table.get((*w.shape, b), ("linear", M)) if b else ("linear", M)
+        if form == "linear" and rows == M:
+            return layer(x)
+        if form in PREPARE and (id(w), form) not in self.prepared:
+            self.prepared[id(w), form] = PREPARE[form](w.detach())
+        x2 = x.reshape(M, -1)
+        if rows > M:
+            x2 = torch.cat([x2, x2.new_zeros(rows - M, x2.shape[1])])
+        # row-major out, as F.linear's: later products on a weight-first result's layout run slower
+        y = FORMS[form](x2, w, self.prepared.get((id(w), form)))[:M].contiguous()
+        return y.reshape(*x.shape[:-1], -1)
+
 
 PAD_MARGIN = 0.1  # run a product on more rows only if that measured at least 10% faster
 
@@ -40,7 +78,7 @@ def from_json(text: str) -> Kernels:
 def tuned(model) -> Kernels:
     """The model's table on this machine: tuned once, then read from the cache root."""
     w = model.embed.weight
-    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-padded"
+    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'-'.join(sorted(FORMS))}"
     path = cache_root() / "kernels" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
         return from_json(path.read_text())
@@ -62,16 +100,16 @@ def tune(model, buckets=BUCKETS, reps: int = 4) -> Kernels:
             shapes.setdefault(tuple(m.weight.shape), []).append(m.weight)
     table = {}
     for (N, K), ws in shapes.items():
-        ts = [w.t().contiguous() for w in ws]
         best = {}  # (form, rows) -> seconds
+        ps = {name: [PREPARE[name](w.detach()) if name in PREPARE else None for w in ws] for name in FORMS}
         for b in buckets:
             x = torch.randn(b, K, dtype=ws[0].dtype, device=ws[0].device)
             for name, f in FORMS.items():
                 times = []
                 for _ in range(reps + 1):
                     t0 = time.perf_counter()
-                    for w, wt in zip(ws, ts):
-                        f(x, w, wt)
+                    for w, p in zip(ws, ps[name]):
+                        f(x, w, p)
                     times.append(time.perf_counter() - t0)
                 best[(name, b)] = min(times[1:])
         for b in buckets:  # more rows only when clearly faster: timings on a shared machine are noisy

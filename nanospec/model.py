@@ -8,7 +8,7 @@ A batch's sequences each have their own cache row (a forward's seqs; slots per s
   depends only on its own input and visible keys, not on the block's other rows: in a fixed block of Q rows
   per sequence (the engine pads), a tree node's logits are bitwise AR's for its token.
 - fast: SDPA over the used part of the cache with a boolean mask, no padding, and each product in the form
-  fastest for its row count (Kernels, tuned by kernels.py), when set.
+  fastest for its row count (kernels.Kernels), when set.
 """
 import math
 from dataclasses import dataclass, fields
@@ -20,9 +20,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Fast mode's SDPA backends, explicit: on CUDA PyTorch may pick cuDNN, which replans per key length.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # fast mode's row counts, each with its tuned forms
-FORMS = {"linear": lambda x, w, wt: F.linear(x, w), "weight-first": lambda x, w, wt: (w @ x.T).T,
-         "transposed": lambda x, w, wt: x @ wt}  # x @ w.T three ways: the fastest depends on rows, shape, machine
 
 
 @dataclass
@@ -104,7 +101,7 @@ class Context:
     valid: torch.Tensor | None = None  # exact: (B, T, Sp) which of those are visible
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
-    kernels: object = None             # fast: Kernels, the products' forms by row count
+    kernels: object = None             # fast: kernels.Kernels, the products' forms by row count
     seqs: torch.Tensor | None = None   # (B,) the cache rows of the block's sequences; None: 0..B-1
     delta: object = None               # delta(layer, x, y): a product's update on some rows (SDSAT's adaptive rows)
 
@@ -168,29 +165,6 @@ def mm(kernels, layer, x):
     """layer(x) for a bias-free layer: in the form fastest for x's rows when kernels (fast mode's
     tuned Kernels) are given, else as the layer computes it (exact mode: AR's one kernel)."""
     return layer(x) if kernels is None else kernels.linear(layer, x)
-
-
-class Kernels:
-    """{(out, in, rows bucket): (form, rows)}: each product's fastest form and row count (kernels.py)."""
-
-    def __init__(self, table: dict):
-        self.table = table
-        self.t = {}  # id(weight) -> its transposed copy, for the forms that want one
-
-    def linear(self, layer, x):
-        M, w = x.shape[:-1].numel(), layer.weight
-        b = next((b for b in BUCKETS if b >= M), None)
-        form, rows = self.table.get((*w.shape, b), ("linear", M)) if b else ("linear", M)
-        if form == "linear" and rows == M:
-            return layer(x)
-        if form == "transposed" and id(w) not in self.t:
-            self.t[id(w)] = w.t().contiguous()
-        x2 = x.reshape(M, -1)
-        if rows > M:
-            x2 = torch.cat([x2, x2.new_zeros(rows - M, x2.shape[1])])
-        # row-major out, as F.linear's: later products on a weight-first result's layout run slower
-        y = FORMS[form](x2, w, self.t.get(id(w)))[:M].contiguous()
-        return y.reshape(*x.shape[:-1], -1)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:

@@ -60,7 +60,7 @@ class Planner:
             self.P = [[sum(row[:r + 1]) for r in range(R)] for row in acc]
         if not drafter.topk:  # a trie takes in each prompt's branches: its gains go stale, probe afresh
             self.gap, self.probe_at = 0, self.clock
-        self.pending, self.drafts = {}, {}  # per sequence (its cache row): candidate lists and drafts to score
+        self.pending, self.drafts = {}, {}  # per sequence (id of its Decoding): candidate lists and drafts to score
         self.at, self.size, self.tree, self.probe = None, None, None, None
         self.probing, self.probed, self.fresh = 0, False, Counter()
 
@@ -123,7 +123,7 @@ class Planner:
             self.cost.update(rows, seconds, self.batch)
         if rows:  # a batch's step is timed with its first sequence: the probes' cadence is one sequence's tokens
             self.clock += len(path)
-        seq = getattr(dec, "seq", 0)
+        seq = id(dec)  # its Decoding, not its cache row: continuous batching gives a row to the next prompt
         drafts = self.drafts.get(seq, [])
         if self.P is None and size and self.drafter.nested:  # drafted whole: its first s nodes are budget s's draft,
             drafts.append((len(dec.out) - len(path), drafted))  # scored at every s once the output is known

@@ -1,7 +1,9 @@
 """Batches: every sequence of a batch decodes as it would alone. In exact mode its accepted logits
 are bitwise those of the same prompt decoded alone by AR, whatever its batch-mates (their number,
 lengths, methods' acceptance, stops); in fast mode its tokens are. Planted faults (a sequence that
-reads its neighbour's cache slot, a sequence's rows one position off) are caught."""
+reads its neighbour's cache slot, a sequence's rows one position off, a refilled row that sees its
+predecessor's key) are caught. With fewer cache rows than prompts, a stopped sequence's row takes the
+next prompt (continuous batching), and the same holds."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -15,11 +17,11 @@ from test_edges import ARGS, METHODS, drafter
 EOS = 5
 
 
-def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=None):
+def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=None, rows=None):
     """The batch against each prompt decoded alone by AR at the same shapes (Q, S): the same tokens
     and stop, and in exact mode bitwise the same logits (fast mode: fp32 only; in bf16 a near-tie
     may flip with a block's shape). peeking: per prompt, how often the
-    drafts carry AR's tokens (their acceptance)."""
+    drafts carry AR's tokens (their acceptance). rows: the sequences decoded at once (None: all)."""
     d = d or engine.AR
     Q, S = shapes([d], max(map(len, prompts)), n)
     kw = dict(max_new_tokens=n, exact=exact, Q=Q, n_slots=S, eos_id=EOS, record_logits=True, **(sampling or {}))
@@ -28,7 +30,7 @@ def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=N
         d.warm_up([p[-1:] + a.tokens for p, a in zip(prompts, alone) if a.tokens])
     elif peeking and d is not engine.AR:
         peek(d, {tuple(p): a.tokens for p, a in zip(prompts, alone)}, max(peeking), seed)
-    batch = generate(model, prompts, d, **kw)
+    batch = generate(model, prompts, d, batch=rows, **kw)
     assert len(batch) == len(prompts)
     for i, (a, b) in enumerate(zip(alone, batch)):
         assert b.tokens == a.tokens and b.stop == a.stop, f"sequence {i}"
@@ -42,14 +44,16 @@ prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1
 
 @settings(max_examples=25, deadline=None)
 @given(name=st.sampled_from(["ar"] + METHODS), prompts=prompt_lists, n=st.integers(1, 24), seed=st.integers(0, 6),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), exact=st.booleans(), sampled=st.booleans())
-def test_each_sequence_of_a_batch_decodes_as_alone(device, name, prompts, n, seed, dtype, exact, sampled):
-    """Greedy, or sampled: each sequence draws from its own stream, the one it draws from alone."""
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), exact=st.booleans(), sampled=st.booleans(),
+       rows=st.none() | st.integers(1, 4))
+def test_each_sequence_of_a_batch_decodes_as_alone(device, name, prompts, n, seed, dtype, exact, sampled, rows):
+    """Greedy, or sampled: each sequence draws from its own stream, the one it draws from alone; all
+    prompts at once, or `rows` at a time, each stopped one's row refilled with the next prompt."""
     model = random_model(ARGS, seed=seed, dtype=dtype if exact else torch.float32, device=device)  # fast bf16: near-ties
     d = None if name == "ar" else Lookahead(decoding_length=8, branch_length=4) if name == "lookahead" \
         else drafter(name, model)
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else None
-    check_batch(model, prompts, d, n, exact, peeking=(0.9,), seed=seed, sampling=sampling)
+    check_batch(model, prompts, d, n, exact, peeking=(0.9,), seed=seed, sampling=sampling, rows=rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -99,3 +103,30 @@ def test_rows_one_position_off_are_caught(monkeypatch, device):
     monkeypatch.setattr(engine, "stack", shifted)
     with pytest.raises(AssertionError, match="sequence 1"):
         check_batch(model, prompts, None, 12)
+
+
+@pytest.mark.parametrize("name", ["ar", "medusa", "bita-deep", "lookahead"])
+def test_refilled_rows_decode_as_alone(device, name):
+    """Seven prompts through two cache rows: rows are refilled five times, a stopped sequence's stale
+    keys left behind in its row, and every sequence is still bitwise AR alone."""
+    model = random_model(ARGS, seed=4, device=device)
+    prompts = [[(5 * i + j) % ARGS.vocab_size for j in range(1 + 4 * (i % 3))] for i in range(7)]
+    d = None if name == "ar" else Lookahead(decoding_length=8, branch_length=4) if name == "lookahead" \
+        else drafter(name, model)
+    check_batch(model, prompts, d, 16, peeking=(0.9,), rows=2)
+
+
+def test_a_refilled_row_that_sees_its_predecessors_key_is_caught(monkeypatch, device):
+    model = random_model(ARGS, seed=1, device=device)
+    prompts = [[3, 9, 4, 1], [8, 2, 6, 10, 11], [4, 4, 7]]
+    check_batch(model, prompts, None, 12, rows=2)
+    prefill, used = engine.Decoding.prefill, set()
+
+    def stale(self, tokens):  # a refilled row starts one slot in: slot 0 keeps its predecessor's key
+        if self.cache.k.shape[1] > 1:  # the batch's cache, not a lone run's
+            self.cur = int(self.seq in used)
+            used.add(self.seq)
+        prefill(self, tokens)
+    monkeypatch.setattr(engine.Decoding, "prefill", stale)
+    with pytest.raises(AssertionError, match="sequence 2"):
+        check_batch(model, prompts, None, 12, rows=2)

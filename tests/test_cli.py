@@ -63,7 +63,7 @@ def test_bench_json(weights, tmp_path):
 
 
 def test_prompts_decode_in_batches_and_bench_by_batch_size(weights, tmp_path):
-    """--batch 2 decodes the prompts two at a time, each as alone (--check: AR alone, bitwise in
+    """--batch 2 decodes the prompts two at a time (a stopped one's row takes the next), each as alone (--check: AR alone, bitwise in
     exact mode); --bench --batch 1,2 reports each size against AR at that size."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n", "class A:"]) + "\n")
@@ -71,7 +71,7 @@ def test_prompts_decode_in_batches_and_bench_by_batch_size(weights, tmp_path):
                           "--mode", "exact", "--max-new-tokens", 10, "--check", "--json")
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert code == 0 and len(rows) == 3 and all(r["identical_to_ar"] for r in rows), err
-    assert "batch of 2" in err
+    assert "3 prompts, 2 at a time" in err
     res = last_json(call(decode.main, "--weights", weights, "--bench", "--prompts", prompts, "--methods", "ar,lookahead",
                          "--max-new-tokens", 8, "--batch", "1,2", "--json"))["results"]
     assert [(r["method"], r["batch"]) for r in res] == [("ar", 1), ("lookahead", 1), ("ar", 2), ("lookahead", 2)]

@@ -241,14 +241,17 @@ def test_a_nested_draft_is_scored_at_every_budget():
     want = {1: 0, 2: 1, 4: 1, 8: 2, 12: 3, 16: 3, 24: 3, 64: 3}
     p = Planner(FixedCost(0.01, 1e-4))
     p.start(SimpleNamespace(topk=None, nested=True), None)
-    p.observe(SimpleNamespace(out=[99, 12, 15, 19, 7]), 16, 17, 0.01, [0, 2, 5, 9], tree)
-    assert {s: p.gain[s] for s in want} == want and not p.drafts[0]
+    dec = SimpleNamespace(out=[99, 12, 15, 19, 7])
+    p.observe(dec, 16, 17, 0.01, [0, 2, 5, 9], tree)
+    assert {s: p.gain[s] for s in want} == want and not p.drafts[id(dec)]
     p = Planner(FixedCost(0.01, 1e-4))
     p.start(SimpleNamespace(topk=None, nested=True), None)
-    p.observe(SimpleNamespace(out=[99, 12]), 1, 2, 0.01, [0], tree)  # budget 1: node 1 is wrong; 12 is AR's token
-    assert not p.gain and len(p.drafts[0]) == 1  # node 2 has a child: the output so far cannot tell
-    p.observe(SimpleNamespace(out=[99, 12, 15, 19, 7]), 0, 1, 0.01)  # later steps bring the output
-    assert {s: p.gain[s] for s in want} == want and not p.drafts[0]
+    dec = SimpleNamespace(out=[99, 12])
+    p.observe(dec, 1, 2, 0.01, [0], tree)  # budget 1: node 1 is wrong; 12 is AR's token
+    assert not p.gain and len(p.drafts[id(dec)]) == 1  # node 2 has a child: the output so far cannot tell
+    dec.out += [15, 19, 7]
+    p.observe(dec, 0, 1, 0.01)  # later steps bring the output
+    assert {s: p.gain[s] for s in want} == want and not p.drafts[id(dec)]
 
 
 def test_unlucky_first_steps_do_not_lock_a_budget_out():

@@ -87,7 +87,7 @@ def test_acceptance_resolves_each_prediction_when_its_token_arrives():
     plan.observe(dec, 1, 2, 0.01, [0, 1], cands=[[1, 2], [3, 4]])
     assert plan.P[0] == [0.0, 1.0]  # output 1 was 6: head 0's rank 2
     assert plan.P[1] == [0.0, 0.0]  # output 2 was 9: not in head 1's top 2
-    assert [q[0] for q in plan.pending[0]] == [3, 4]  # the latest guesses wait
+    assert [q[0] for q in plan.pending[id(dec)]] == [3, 4]  # the latest guesses wait
 
 
 def test_the_plan_is_redone_only_when_the_sequence_moves(monkeypatch):
