@@ -94,3 +94,16 @@ def test_drafters_vocabulary_products_use_fast_modes_kernels(exact):
         model.kernels = None
     assert len(out.tokens) == 6
     assert ((V, 3) in seen) == (not exact) and (seen == []) == exact
+
+
+def test_the_packed_form_is_offered_where_onednn_is():
+    """The packed form (a weight reordered once for oneDNN) is a choice wherever PyTorch has oneDNN;
+    it computes the layer (the property test above draws it) and never touches the weight itself."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this PyTorch has no oneDNN")
+    assert "packed" in FORMS
+    layer = torch.nn.Linear(24, 33, bias=False)
+    before = layer.weight.detach().clone()
+    with torch.inference_mode():
+        y = Kernels({(33, 24, 8): ("packed", 8)}).linear(layer, torch.randn(8, 24))
+    assert y.shape == (8, 33) and torch.equal(layer.weight, before)
