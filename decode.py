@@ -193,7 +193,7 @@ def main(argv=None):
         texts = load_prompts(args.prompts)[:args.limit]
     else:
         texts = [read_text(args.prompt_file) if args.prompt_file else args.prompt]
-    status, entries = 0, []
+    entries = []
     meta = dict(method=args.method, **info, model=fingerprint(model), eos_id=model.args.eos_id, **sampling) \
         if args.trace else None
     prompts = [encode(args, tok, text) for text in texts]

@@ -39,6 +39,12 @@ def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=N
     return batch
 
 
+def batch_drafter(name, model):
+    """AR (None), a small Lookahead, or test_edges' drafter of that name."""
+    return None if name == "ar" else Lookahead(decoding_length=8, branch_length=4) if name == "lookahead" \
+        else drafter(name, model)
+
+
 prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1, max_size=14), min_size=1, max_size=5)
 
 
@@ -50,8 +56,7 @@ def test_each_sequence_of_a_batch_decodes_as_alone(device, name, prompts, n, see
     """Greedy, or sampled: each sequence draws from its own stream, the one it draws from alone; all
     prompts at once, or `rows` at a time, each stopped one's row refilled with the next prompt."""
     model = random_model(ARGS, seed=seed, dtype=dtype if exact else torch.float32, device=device)  # fast bf16: near-ties
-    d = None if name == "ar" else Lookahead(decoding_length=8, branch_length=4) if name == "lookahead" \
-        else drafter(name, model)
+    d = batch_drafter(name, model)
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else None
     check_batch(model, prompts, d, n, exact, peeking=(0.9,), seed=seed, sampling=sampling, rows=rows)
 
@@ -111,8 +116,7 @@ def test_refilled_rows_decode_as_alone(device, name):
     keys left behind in its row, and every sequence is still bitwise AR alone."""
     model = random_model(ARGS, seed=4, device=device)
     prompts = [[(5 * i + j) % ARGS.vocab_size for j in range(1 + 4 * (i % 3))] for i in range(7)]
-    d = None if name == "ar" else Lookahead(decoding_length=8, branch_length=4) if name == "lookahead" \
-        else drafter(name, model)
+    d = batch_drafter(name, model)
     check_batch(model, prompts, d, 16, peeking=(0.9,), rows=2)
 
 
