@@ -2,13 +2,16 @@
 
 - CostModel: ProPD's own (section 4.2), learnt online from whole steps;
 - Measured, measure: a forward's seconds by rows, measured once per machine, model, dtype
-  and mode and cached: what a row costs here, not what a GPU intuition expects.
+  and mode and cached (what a row costs here, not what a GPU intuition expects), plus what a
+  whole step costs beyond its forward, learnt online.
 """
 import bisect
+import collections
 import hashlib
 import itertools
 import json
 import math
+import statistics
 import time
 
 import torch
@@ -21,25 +24,41 @@ from .sizes import MIN_BLOCK
 from .tree import Tree
 
 COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+SETTLE = 3  # steps of a kind before its excess is taken as known (the planner then replans)
+WINDOW = 16  # the steps of a kind whose median excess is taken
 COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached measures are then stale
 
 
 class Measured:
-    """Seconds per forward by rows (costs.measure), interpolated; a count measured slower than a larger
-    one takes its time (fast mode then runs the product on more rows: kernels.py; else it is noise).
-    The planner takes a forward's time as the step's."""
+    """A step's seconds: a forward's by rows (costs.measure), interpolated, plus the step's excess
+    over it, learnt from the steps' own times. A count measured slower than a larger one takes its
+    time (fast mode then runs the product on more rows: kernels.py; else it is noise). The excess is
+    what a forward of the same rows leaves out (drafting, the draft heads' products, a method's own
+    rows, verification, the host's work) and what else the machine is doing. It is kept per batch
+    size and kind of step (AR's or a drafter's) as the median of the last WINDOW steps: a first
+    step's warm-up or a stall of several steps' length does not swing it."""
 
     def __init__(self, points: dict[int, float]):
         rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))
         self.rows, self.secs = rows, tuple(itertools.accumulate(secs[::-1], min))[::-1]
+        self.seen = {}  # (batch, drafting) -> the last WINDOW steps' excesses
 
-    def update(self, rows: int, seconds: float, batch: int = 1) -> None:
-        pass
-
-    def estimate(self, rows: int, batch: int = 1) -> float:
+    def forward(self, rows: int) -> float:
         i = min(max(bisect.bisect_left(self.rows, rows), 1), len(self.rows) - 1)
         (r0, r1), (s0, s1) = self.rows[i - 1:i + 1], self.secs[i - 1:i + 1]
-        return max(s0 + (s1 - s0) * (rows - r0) / (r1 - r0), 1e-9)
+        return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+
+    def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False) -> bool:
+        """Learns from a whole step (ar: AR's; else a drafter's, even of one row per sequence); True when
+        this kind of step's excess is first known (after SETTLE steps)."""
+        seen = self.seen.setdefault((batch, not ar), collections.deque(maxlen=WINDOW))
+        seen.append(seconds - self.forward(rows))
+        return len(seen) == SETTLE
+
+    def estimate(self, rows: int, batch: int = 1, bare: bool = False) -> float:
+        """A step of `rows` rows over `batch` sequences (bare: the forward alone; an excess not yet seen is 0)."""
+        seen = None if bare else self.seen.get((batch, rows > batch))
+        return max(self.forward(rows) + (statistics.median(seen) if seen else 0.0), 1e-9)
 
 
 class CostModel:
@@ -51,10 +70,13 @@ class CostModel:
         self.alpha, self.lam, self.step = alpha, lam, 0
         self.perf, self.seen = {}, {}  # (batch, rows) -> EMA of step seconds; step of its last update
 
-    def update(self, rows: int, seconds: float, batch: int = 1) -> None:
+    def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False) -> bool:
+        if rows <= batch:  # one row per sequence takes another kernel path on a CPU: it would bend the line
+            return
         old = self.perf.get((batch, rows))
         self.perf[batch, rows] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
         self.seen[batch, rows], self.step = self.step, self.step + 1
+        return False
 
     def fit(self, batch: int = 1) -> tuple[float, float] | None:
         """(b0, b1), or None with fewer than two row counts measured."""
@@ -66,7 +88,8 @@ class CostModel:
         b1 = sum(w * (r - xm) * (t - ym) for r, t, w in pts) / sum(w * (r - xm) ** 2 for r, _, w in pts)
         return ym - b1 * xm, b1
 
-    def estimate(self, rows: int, batch: int = 1) -> float | None:
+    def estimate(self, rows: int, batch: int = 1, bare: bool = False) -> float | None:
+        """The line at rows (bare or not: the line is of whole steps), None before it has two points."""
         fit = self.fit(batch)
         return None if fit is None else fit[0] + fit[1] * rows
 

@@ -6,10 +6,14 @@ acceptance per depth and rank, the expected accepted length of a tree (1, plus e
 probability: Figure 6), and the size with the most expected tokens per second, replanned every
 `replan` tokens. Size 0, an AR step, is the one generalisation: drafting that does not pay stops.
 
-Beyond the paper, each with its A/B (RESULTS.md, issue 34's sections; fp32 fast mode, 2 cores):
-- Probes: AR steps teach no acceptance, so while AR is planned for want of it, PROBE drafting
-  steps now and then renew the estimates. Without: BiTA and Hidden Transfer lock into AR on the
-  default model (0.96-0.98x against 1.11-1.13x and 1.55-1.56x).
+Beyond the paper, each with its A/B (RESULTS.md, issue 34's and 35's sections; fp32 fast mode, 2 cores):
+- Whole steps: a step costs its forward plus what steps of its kind took beyond their forwards
+  (costs.Measured: drafting, the draft heads' products, a method's own rows, the host's work),
+  learnt from the steps' own times.
+- Probes: AR steps teach no acceptance, so while AR is planned, PROBE drafting steps of the
+  cheapest tree renew the estimates (acceptance and cost) once AR has run long enough that the
+  probe costs at most SHARE of that time. Without probes: BiTA and Hidden Transfer lock into AR
+  on the default model (0.96-0.98x against 1.11-1.13x and 1.55-1.56x).
 - Nested drafts (Lookahead's) are drafted whole, run as their first s nodes, and scored at every
   budget once the output is known: 2.19-2.28x against 1.81-1.97x scored at the run budget only.
 """
@@ -21,7 +25,8 @@ from .tree import Template, choose_tree
 
 SIZES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROBE = 8      # drafting steps per probe: enough outcomes to estimate from
-WAIT = 8       # probes come after 0, 1, 2, 4, then every WAIT replans' tokens at AR
+SHARE = 0.02   # what probes may cost beyond AR, as a share of the time at AR between them
+LONGEST = 32   # replans: the longest wait for a probe, so a cost inflated by a stall cannot lock AR in
 
 
 def expected_lengths(paths: list[tuple[int, ...]], p: list[list[float]]) -> list[float]:
@@ -48,7 +53,7 @@ class Planner:
 
     def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
-        self.used, self.clock, self.gap, self.probe_at = Counter(), 0, 0, 0  # steps per size; tokens decoded; the probes' cadence
+        self.used, self.clock, self.known = Counter(), 0, 0  # steps per size; tokens decoded; the clock at the last drafting step
         self.batch = 1  # the sequences of the step planned (the cost model's key: a batch's rows share a forward)
         self.P, self.gain, self.tries = None, {}, Counter()  # unranked: size -> drafts accepted
 
@@ -59,7 +64,7 @@ class Planner:
             acc = getattr(drafter, "acc", None) or [[0.6 * 0.7 ** d if r == 0 else 0.02 for r in range(R)] for d in range(K)]
             self.P = [[sum(row[:r + 1]) for r in range(R)] for row in acc]
         if not drafter.topk:  # a trie takes in each prompt's branches: its gains go stale, probe afresh
-            self.gap, self.probe_at = 0, self.clock
+            self.known = -math.inf
         self.pending, self.drafts = {}, {}  # per sequence (id of its Decoding): candidate lists and drafts to score
         self.at, self.size, self.tree, self.probe = None, None, None, None
         self.probing, self.probed, self.fresh = 0, False, Counter()
@@ -72,9 +77,9 @@ class Planner:
         return tree_lengths(self.p(sure), self.sizes, self.drafter.family) if self.P else \
             {s: 1 + (s if sure else self.gain.get(s, s)) for s in self.sizes}
 
-    def seconds(self, s: int) -> float:
-        """A step's cost with a tree of s draft nodes for each sequence of the batch."""
-        return self.cost.estimate(self.batch * (self.drafter.size(s + 1) if s else 1), self.batch)
+    def seconds(self, s: int, bare: bool = False) -> float:
+        """A step's cost with a tree of s draft nodes for each sequence of the batch (bare: its forward's)."""
+        return self.cost.estimate(self.batch * (self.drafter.size(s + 1) if s else 1), self.batch, bare)
 
     def budget(self, dec, batch: int = 1) -> tuple[int, Template | None]:
         """This step's draft nodes for every sequence of a batch (0: an AR step) and, for a ranked
@@ -99,30 +104,26 @@ class Planner:
             return next((s for s in (first, 1) if (B, B * self.drafter.size(s + 1)) not in self.cost.perf), 1)
         if self.at is None or dec.cur - self.at >= self.replan or self.P is None:
             self.at, self.size = dec.cur, best(self.lengths(), self.seconds)
-            if self.size or not best(self.lengths(sure=True), self.seconds):  # drafting (or AR though every draft
-                self.gap = self.probe_at = 0  # were right: no probe): the next AR plan probes soon
-            elif self.clock >= self.probe_at:  # AR for want of acceptance: probe, more rarely while probes confirm it
-                self.gap = min(max(2 * self.gap, self.replan), WAIT * self.replan)
-                self.probe_at, self.probing, self.probe, self.fresh = self.clock + self.gap, PROBE, self.probe_size(), Counter()
-                return self.choose(dec)
+            if self.size == 0 and best(self.lengths(sure=True), lambda s: self.seconds(s, bare=True)):
+                # AR for want of acceptance or for drafting's cost: a probe renews both, once AR has run long
+                # enough that the probe's extra cost is at most SHARE of that time (in AR steps, or tokens)
+                probe = min(s for s in self.sizes if s)  # the cheapest tree teaches all: a ranked drafter's next
+                # candidates come at every depth whatever its tree, and a nested one drafts whole
+                extra = PROBE * (self.seconds(probe) / self.seconds(0) - 1)
+                if self.clock - self.known >= min(max(self.replan, extra / SHARE), LONGEST * self.replan):
+                    self.probing, self.probe, self.fresh = PROBE, probe, Counter()
+                    return self.choose(dec)
         return self.size
-
-    def probe_size(self) -> int:
-        """Ranked: the best drafting tree (every depth learns); unranked: the largest within 2x AR's time."""
-        drafting = {s: n for s, n in self.lengths().items() if s}
-        if self.P:
-            return best(drafting, self.seconds)
-        return max((s for s in drafting if self.seconds(s) <= 2 * self.seconds(0)), default=min(drafting))
 
     def observe(self, dec, size: int, rows: int, seconds: float, path=(0,), drafted=None, cands=None) -> None:
         """After a step, per sequence: the step's rows and time (rows 0: a batch's step is counted with
-        its first sequence; online costs learn from steps of several rows: one row takes another kernel
-        path on a CPU), the sequence's accepted path (node indices, root first), a nested drafter's whole
+        its first sequence), the sequence's accepted path (node indices, root first), a nested drafter's whole
         draft (the step ran its first size + 1 nodes), and the next candidates (host lists per depth)."""
-        if rows > self.batch:
-            self.cost.update(rows, seconds, self.batch)
         if rows:  # a batch's step is timed with its first sequence: the probes' cadence is one sequence's tokens
+            if self.cost.update(rows, seconds, self.batch, ar=not size):  # what this kind of step costs is now known: replan
+                self.at = None
             self.clock += len(path)
+            self.known = self.clock if size else self.known
         seq = id(dec)  # its Decoding, not its cache row: continuous batching gives a row to the next prompt
         drafts = self.drafts.get(seq, [])
         if self.P is None and size and self.drafter.nested:  # drafted whole: its first s nodes are budget s's draft,
