@@ -63,8 +63,6 @@ class Planner:
             K, R = len(drafter.topk), max(drafter.topk)
             acc = getattr(drafter, "acc", None) or [[0.6 * 0.7 ** d if r == 0 else 0.02 for r in range(R)] for d in range(K)]
             self.P = [[sum(row[:r + 1]) for r in range(R)] for row in acc]
-        if not drafter.topk:  # a trie takes in each prompt's branches: its gains go stale, probe afresh
-            self.known = -math.inf
         self.pending, self.drafts = {}, {}  # per sequence (id of its Decoding): candidate lists and drafts to score
         self.at, self.size, self.tree, self.probe = None, None, None, None
         self.probing, self.probed, self.fresh = 0, False, Counter()
@@ -125,6 +123,8 @@ class Planner:
             self.clock += len(path)
             self.known = self.clock if size else self.known
         seq = id(dec)  # its Decoding, not its cache row: continuous batching gives a row to the next prompt
+        if self.P is None and seq not in self.drafts:  # a trie takes in each new prompt's branches: its
+            self.known = -math.inf  # gains go stale, so the next AR plan probes
         drafts = self.drafts.get(seq, [])
         if self.P is None and size and self.drafter.nested:  # drafted whole: its first s nodes are budget s's draft,
             drafts.append((len(dec.out) - len(path), drafted))  # scored at every s once the output is known
