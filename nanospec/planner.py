@@ -54,6 +54,7 @@ class Planner:
     def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
         self.used, self.clock, self.known = Counter(), 0, 0  # steps per size; tokens decoded; the clock at the last drafting step
+        self.wait = replan  # tokens at AR after the last drafting step before a probe
         self.batch = 1  # the sequences of the step planned (the cost model's key: a batch's rows share a forward)
         self.P, self.gain, self.tries = None, {}, Counter()  # unranked: size -> drafts accepted
 
@@ -102,15 +103,17 @@ class Planner:
             return next((s for s in (first, 1) if (B, B * self.drafter.size(s + 1)) not in self.cost.perf), 1)
         if self.at is None or dec.cur - self.at >= self.replan or self.P is None:
             self.at, self.size = dec.cur, best(self.lengths(), self.seconds)
-            if self.size == 0 and best(self.lengths(sure=True), lambda s: self.seconds(s, bare=True)):
-                # AR for want of acceptance or for drafting's cost: a probe renews both, once AR has run long
-                # enough that the probe's extra cost is at most SHARE of that time (in AR steps, or tokens)
+            if self.size:  # drafting: once AR is planned, the first probe comes a replan after the last drafting step
+                self.wait = self.replan
+            elif best(self.lengths(sure=True), lambda s: self.seconds(s, bare=True)) and self.clock - self.known >= self.wait:
+                # AR for want of acceptance or for drafting's cost: a probe renews both; the next one comes once
+                # AR has run long enough that its extra cost is at most SHARE of that time (in AR steps, or tokens)
                 probe = min(s for s in self.sizes if s)  # the cheapest tree teaches all: a ranked drafter's next
                 # candidates come at every depth whatever its tree, and a nested one drafts whole
                 extra = PROBE * (self.seconds(probe) / self.seconds(0) - 1)
-                if self.clock - self.known >= min(max(self.replan, extra / SHARE), LONGEST * self.replan):
-                    self.probing, self.probe, self.fresh = PROBE, probe, Counter()
-                    return self.choose(dec)
+                self.wait = min(max(self.replan, extra / SHARE), LONGEST * self.replan)
+                self.probing, self.probe, self.fresh = PROBE, probe, Counter()
+                return self.choose(dec)
         return self.size
 
     def observe(self, dec, size: int, rows: int, seconds: float, path=(0,), drafted=None, cands=None) -> None:
