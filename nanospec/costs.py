@@ -72,7 +72,7 @@ class CostModel:
 
     def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False) -> bool:
         if rows <= batch:  # one row per sequence takes another kernel path on a CPU: it would bend the line
-            return
+            return False
         old = self.perf.get((batch, rows))
         self.perf[batch, rows] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
         self.seen[batch, rows], self.step = self.step, self.step + 1
