@@ -9,11 +9,16 @@ probability: Figure 6), and the size with the most expected tokens per second, r
 Beyond the paper, each with its A/B (RESULTS.md, issue 34's and 35's sections; fp32 fast mode, 2 cores):
 - Whole steps: a step costs its forward plus what steps of its kind took beyond their forwards
   (costs.Measured: drafting, the draft heads' products, a method's own rows, the host's work),
-  learnt from the steps' own times.
+  learnt from the steps' own times; with the probes below. SmolLM2 at B = 1/2/4/8, against the
+  forward alone: BiTA 0.96/0.97/0.97/1.04x (was 0.85/0.96/0.99/0.99x), SDSAT 0.96/0.99/0.96/0.96x
+  (was 0.72/0.85/0.89/0.82x); default model: BiTA 0.92x at B = 4 (was 0.72x), 0.98x beside a
+  neighbour's job (was 0.80-0.91x), but Medusa 1.69x at B = 1 (was 1.83-1.86x) and Lookahead
+  2.38-2.64x (was 2.64-2.77x): larger trees for a cost spread over them, and more AR steps.
 - Probes: AR steps teach no acceptance, so while AR is planned, PROBE drafting steps of the
-  cheapest tree renew the estimates (acceptance and cost) once AR has run long enough that the
-  probe costs at most SHARE of that time. Without probes: BiTA and Hidden Transfer lock into AR
-  on the default model (0.96-0.98x against 1.11-1.13x and 1.55-1.56x).
+  cheapest tree renew the estimates (acceptance and cost), a replan after the last drafting step
+  and then once AR has run long enough that a probe costs at most SHARE of that time. Without
+  probes BiTA and Hidden Transfer lock into AR on the default model (0.96-0.98x against 1.11-1.13x
+  and 1.55-1.56x).
 - Nested drafts (Lookahead's) are drafted whole, run as their first s nodes, and scored at every
   budget once the output is known: 2.19-2.28x against 1.81-1.97x scored at the run budget only.
 """
