@@ -300,6 +300,26 @@ def test_a_nested_draft_is_scored_at_every_budget():
     assert {s: p.gain[s] for s in want} == want and not p.drafts[id(dec)]
 
 
+def test_a_new_sequence_makes_a_trie_probe_at_once():
+    """A trie's gains are its prompts': when a new sequence arrives (continuous batching admits one
+    within a generate call), the next AR plan probes, however recent the last probe. Without a new
+    sequence, AR steps wait out the usual interval."""
+    from types import SimpleNamespace
+    from nanospec.planner import PROBE
+    from nanospec.tree import Tree
+    p = Planner(FixedCost(0.01, 1e-4), replan=8)
+    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n), None)
+    p.gain = {s: 0.0 for s in p.sizes if s}  # every draft so far failed: AR
+    old, new = SimpleNamespace(cur=0, out=[]), SimpleNamespace(cur=0, out=[])
+    sizes = []
+    for dec in [old] * (1 + PROBE + 4) + [new, old]:
+        sizes.append(p.budget(dec)[0])
+        dec.out.append(1)
+        dec.cur += 1
+        p.observe(dec, sizes[-1], 1 + (sizes[-1] > 0), 0.01, [0], Tree([0, 9], [-1, 0]))  # a wrong draft
+    assert sizes == [0] + [1] * PROBE + [0] * 4 + [0, 1]  # each sequence's first step is followed by a probe
+
+
 def test_unlucky_first_steps_do_not_lock_a_budget_out():
     """A nested drafter whose first 3 drafts are all wrong and whose drafts pay from budget 13 on
     (node 1, then a chain at nodes 8..13): scored at every budget, the whole drafts show it at once,
