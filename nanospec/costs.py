@@ -41,7 +41,7 @@ class Measured:
     def __init__(self, points: dict[int, float]):
         rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))
         self.rows, self.secs = rows, tuple(itertools.accumulate(secs[::-1], min))[::-1]
-        self.seen = {}  # (batch, drafting) -> the last WINDOW steps' excesses
+        self.seen, self.excess = {}, {}  # (batch, drafting) -> the last WINDOW steps' excesses; their median
 
     def forward(self, rows: int) -> float:
         i = min(max(bisect.bisect_left(self.rows, rows), 1), len(self.rows) - 1)
@@ -53,12 +53,13 @@ class Measured:
         this kind of step's excess is first known (after SETTLE steps)."""
         seen = self.seen.setdefault((batch, not ar), collections.deque(maxlen=WINDOW))
         seen.append(seconds - self.forward(rows))
+        self.excess[batch, not ar] = statistics.median(seen)  # once per step, not per estimate
         return len(seen) == SETTLE
 
     def estimate(self, rows: int, batch: int = 1, bare: bool = False) -> float:
         """A step of `rows` rows over `batch` sequences (bare: the forward alone; an excess not yet seen is 0)."""
-        seen = None if bare else self.seen.get((batch, rows > batch))
-        return max(self.forward(rows) + (statistics.median(seen) if seen else 0.0), 1e-9)
+        excess = 0.0 if bare else self.excess.get((batch, rows > batch), 0.0)
+        return max(self.forward(rows) + excess, 1e-9)
 
 
 class CostModel:

@@ -129,7 +129,8 @@ class Planner:
             if self.cost.update(rows, seconds, self.batch, ar=not size):  # what this kind of step costs is now known: replan
                 self.at = None
             self.clock += len(path)
-            self.known = self.clock if size else self.known
+            if size:
+                self.known = self.clock
         seq = id(dec)  # its Decoding, not its cache row: continuous batching gives a row to the next prompt
         if self.P is None and seq not in self.drafts:  # a trie takes in each new prompt's branches: its
             self.known = -math.inf  # gains go stale, so the next AR plan probes

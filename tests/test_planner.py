@@ -190,7 +190,8 @@ def test_probes_cost_at_most_a_share_of_the_time_at_ar(row_cost):
     """AR steps teach the acceptance estimates nothing: while AR is planned, probes (PROBE drafting steps)
     renew them once AR has run long enough that a probe's extra cost is at most SHARE of that time. So
     where a drafting step costs little more than an AR step, a probe comes about every replan, and where
-    it costs 1.5x as much (a one-node tree, two rows), about every 200 tokens; the cadence runs on across generations (three prompts here)."""
+    it costs 1.5x as much (a one-node tree, two rows), about every 200 tokens; the cadence runs on
+    across generations (three prompts here)."""
     from nanospec.planner import PROBE, SHARE
     model = random_model(ARGS, 2)
     heads = Heads(ARGS.dim, ARGS.vocab_size, 3)
