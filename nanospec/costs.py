@@ -34,17 +34,14 @@ class Measured:
     over it, learnt from the steps' own times. A count measured slower than a larger one takes its
     time (fast mode then runs the product on more rows: kernels.py; else it is noise). The excess is
     what a forward of the same rows leaves out (drafting, the draft heads' products, a method's own
-    rows, verification, the host's work) and what else the machine is doing. It grows with the rows,
-    so it is kept per batch size, kind of step (AR's or a drafter's) and rows, as the median of the
-    last WINDOW steps (a first step's warm-up or a stall of several steps' length does not swing it),
-    interpolated between the row counts seen, and the nearest one's beyond them; a batch size not
-    seen yet takes the nearest seen one's, per sequence (a batch shrinks as its prompts run out)."""
+    rows, verification, the host's work) and what else the machine is doing. It is kept per batch
+    size and kind of step (AR's or a drafter's) as the median of the last WINDOW steps: a first
+    step's warm-up or a stall of several steps' length does not swing it."""
 
     def __init__(self, points: dict[int, float]):
         rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))
         self.rows, self.secs = rows, tuple(itertools.accumulate(secs[::-1], min))[::-1]
-        self.seen = {}  # (batch, drafting, rows) -> the last WINDOW steps' excesses
-        self.excess = {}  # (batch, drafting) -> ([rows seen, in order], [their median excess])
+        self.seen, self.excess = {}, {}  # (batch, drafting) -> the last WINDOW steps' excesses; their median
 
     def forward(self, rows: int) -> float:
         i = min(max(bisect.bisect_left(self.rows, rows), 1), len(self.rows) - 1)
@@ -53,33 +50,16 @@ class Measured:
 
     def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False) -> bool:
         """Learns from a whole step (ar: AR's; else a drafter's, even of one row per sequence); True when
-        this kind of step's excess at these rows is first known (after SETTLE steps)."""
-        seen = self.seen.setdefault((batch, not ar, rows), collections.deque(maxlen=WINDOW))
+        this kind of step's excess is first known (after SETTLE steps)."""
+        seen = self.seen.setdefault((batch, not ar), collections.deque(maxlen=WINDOW))
         seen.append(seconds - self.forward(rows))
-        known = [(r, statistics.median(q)) for (b, d, r), q in sorted(self.seen.items())  # a row count's first
-                 if (b, d) == (batch, not ar) and len(q) >= SETTLE and (r > b) == d]  # step may be a warm-up
-        if known:
-            self.excess[batch, not ar] = tuple(zip(*known))  # once per step, not per estimate
+        self.excess[batch, not ar] = statistics.median(seen)  # once per step, not per estimate
         return len(seen) == SETTLE
 
     def estimate(self, rows: int, batch: int = 1, bare: bool = False) -> float:
-        """A step of `rows` rows over `batch` sequences (bare: the forward alone; an excess of a kind not
-        yet seen SETTLE times at some row count and batch size is 0)."""
-        return max(self.forward(rows) + (0.0 if bare else self.extra(rows, batch)), 1e-9)
-
-    def extra(self, rows: int, batch: int) -> float:
-        drafting = rows > batch
-        known = [b for b, d in self.excess if d == drafting]
-        if not known:
-            return 0.0
-        b = min(known, key=lambda b: (abs(b - batch), -b))  # the nearest batch size seen, the larger on a tie
-        xs, ys = self.excess[b, drafting]
-        r = rows * b / batch  # its rows per sequence as ours
-        i = bisect.bisect_left(xs, r)
-        if i == 0 or i == len(xs):
-            return ys[min(i, len(xs) - 1)] * batch / b
-        (r0, r1), (e0, e1) = xs[i - 1:i + 1], ys[i - 1:i + 1]
-        return (e0 + (e1 - e0) * (r - r0) / (r1 - r0)) * batch / b
+        """A step of `rows` rows over `batch` sequences (bare: the forward alone; an excess not yet seen is 0)."""
+        excess = 0.0 if bare else self.excess.get((batch, rows > batch), 0.0)
+        return max(self.forward(rows) + excess, 1e-9)
 
 
 class CostModel:
