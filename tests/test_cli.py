@@ -64,7 +64,8 @@ def test_bench_json(weights, tmp_path):
 
 def test_prompts_decode_in_batches_and_bench_by_batch_size(weights, tmp_path):
     """--batch 2 decodes the prompts two at a time (a stopped one's row takes the next), each as alone (--check: AR alone, bitwise in
-    exact mode); --bench --batch 1,2 reports each size against AR at that size."""
+    exact mode); --bench --batch 1,2 reports each size against AR at that size (a batch size's runs twice, in
+    order and in reverse)."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n", "class A:"]) + "\n")
     code, out, err = call(decode.main, "--weights", weights, "--prompts", prompts, "--batch", 2, "--method", "lookahead",
@@ -76,6 +77,7 @@ def test_prompts_decode_in_batches_and_bench_by_batch_size(weights, tmp_path):
                          "--max-new-tokens", 8, "--batch", "1,2", "--json"))["results"]
     assert [(r["method"], r["batch"]) for r in res] == [("ar", 1), ("lookahead", 1), ("ar", 2), ("lookahead", 2)]
     assert all(r["mismatches"] == 0 and r["speedup"] > 0 for r in res)
+    assert [r["new_tokens"] for r in res[2:]] == [2 * r["new_tokens"] for r in res[:2]]  # batches run twice, ABBA
 
 
 def test_bench_times_the_peers_in_the_same_run(weights, tmp_path):
