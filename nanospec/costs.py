@@ -36,7 +36,8 @@ class Measured:
     what a forward of the same rows leaves out (drafting, the draft heads' products, a method's own
     rows, verification, the host's work) and what else the machine is doing. It is kept per batch
     size and kind of step (AR's or a drafter's) as the median of the last WINDOW steps: a first
-    step's warm-up or a stall of several steps' length does not swing it."""
+    step's warm-up or a stall of several steps' length does not swing it. It grows with the batch
+    about as the sequences do (SmolLM2, SDSAT's drafting steps: 15-23 ms per sequence at B = 1-4)."""
 
     def __init__(self, points: dict[int, float]):
         rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))
@@ -57,8 +58,13 @@ class Measured:
         return len(seen) == SETTLE
 
     def estimate(self, rows: int, batch: int = 1, bare: bool = False) -> float:
-        """A step of `rows` rows over `batch` sequences (bare: the forward alone; an excess not yet seen is 0)."""
-        excess = 0.0 if bare else self.excess.get((batch, rows > batch), 0.0)
+        """A step of `rows` rows over `batch` sequences (bare: the forward alone). A batch size whose
+        steps of this kind are not seen yet takes the nearest seen size's excess per sequence (a batch
+        passes through new sizes as its prompts run out); none seen: 0."""
+        kind = rows > batch
+        seen = [b for b, k in self.excess if k == kind]
+        b = min(seen, key=lambda b: (abs(b - batch), -b), default=None)  # the nearest, the larger on a tie
+        excess = 0.0 if bare or b is None else self.excess[b, kind] * batch / b
         return max(self.forward(rows) + excess, 1e-9)
 
 

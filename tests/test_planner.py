@@ -94,7 +94,8 @@ def test_measured_costs_interpolate():
 def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
     """Measured learns, per batch size and kind of step (AR's or a drafter's), a step's excess over
     its forward: the median of the last steps, so one stall does not move it; known after SETTLE
-    steps (update says so once); bare leaves it out. A drafter's one-row step counts as drafting."""
+    steps (update says so once); bare leaves it out. A drafter's one-row step counts as drafting. A
+    batch size not seen takes the nearest seen one's excess per sequence."""
     from nanospec.costs import SETTLE
     c = Measured({1: 0.010, 4: 0.016, 16: 0.040})
     assert c.estimate(4) == pytest.approx(0.016)  # nothing seen: the forward
@@ -106,7 +107,14 @@ def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
     assert c.estimate(4, bare=True) == pytest.approx(0.016)
     assert c.estimate(1) == pytest.approx(0.010)  # AR: nothing seen yet
     c.update(1, 0.011, ar=True)
-    assert c.estimate(1) == pytest.approx(0.011) and c.estimate(8, batch=2) == pytest.approx(0.024)  # per batch
+    assert c.estimate(1) == pytest.approx(0.011)
+    assert c.estimate(2, batch=2) == pytest.approx(0.012 + 2 * 0.001)  # batch 2 not seen: batch 1's, per sequence
+    assert c.estimate(8, batch=2) == pytest.approx(0.024 + 2 * 0.030)
+    c.update(8, 0.024 + 0.050, batch=2)
+    assert c.estimate(8, batch=2) == pytest.approx(0.074) and c.estimate(4) == pytest.approx(0.046)  # per batch
+    assert c.estimate(12, batch=3) == pytest.approx(c.forward(12) + 3 * 0.025)  # the nearest seen: 2
+    c.update(16, c.forward(16) + 0.080, batch=4)
+    assert c.estimate(12, batch=3) == pytest.approx(c.forward(12) + 3 * 0.020)  # 2 and 4 as near: the larger
 
 
 def test_drafting_that_costs_more_than_its_forward_goes_to_ar():
