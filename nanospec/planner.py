@@ -13,7 +13,9 @@ Beyond the paper, each with its A/B (RESULTS.md, issue 34's and 35's sections; f
   forward alone: BiTA 0.96/0.97/0.97/1.04x (was 0.85/0.96/0.99/0.99x), SDSAT 0.96/0.99/0.96/0.96x
   (was 0.72/0.85/0.89/0.82x); default model: BiTA 0.92x at B = 4 (was 0.72x), 0.98x beside a
   neighbour's job (was 0.80-0.91x), but Medusa 1.69x at B = 1 (was 1.83-1.86x) and Lookahead
-  2.38-2.64x (was 2.64-2.77x): larger trees for a cost spread over them, and more AR steps.
+  2.38-2.64x (was 2.64-2.77x): larger trees for a cost spread over them, and more AR steps. A
+  batch size not seen yet takes the nearest seen one's excess per sequence: SmolLM2, B = 4, the
+  drafting steps at the tail's sizes (3, 2, 1) fell from 25 to 3 (SDSAT) and 16 to 11 (BiTA).
 - Probes: AR steps teach no acceptance, so while AR is planned, PROBE drafting steps of the
   cheapest tree renew the estimates (acceptance and cost), a replan after the last drafting step
   and then once AR has run long enough that a probe costs at most SHARE of that time. Without
