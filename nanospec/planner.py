@@ -17,10 +17,12 @@ Beyond the paper, each with its A/B (RESULTS.md, issue 34's and 35's sections; f
   batch size not seen yet takes the nearest seen one's excess per sequence: SmolLM2, B = 4, the
   drafting steps at the tail's sizes (3, 2, 1) fell from 25 to 3 (SDSAT) and 16 to 11 (BiTA).
 - Probes: AR steps teach no acceptance, so while AR is planned, PROBE drafting steps of the
-  cheapest tree renew the estimates (acceptance and cost), a replan after the last drafting step
-  and then once AR has run long enough that a probe costs at most SHARE of that time. Without
+  cheapest tree renew the estimates (acceptance and cost), once AR has run since the last drafting
+  step long enough that the probe's expected loss against AR is at most SHARE of that time. Without
   probes BiTA and Hidden Transfer lock into AR on the default model (0.96-0.98x against 1.11-1.13x
-  and 1.55-1.56x).
+  and 1.55-1.56x). Priced at its expected loss, not its whole cost, a probe comes sooner the closer
+  drafting is to paying: default model, B = 1, BiTA 1.20/1.10x (against 1.15/1.04x), SDSAT
+  1.15/1.17x (against 1.05/0.99x); other methods and sizes within the spread.
 - Nested drafts (Lookahead's) are drafted whole, run as their first s nodes, and scored at every
   budget once the output is known: 2.19-2.28x against 1.81-1.97x scored at the run budget only.
 """
@@ -32,7 +34,7 @@ from .tree import Template, choose_tree
 
 SIZES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROBE = 8      # drafting steps per probe: enough outcomes to estimate from
-SHARE = 0.02   # what probes may cost beyond AR, as a share of the time at AR between them
+SHARE = 0.02   # a probe's expected loss against AR, as a share of the time at AR before it
 LONGEST = 32   # replans: the longest wait for a probe, so a cost inflated by a stall cannot lock AR in
 
 
@@ -61,7 +63,6 @@ class Planner:
     def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
         self.used, self.clock, self.known = Counter(), 0, 0  # steps per size; tokens decoded; the clock at the last drafting step
-        self.wait = replan  # tokens at AR after the last drafting step before a probe
         self.batch = 1  # the sequences of the step planned (the cost model's key: a batch's rows share a forward)
         self.P, self.gain, self.tries = None, {}, Counter()  # unranked: size -> drafts accepted
 
@@ -109,18 +110,17 @@ class Planner:
             first = len(self.drafter.template) - 1 if getattr(self.drafter, "template", None) else self.sizes[-1]
             return next((s for s in (first, 1) if (B, B * self.drafter.size(s + 1)) not in self.cost.perf), 1)
         if self.at is None or dec.cur - self.at >= self.replan or self.P is None:
-            self.at, self.size = dec.cur, best(self.lengths(), self.seconds)
-            if self.size:  # drafting: once AR is planned, the first probe comes a replan after the last drafting step
-                self.wait = self.replan
-            elif best(self.lengths(sure=True), lambda s: self.seconds(s, bare=True)) and self.clock - self.known >= self.wait:
-                # AR for want of acceptance or for drafting's cost: a probe renews both; the next one comes once
-                # AR has run long enough that its extra cost is at most SHARE of that time (in AR steps, or tokens)
-                probe = min(s for s in self.sizes if s)  # the cheapest tree teaches all: a ranked drafter's next
-                # candidates come at every depth whatever its tree, and a nested one drafts whole
-                extra = PROBE * (self.seconds(probe) / self.seconds(0) - 1)
-                self.wait = min(max(self.replan, extra / SHARE), LONGEST * self.replan)
-                self.probing, self.probe, self.fresh = PROBE, probe, Counter()
-                return self.choose(dec)
+            lengths = self.lengths()
+            self.at, self.size = dec.cur, best(lengths, self.seconds)
+            if not self.size and best(self.lengths(sure=True), lambda s: self.seconds(s, bare=True)):
+                # AR for want of acceptance or for drafting's cost: a probe renews both, its expected loss (in
+                # AR steps) at most SHARE of the tokens at AR since the last drafting step. The cheapest tree
+                # teaches all: a ranked drafter's candidates come at every depth, a nested one drafts whole
+                probe = min(s for s in self.sizes if s)
+                extra = PROBE * (self.seconds(probe) / self.seconds(0) - lengths[probe])
+                if self.clock - self.known >= min(max(self.replan, extra / SHARE), LONGEST * self.replan):
+                    self.probing, self.probe, self.fresh = PROBE, probe, Counter()
+                    return self.choose(dec)
         return self.size
 
     def observe(self, dec, size: int, rows: int, seconds: float, path=(0,), drafted=None, cands=None) -> None:

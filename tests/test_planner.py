@@ -252,6 +252,34 @@ def test_a_probe_that_finds_good_drafts_brings_drafting_back():
     assert back <= wait + planner.replan + PROBE  # the first probe of the good stretch
 
 
+def test_a_probe_comes_sooner_the_closer_drafting_is_to_paying():
+    """A probe is priced at its expected loss against AR (at most SHARE of the tokens at AR since the
+    last drafting step). Drafts right a quarter of the time, where a third would break even, are
+    probed three times as often as drafts never right, at the same costs (a probe's whole extra
+    cost, the old price, probed both alike: 5 probes in 600 tokens)."""
+    from types import SimpleNamespace
+    from nanospec.planner import PROBE
+    K, R = 2, 3
+
+    def drafting(hit) -> int:
+        d = SimpleNamespace(topk=[R] * K, acc=[[0.25, 0.0, 0.0]] * K, size=lambda n: n, family=None)
+        planner = Planner(FixedCost(0.01, 0.005), sizes=(0, 1, 2, 4), replan=8)  # 2 rows cost 4/3 of 1 row
+        planner.start(d, None)
+        dec, steps = SimpleNamespace(out=[], cur=0), 0
+        for _ in range(600):
+            size, _ = planner.budget(dec)
+            dec.out.append(len(dec.out))  # output i is token i
+            dec.cur += 1
+            n = len(dec.out)
+            cands = [[n + k if hit(n + k) else -1, -2, -3] for k in range(K)] if size else None
+            planner.observe(dec, size, d.size(size + 1), 0.01, cands=cands)
+            steps += size > 0
+        return steps
+
+    near, far = drafting(lambda i: i % 4 == 0), drafting(lambda i: False)
+    assert PROBE <= far <= 6 * PROBE and near > 2 * far
+
+
 def test_lookahead_budget_from_its_own_gains():
     """Lookahead has no ranked candidates: each budget is judged by the drafts it got accepted."""
     model = random_model(ARGS, 3)
