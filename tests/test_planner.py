@@ -3,6 +3,7 @@
 not pay; planned trees stay exact."""
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,7 +55,6 @@ def test_expected_length_matches_figure_6():
 
 def test_acceptance_ema_and_rank_probabilities():
     """P[d][k] is an EMA of "depth d's true token was in its top k+1"; p() the chance of rank k."""
-    from types import SimpleNamespace
     planner = Planner(FixedCost(0.01, 0.001), alpha=0.5)
     planner.start(SimpleNamespace(topk=[3], acc=[[0.0, 0.0, 0.0]]), None)
     dec = SimpleNamespace(out=[9])
@@ -117,24 +117,33 @@ def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
     assert c.estimate(12, batch=3) == pytest.approx(c.forward(12) + 3 * 0.020)  # 2 and 4 as near: the larger
 
 
+def drive(planner, acc, steps, right, seconds=lambda rows, size: 0.01) -> list[int]:
+    """Plans `steps` tokens for a stand-in ranked drafter (acc: its prior per depth, 3 ranks) whose
+    output i is token i: a drafting step's candidates at depth k guess output n + k (n: the tokens
+    after the step), right at top-1 where right(step, i); a step takes seconds(rows, size). The
+    size of each step."""
+    d = SimpleNamespace(topk=[3] * len(acc), acc=acc, size=lambda n: n, family=None)
+    planner.start(d, None)
+    dec, sizes = SimpleNamespace(out=[], cur=0), []
+    for step in range(steps):
+        size, _ = planner.budget(dec)
+        dec.out.append(len(dec.out))
+        dec.cur += 1
+        n = len(dec.out)
+        cands = [[n + k if right(step, n + k) else -1, -2, -3] for k in range(len(acc))] if size else None
+        planner.observe(dec, size, size + 1, seconds(size + 1, size), cands=cands)
+        sizes.append(size)
+    return sizes
+
+
 def test_drafting_that_costs_more_than_its_forward_goes_to_ar():
     """A drafter whose steps take 0.03 s beyond their forward (its heads, its own rows) and whose
     drafts get 0.6 tokens per step: worth a forward, not that. The planner learns the excess from
     the steps' times and plans AR; priced at the forward alone (no excess learnt), it drafts on."""
-    from types import SimpleNamespace
     for cost, ar in ((Measured({1: 0.010, 64: 0.020}), True), (FixedCost(0.00984, 0.00016), False)):
-        d = SimpleNamespace(topk=[3, 3], acc=[[0.6, 0.1, 0.1], [0.4, 0.1, 0.1]], size=lambda n: n, family=None)
         planner = Planner(cost, replan=8)
-        planner.start(d, None)
-        dec, seq = SimpleNamespace(out=[], cur=0), list(range(1000))
-        for _ in range(100):
-            size, _ = planner.budget(dec)
-            n = len(dec.out)
-            dec.out.append(seq[n])
-            dec.cur += 1
-            rows = d.size(size + 1) if size else 1
-            cands = [[seq[n + 1 + k] if (n + k) % 5 < 3 else -1, -2, -3] for k in range(2)] if size else None
-            planner.observe(dec, size, rows, cost.forward(rows) + (0.03 if size else 0.0), cands=cands)
+        drive(planner, [[0.6, 0.1, 0.1], [0.4, 0.1, 0.1]], 100, lambda step, i: (i - 1) % 5 < 3,
+              lambda rows, size: cost.forward(rows) + (0.03 if size else 0.0))
         assert (planner.size == 0) == ar and (planner.used[0] > 50) == ar
 
 
@@ -224,28 +233,11 @@ def test_a_probe_that_finds_good_drafts_brings_drafting_back():
     """A ranked drafter whose candidates are all wrong for a stretch (AR gets planned), then right at
     top-1 on 3 of 5 tokens: a probe's outcomes replace the stale estimates, so drafting comes back at
     the first probe. An EMA nudged by a probe's few outcomes kept a SmolLM2 Medusa at AR for good."""
-    from types import SimpleNamespace
     from nanospec.planner import LONGEST, PROBE, SHARE
-    K, R = 2, 3
-    d = SimpleNamespace(topk=[R] * K, acc=[[0.5, 0.1, 0.1]] * K, size=lambda n: n, family=None)
     planner = Planner(FixedCost(0.01, 0.004), sizes=(0, 1, 2, 4), replan=8)  # 3 rows cost 2.2x 1 row
-    planner.start(d, None)
-    seq = list(range(1000))
-    dec = SimpleNamespace(out=[], cur=0)
-    sizes = []
-    for step in range(600):
-        size, _ = planner.budget(dec)
-        good = len(dec.out) >= 300
-        dec.out.append(seq[len(dec.out)])
-        dec.cur += 1
-        n = len(dec.out)
-        right = lambda i: good and i % 5 < 3
-        cands = [[seq[n + k] if right(n + k) else -1, -2, -3] for k in range(K)] if size else None
-        planner.observe(dec, size, d.size(size + 1), 0.01, cands=cands)
-        sizes.append((good, size))
-    bad = [s for g, s in sizes if not g]
+    sizes = drive(planner, [[0.5, 0.1, 0.1]] * 2, 600, lambda step, i: step >= 300 and i % 5 < 3)
+    bad, good = sizes[:300], sizes[300:]
     assert bad[-40:].count(0) >= 30  # wrong drafts: AR
-    good = [s for g, s in sizes if g]
     back = next(i for i in range(len(good)) if all(good[i:i + 20]))  # drafting again, for good
     s, ar = planner.seconds(planner.probe), planner.seconds(0)
     wait = min(max(planner.replan, PROBE * (s / ar - 1) / SHARE), LONGEST * planner.replan)
@@ -257,24 +249,11 @@ def test_a_probe_comes_sooner_the_closer_drafting_is_to_paying():
     last drafting step). Drafts right a quarter of the time, where a third would break even, are
     probed three times as often as drafts never right, at the same costs (a probe's whole extra
     cost, the old price, probed both alike: 5 probes in 600 tokens)."""
-    from types import SimpleNamespace
     from nanospec.planner import PROBE
-    K, R = 2, 3
 
     def drafting(hit) -> int:
-        d = SimpleNamespace(topk=[R] * K, acc=[[0.25, 0.0, 0.0]] * K, size=lambda n: n, family=None)
         planner = Planner(FixedCost(0.01, 0.005), sizes=(0, 1, 2, 4), replan=8)  # 2 rows cost 4/3 of 1 row
-        planner.start(d, None)
-        dec, steps = SimpleNamespace(out=[], cur=0), 0
-        for _ in range(600):
-            size, _ = planner.budget(dec)
-            dec.out.append(len(dec.out))  # output i is token i
-            dec.cur += 1
-            n = len(dec.out)
-            cands = [[n + k if hit(n + k) else -1, -2, -3] for k in range(K)] if size else None
-            planner.observe(dec, size, d.size(size + 1), 0.01, cands=cands)
-            steps += size > 0
-        return steps
+        return sum(s > 0 for s in drive(planner, [[0.25, 0.0, 0.0]] * 2, 600, lambda step, i: hit(i)))
 
     near, far = drafting(lambda i: i % 4 == 0), drafting(lambda i: False)
     assert PROBE <= far <= 6 * PROBE and near > 2 * far
@@ -317,7 +296,6 @@ def test_a_nested_draft_is_scored_at_every_budget():
     """Lookahead's budget-s draft is the first s nodes of its whole draft, which the engine hands the
     planner: once the output it guessed is known, it tells what every budget would have got, the
     budget the step ran or not. Here the output runs through nodes 2, 5 and 9."""
-    from types import SimpleNamespace
     from nanospec.tree import Tree
     parents = [-1, 0, 0, 1, 0, 2, 3, 4, 1, 5] + [0] * 7
     tree = Tree([50] + [10 + i for i in range(1, 17)], parents)
@@ -341,7 +319,6 @@ def test_a_new_sequence_makes_a_trie_probe_at_once():
     """A trie's gains are its prompts': when a new sequence arrives (continuous batching admits one
     within a generate call), the next AR plan probes, however recent the last probe. Without a new
     sequence, AR steps wait out the usual interval."""
-    from types import SimpleNamespace
     from nanospec.planner import PROBE
     from nanospec.tree import Tree
     p = Planner(FixedCost(0.01, 1e-4), replan=8)
@@ -361,7 +338,6 @@ def test_unlucky_first_steps_do_not_lock_a_budget_out():
     """A nested drafter whose first 3 drafts are all wrong and whose drafts pay from budget 13 on
     (node 1, then a chain at nodes 8..13): scored at every budget, the whole drafts show it at once,
     whatever budgets the steps ran."""
-    from types import SimpleNamespace
     from nanospec.tree import Tree
     world = list(range(1000, 9000))
 
