@@ -106,13 +106,12 @@ class Out:
 @dataclass
 class Nodes:
     """A step's trees as the forward sees them, on the device: one per sequence of the batch, padded
-    to N nodes (Q in exact mode). A method whose rows depend on n (its shape_key) gets a batch of
-    trees of one shape."""
+    to N nodes (Q in exact mode). Rows a method adds after the tree start at row n for every
+    sequence (a smaller tree's rows up to n are filler: Decoding.block)."""
     tokens: torch.Tensor  # (B, N) -1 for padding (one sequence's alone: (N,))
     lay: object           # tree.Layout, each field with the batch dim first
     real: torch.Tensor    # (B, N) bool
-    n: int                # real nodes (the most of any sequence)
-    parents: tuple        # the real tree's parents, on the host (the first sequence's)
+    n: int                # the largest tree's nodes
 
     @property
     def N(self) -> int:
@@ -153,12 +152,14 @@ class Drafter:
         """Rows a step over a tree of n nodes runs."""
         return n
 
-    def rows(self, dec, tree: Tree) -> Block:
+    def rows(self, dec, tree: Tree, n: int) -> Block:
+        """The step's rows: the tree's, then any the method adds, from row n (n >= len(tree): the
+        largest tree of the batch's step)."""
         return dec.block(tree)
 
     def shape_key(self, nodes: Nodes):
-        """What the forward's computation depends on besides its inputs' shapes (nodes.n, the tree size
-        when the method's rows depend on it): exact mode captures a CUDA graph per key."""
+        """What the forward's computation depends on besides its inputs' shapes (nodes.n, when the
+        method adds rows after the tree): exact mode captures a CUDA graph per key."""
         return None
 
     def forward(self, f: Forward, nodes) -> Out:

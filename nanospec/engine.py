@@ -49,15 +49,15 @@ class Decoding:
         # programs run through graphs.run only where it captures them (or simulates that, in tests)
         self.graphed = graphs.SIMULATE or (exact and self.cuda and graphs.ENABLED)
 
-    def block(self, tree: Tree, hosts=(), M: int = 0, reserved: bool = False, chained: bool = True) -> Block:
-        """The tree's rows at the current position, on the device, then (M > 0) a group of M rows
-        after each host node (tree.group_rows; reserved: they also see the drafter's reserved slots).
-        Laid out once per shape at position 0 (tree.step_layout) and moved to cur: a few device ops."""
-        b, seq = step_layout(tree.parents, tuple(hosts), M, self.reserved_slots if reserved else (), chained,
+    def block(self, tree: Tree, hosts=(), M: int = 0, reserved: bool = False, chained: bool = True, n=0) -> Block:
+        """The tree's rows at the current position, on the device, then filler nodes up to n (token 0,
+        children of the root, never verified: a batch's trees share one layout), then (M > 0) a group
+        of M rows after each host node (tree.group_rows; reserved: they also see the drafter's reserved
+        slots). Laid out once per shape at position 0 (tree.step_layout) and moved to cur."""
+        parents = tree.parents + (0,) * (n - len(tree))
+        b, seq = step_layout(parents, tuple(hosts), M, self.reserved_slots if reserved else (), chained,
                              self.cache.capacity, self.device)
-        tokens = self.tokens(tree)
-        if len(b) > len(tree):
-            tokens = F.pad(tokens, (0, len(b) - len(tree)))
+        tokens = F.pad(self.tokens(tree), (0, len(b) - len(tree)))
         cur = self.cur
         return Block(tokens.view(1, -1), b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
 
@@ -96,18 +96,18 @@ class Decoding:
             return AR, tree.prefix(1)
         return drafter, tree.prefix(m)
 
-    def prepare(self, drafter: Drafter, tree: Tree) -> tuple[Block, Nodes]:
-        """A step's rows and nodes on the device; exact mode pads both to Q."""
+    def prepare(self, drafter: Drafter, tree: Tree, N: int) -> tuple[Block, Nodes]:
+        """A step's rows and nodes on the device, laid out for N nodes; exact mode pads both to Q."""
         n = len(tree)
         tokens, real = self.tokens(tree), ones(n, self.device)
-        block = drafter.rows(self, Tree(tokens, tree.parents))  # the tokens go to the device once
+        block = drafter.rows(self, Tree(tokens, tree.parents), N)  # the tokens go to the device once
         # rows write slots cur..cur+len-1: past the capacity lie the reserved slots and the trash slot
         assert len(block) <= self.room, f"a step of {len(block)} rows overruns the cache ({self.room} slots left)"
         lay = layout(tree.parents, self.device)
         if self.exact:
             block, lay = self.fixed(block), lay.pad(self.Q)
             tokens, real = F.pad(tokens, (0, self.Q - n), value=-1), F.pad(real, (0, self.Q - n))
-        return block, Nodes(tokens, lay, real, n, tree.parents)
+        return block, Nodes(tokens, lay, real, N)
 
     def fixed(self, block: Block) -> Block:
         """An exact-mode block at fixed shapes: Q rows (padding rows write and read the trash slot),
@@ -176,7 +176,7 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
     d = decs[0]
     if len(decs) == 1:
         x = nodes[0]
-        return blocks[0], Nodes(x.tokens[None], x.lay.at(None), x.real[None], x.n, x.parents), d.seqs
+        return blocks[0], Nodes(x.tokens[None], x.lay.at(None), x.real[None], x.n), d.seqs
     T, N, E = max(map(len, blocks)), max(len(x.tokens) for x in nodes), max(b.extra.shape[-1] for b in blocks)
     dev = d.device
     rows = []
@@ -188,7 +188,7 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
     block = Block(*(torch.cat([getattr(b, f) for b in rows]) for f in ("tokens", "pos", "slots", "prefix", "extra")))
     pad = lambda t, v: torch.stack([F.pad(x, (0, N - len(x)), value=v) for x in t])
     batch = Nodes(pad([x.tokens for x in nodes], -1), Layout.stack([x.lay for x in nodes], N),
-                  pad([x.real for x in nodes], False), max(x.n for x in nodes), nodes[0].parents)
+                  pad([x.real for x in nodes], False), nodes[0].n)
     seqs = [x.seq for x in decs]
     return block, batch, None if seqs == list(range(d.cache.k.shape[1])) else torch.tensor(seqs, device=dev)
 
@@ -203,7 +203,7 @@ def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs, gre
     def run(tokens, pos, slots, prefix, extra, seqs, node_tokens, parent, depth, index, anc, real):
         f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact, seqs)
         lay = Layout(parent, depth, index, anc)
-        out = drafter.forward(f, Nodes(node_tokens, lay, real, nodes.n, nodes.parents))
+        out = drafter.forward(f, Nodes(node_tokens, lay, real, nodes.n))
         N = node_tokens.shape[-1]  # drafts may cover the real nodes only: pad them to the padded tree
         if out.drafts is not None and out.drafts.shape[1] < N:
             out.drafts = F.pad(out.drafts, (0, 0, 0, 0, 0, N - out.drafts.shape[1]))
@@ -228,12 +228,12 @@ def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs, gre
 
 
 def step(decs: list[Decoding], drafter: Drafter, trees: list[Tree], record: bool):
-    """Verify each sequence's tree in one forward over the group (one drafter, one shape key): greedy
-    verification on the device and the next candidates, with one read-back (sampling verifies on
-    the host). Per sequence: (the tree as verified, path, emitted tokens, the path's logits if record);
-    each Decoding's next candidates go to its cands (D, R) on the device and lists on the host."""
-    d = decs[0]
-    prepared = [x.prepare(drafter, t) for x, t in zip(decs, trees)]
+    """Verify each sequence's tree in one forward over the group (one drafter, one layout: smaller trees
+    get filler nodes up to the largest): greedy verification and the next candidates on the device,
+    one read-back (sampling verifies on the host). Per sequence: (the tree as verified, path, emitted
+    tokens, its logits if record); each Decoding's next candidates go to cands (D, R) and lists."""
+    d, n = decs[0], max(map(len, trees))
+    prepared = [x.prepare(drafter, t, n) for x, t in zip(decs, trees)]
     block, nodes, seqs = stack(decs, [p[0] for p in prepared], [p[1] for p in prepared])
     greedy = d.sampler.greedy
     d.sync()
@@ -362,7 +362,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
                                             None if wide else budget)
             tree = drafted[d].prefix(min(len(drafted[d]), budget + 1)) if wide else drafted[d]
             s, tree = d.fit(step_drafter, tree)
-            key = (id(s), s.shape_key(Nodes(None, None, None, len(tree), tree.parents)))
+            key = (id(s), None if d.room >= s.max_rows else len(tree))  # near the cache's end: no filler
             groups.setdefault(key, (s, []))[1].append((d, tree))
         rows, done = 0, []
         for s, members in groups.values():

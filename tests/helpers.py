@@ -102,7 +102,7 @@ def one_forward(model, drafter, tree, prompt, exact, plain=False):
     dec.prefill(prompt[:-1])
     drafter.start(dec)
     d = Drafter() if plain else drafter
-    block, nodes, seqs = stack([dec], *([x] for x in dec.prepare(d, tree)))
+    block, nodes, seqs = stack([dec], *([x] for x in dec.prepare(d, tree, len(tree))))
     logits, drafts, _, _ = program(dec, d, block, nodes, seqs, greedy=False)
     return logits[0, :len(tree)], None if drafts is None else drafts[0, :len(tree)]
 
@@ -277,12 +277,12 @@ class Adversary(Drafter):
     def size(self, n):
         return n + self.extra_rows
 
-    def rows(self, dec, tree):
-        n, e = len(tree), self.extra_rows
-        block = dec.block(tree)
+    def rows(self, dec, tree, n):
+        e = self.extra_rows
+        block = dec.block(tree, n=n)  # a smaller tree than the batch's largest gets filler nodes up to n
         if e:
             r, cur = self.rng, dec.cur
-            seen = [[cur + r.randrange(n) for _ in range(3)] + [cur + n + i] for i in range(e)]
+            seen = [[cur + r.randrange(len(tree)) for _ in range(3)] + [cur + n + i] for i in range(e)]
             if self.reserved_slots:
                 seen = [self.slots.tolist() + s for s in seen]
             rows = Block(torch.randint(0, self.V, (1, e)), torch.full((1, e), cur + r.randrange(4)),

@@ -134,3 +134,31 @@ def test_a_refilled_row_that_sees_its_predecessors_key_is_caught(monkeypatch, de
     monkeypatch.setattr(engine.Decoding, "prefill", stale)
     with pytest.raises(AssertionError, match="sequence 2"):
         check_batch(model, prompts, None, 12, rows=2)
+
+
+@pytest.mark.parametrize("name", ["bita-deep", "bita-straight", "hidden_transfer", "sdsat"])
+def test_trees_of_different_sizes_share_one_forward(monkeypatch, device, name):
+    """A method that adds rows after its tree (mask groups, pseudo states, adaptive tokens) gives a
+    batch's smaller trees filler nodes up to the largest: one forward per step however the sizes
+    differ (refilled rows start from a lone root beside full trees; SDSAT's sequences fall out of
+    step), and every sequence still decodes as alone."""
+    model = random_model(ARGS, seed=3, device=device)
+    prompts = [[7], [1, 2, 3, 4] * 7, [9, 8, 7, 6], [11, 12] * 3, [4, 4, 7]]
+    d = drafter(name, model)
+    check_batch(model, prompts, d, 24, peeking=(0.7,), rows=3)
+    rounds, fit, step = [], engine.Decoding.fit, engine.step  # per round of the loop: [tree sizes, forwards]
+
+    def fitted(dec, s, tree):
+        if not rounds or rounds[-1][1]:
+            rounds.append([[], 0])
+        rounds[-1][0].append(len(tree))
+        return fit(dec, s, tree)
+
+    def stepped(*a):
+        rounds[-1][1] += 1
+        return step(*a)
+    monkeypatch.setattr(engine.Decoding, "fit", fitted)
+    monkeypatch.setattr(engine, "step", stepped)
+    generate(model, prompts, d, max_new_tokens=24, eos_id=EOS, batch=3)
+    assert any(len(set(sizes)) > 1 for sizes, _ in rounds), "no step met trees of different sizes"
+    assert all(forwards == 1 for _, forwards in rounds), "a step ran more than one forward"

@@ -29,7 +29,7 @@ def nodes_of(tree):
     """A batch of one tree, as the engine hands a method's forward."""
     lay = layout(tree.parents)
     lay = type(lay)(*(t[None] for t in (lay.parent, lay.depth, lay.index, lay.anc)))
-    return Nodes(torch.tensor(tree.tokens)[None], lay, torch.ones(1, len(tree), dtype=torch.bool), len(tree), tree.parents)
+    return Nodes(torch.tensor(tree.tokens)[None], lay, torch.ones(1, len(tree), dtype=torch.bool), len(tree))
 
 
 def test_pruning_takes_descendants_and_keeps_the_root():

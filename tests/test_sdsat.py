@@ -151,7 +151,7 @@ def test_adaptive_rows_match_decoding_and_training_lowers_their_loss():
         d = SDSAT(delta, model.lm_head, k=3)
         dec = Decoding(model, KVCache.for_model(model, 16), False, 8, x[0, :6].tolist())
         dec.prefill(dec.prompt[:-1])
-        block, nodes = dec.prepare(d, Tree.chain(dec.last))
+        block, nodes = dec.prepare(d, Tree.chain(dec.last), 1)
         block, nodes, seqs = stack([dec], [block], [nodes])
         out = d.forward(Forward.on_cache(model, block, dec.cache, False, seqs), nodes)
     assert torch.allclose(model.lm_head(out.drafts[0, 0]), logits[0], atol=1e-3)

@@ -104,8 +104,8 @@ class BiTA(Ranked):
         elif self.tune.prompting == "shallow":  # P rows, causal among themselves, keys into the reserved slots
             dec.keep(embeds=self.tune.prompt)
 
-    def rows(self, dec, tree):
-        return dec.block(tree, range(self.groups(len(tree))), self.tune.M, reserved=True)
+    def rows(self, dec, tree, n):
+        return dec.block(tree, range(self.groups(n)), self.tune.M, reserved=True, n=n)
 
     def shape_key(self, nodes):
         return nodes.n

@@ -120,8 +120,8 @@ class HiddenTransfer(Ranked):
     def size(self, n):
         return n * (1 + self.tr.k)  # every node carries a group of k pseudo rows
 
-    def rows(self, dec, tree):
-        return dec.block(tree, range(len(tree)), self.tr.k, chained=self.chained)
+    def rows(self, dec, tree, n):
+        return dec.block(tree, range(n), self.tr.k, chained=self.chained, n=n)
 
     def shape_key(self, nodes):
         return nodes.n

@@ -129,15 +129,15 @@ class SDSAT(Ranked):
     def size(self, n):
         return n + self.k
 
-    def rows(self, dec, tree):
+    def rows(self, dec, tree, n):
         """The tree, then k adaptive rows after the end of its top-1 chain (forward embeds them)."""
-        blk = dec.block(tree, [chain_end(tree.parents)], self.k)
+        blk = dec.block(tree, [chain_end(tree.parents)], self.k, n=n)
         if self.ids is not None:
-            blk.tokens[0, len(tree):] = blk.tokens.new_tensor(self.ids)
+            blk.tokens[0, n:] = blk.tokens.new_tensor(self.ids)
         return blk
 
     def shape_key(self, nodes):
-        return nodes.n, chain_end(nodes.parents)
+        return nodes.n
 
     def forward(self, f, nodes):
         n, k = nodes.n, self.k
@@ -149,9 +149,10 @@ class SDSAT(Ranked):
             x[:, n:n + k] = (e.expand(k, -1) if len(e) == 1 else e[:k]).to(x.dtype)
             h = f.norm(f.layers(x, delta=self.delta.on(slice(n, n + k), self.factors)))
         adaptive = h[:, None, n:n + k]  # drafts for the next loop, if the whole top-1 chain is accepted
-        host = torch.arange(n, device=h.device) == chain_end(nodes.parents)
-        return Out(f.logits(h, nodes.N), drafts=adaptive.expand(-1, n, -1, -1),
-                   depths=torch.where(host, k, 0).expand(len(h), n))
+        depth = nodes.lay.depth[:, :n].masked_fill(~nodes.real[:, :n], -1)
+        deepest = depth == depth.amax(-1, keepdim=True)  # the chain's end: the first node of the last depth
+        host = deepest & (deepest.cumsum(-1) == 1)
+        return Out(f.logits(h, nodes.N), drafts=adaptive.expand(-1, n, -1, -1), depths=torch.where(host, k, 0))
 
     def propose(self, adaptive, mm):
         return mm(self.lm_head, adaptive)
