@@ -25,6 +25,11 @@ Beyond the paper, each with its A/B (RESULTS.md, issue 34's and 35's sections; f
   1.15/1.17x (against 1.05/0.99x); other methods and sizes within the spread.
 - Nested drafts (Lookahead's) are drafted whole, run as their first s nodes, and scored at every
   budget once the output is known: 2.19-2.28x against 1.81-1.97x scored at the run budget only.
+  Alone, a budget is priced at the nodes its drafts run (a shorter draft runs whole; a trie that
+  matches nothing costs an AR step): default model 1.84-2.08x against 1.71-1.86x, SmolLM2
+  1.31/1.37x against 1.30/1.29x, at B = 1. A batch pads every sequence to its longest tree, so at
+  B > 1 a budget of s keeps its s + 1 rows (at its drafts' nodes, SmolLM2 at B = 4 read 1.09/1.11x
+  against 1.14/1.16x).
 """
 import itertools
 import math
@@ -65,6 +70,7 @@ class Planner:
         self.used, self.clock, self.known = Counter(), 0, 0  # steps per size; tokens decoded; the clock at the last drafting step
         self.batch = 1  # the sequences of the step planned (the cost model's key: a batch's rows share a forward)
         self.P, self.gain, self.tries = None, {}, Counter()  # unranked: size -> drafts accepted
+        self.nodes = {}  # nested: size -> the nodes its drafts ran (a draft shorter than the budget runs whole)
 
     def start(self, drafter, dec) -> None:
         self.drafter = drafter
@@ -85,8 +91,10 @@ class Planner:
             {s: 1 + (s if sure else self.gain.get(s, s)) for s in self.sizes}
 
     def seconds(self, s: int, bare: bool = False) -> float:
-        """A step's cost with a tree of s draft nodes for each sequence of the batch (bare: its forward's)."""
-        return self.cost.estimate(self.batch * (self.drafter.size(s + 1) if s else 1), self.batch, bare)
+        """A step's cost with a budget of s draft nodes for each sequence of the batch (bare: its forward's).
+        Alone, a nested draft shorter than s runs whole; a batch's rows are padded to its longest tree."""
+        n = self.nodes.get(s, s + 1) if self.batch == 1 else s + 1
+        return self.cost.estimate(self.batch * (self.drafter.size(n) if s else 1), self.batch, bare)
 
     def budget(self, dec, batch: int = 1) -> tuple[int, Template | None]:
         """This step's draft nodes for every sequence of a batch (0: an AR step) and, for a ranked
@@ -143,8 +151,9 @@ class Planner:
             self.learn(size, len(path) - 1)
         scored = [(d, d[1].follow(dec.out[d[0]:])) for d in drafts]
         self.drafts[seq] = [d for d, got in scored if got is None]
-        for s, got in ((s, got) for _, got in scored if got for s in self.sizes if s):
-            self.learn(s, sum(0 < i <= s for i in got))
+        for (_, tree), got in scored:
+            for s in (s for s in self.sizes if s and got):
+                self.learn(s, sum(0 < i <= s for i in got), min(len(tree), s + 1))
         if self.P is None:
             return
         n, out = len(dec.out), dec.out
@@ -157,10 +166,12 @@ class Planner:
         self.pending[seq] = [q for q in self.pending.get(seq, []) if q[0] >= n] + \
             [(n + d, d, c, self.probed) for d, c in enumerate(cands or [])]
 
-    def learn(self, s: int, accepted: int) -> None:
+    def learn(self, s: int, accepted: int, nodes: int | None = None) -> None:
         self.tries[s] += 1
         w = max(1 / self.tries[s], 4 * self.alpha)  # the mean of the first steps, then an EMA
         self.gain[s] = (1 - w) * self.gain.get(s, 0.0) + w * accepted
+        if nodes is not None:
+            self.nodes[s] = (1 - w) * self.nodes.get(s, nodes) + w * nodes
 
     def report(self) -> str:
         return "budget " + ", ".join(f"{s} ({100 * c / self.used.total():.0f}%)" for s, c in self.used.most_common(4))

@@ -362,6 +362,27 @@ def test_unlucky_first_steps_do_not_lock_a_budget_out():
     assert sum(s >= 13 for s in late) > 0.8 * len(late)
 
 
+def test_a_nested_budget_is_priced_at_the_nodes_its_drafts_run():
+    """A budget caps a nested draft; a shorter draft runs whole. A trie that matches one step in four,
+    then drafts 3 right tokens, and otherwise nothing (the root alone, an AR step's cost): priced at
+    its full budget, drafting loses to AR (1.75 tokens for 5 rows); priced at the 1.75 nodes its
+    drafts run, it pays, and the planner drafts."""
+    from nanospec.tree import Tree
+    world = list(range(1000, 9000))
+    p = Planner(FixedCost(0.01, 0.004))
+    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n), None)
+    pos, sizes = 1, []
+    for i in range(400):
+        s, _ = p.budget(SimpleNamespace(cur=pos, out=world[1:pos]))
+        whole = Tree(world[pos - 1:pos + (3 if i % 4 == 0 else 0)], list(range(-1, 3 if i % 4 == 0 else 0)))
+        path = whole.prefix(min(len(whole), s + 1)).follow(world[pos:pos + 20]) if s else [0]
+        rows = min(len(whole), s + 1)
+        pos += len(path)
+        p.observe(SimpleNamespace(cur=pos, out=world[1:pos]), s, rows, p.cost.estimate(rows), path, whole if s else None)
+        sizes.append(s)
+    assert sum(s >= 3 for s in sizes[200:]) > 0.8 * 200
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("row_cost", [1e-5, 2e-3])
 def test_planned_trees_are_exact(dtype, row_cost, device):
