@@ -149,9 +149,8 @@ class SDSAT(Ranked):
             x[:, n:n + k] = (e.expand(k, -1) if len(e) == 1 else e[:k]).to(x.dtype)
             h = f.norm(f.layers(x, delta=self.delta.on(slice(n, n + k), self.factors)))
         adaptive = h[:, None, n:n + k]  # drafts for the next loop, if the whole top-1 chain is accepted
-        depth = nodes.lay.depth[:, :n].masked_fill(~nodes.real[:, :n], -1)
-        deepest = depth == depth.amax(-1, keepdim=True)  # the chain's end: the first node of the last depth
-        host = deepest & (deepest.cumsum(-1) == 1)
+        depth = nodes.lay.depth[:, :n].masked_fill(~nodes.real[:, :n], -1)  # the chain's end: the first deepest node
+        host = torch.arange(n, device=h.device) == depth.argmax(-1, keepdim=True)  # (argmax: the first of ties)
         return Out(f.logits(h, nodes.N), drafts=adaptive.expand(-1, n, -1, -1), depths=torch.where(host, k, 0))
 
     def propose(self, adaptive, mm):
