@@ -96,18 +96,18 @@ class Decoding:
             return AR, tree.prefix(1)
         return drafter, tree.prefix(m)
 
-    def prepare(self, drafter: Drafter, tree: Tree, N: int) -> tuple[Block, Nodes]:
-        """A step's rows and nodes on the device, laid out for N nodes; exact mode pads both to Q."""
+    def prepare(self, drafter: Drafter, tree: Tree, largest: int) -> tuple[Block, Nodes]:
+        """A step's rows and nodes on the device, laid out for its group's largest tree; exact mode pads both to Q."""
         n = len(tree)
         tokens, real = self.tokens(tree), ones(n, self.device)
-        block = drafter.rows(self, Tree(tokens, tree.parents), N)  # the tokens go to the device once
+        block = drafter.rows(self, Tree(tokens, tree.parents), largest)  # the tokens go to the device once
         # rows write slots cur..cur+len-1: past the capacity lie the reserved slots and the trash slot
         assert len(block) <= self.room, f"a step of {len(block)} rows overruns the cache ({self.room} slots left)"
         lay = layout(tree.parents, self.device)
         if self.exact:
             block, lay = self.fixed(block), lay.pad(self.Q)
             tokens, real = F.pad(tokens, (0, self.Q - n), value=-1), F.pad(real, (0, self.Q - n))
-        return block, Nodes(tokens, lay, real, N)
+        return block, Nodes(tokens, lay, real, largest)
 
     def fixed(self, block: Block) -> Block:
         """An exact-mode block at fixed shapes: Q rows (padding rows write and read the trash slot),

@@ -151,8 +151,8 @@ class Planner:
             self.learn(size, len(path) - 1)
         scored = [(d, d[1].follow(dec.out[d[0]:])) for d in drafts]
         self.drafts[seq] = [d for d, got in scored if got is None]
-        for (_, tree), got in scored:
-            for s in (s for s in self.sizes if s and got):
+        for (_, tree), got in ((d, got) for d, got in scored if got):
+            for s in filter(None, self.sizes):
                 self.learn(s, sum(0 < i <= s for i in got), min(len(tree), s + 1))
         if self.P is None:
             return
