@@ -19,7 +19,7 @@ from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, ta
 from nanospec.checkpoint import DTYPES, load
 from nanospec.files import fingerprint
 from nanospec.costs import measure as measure_costs
-from nanospec.engine import AR, Drafter, check_prompt, check_room, generate, shapes
+from nanospec.engine import AR, check_prompt, check_room, generate, shapes
 from nanospec.peers import transformers_peers
 from nanospec.planner import Planner
 from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, model_dir, split_specs
@@ -118,13 +118,14 @@ def note_own_model(weights) -> None:
 def tune(args, model, exact: bool, drafters) -> None:
     """Fast mode on a CPU: --kernels tuned picks each product's form by row count; --planner measured
     gives every drafter without a planner of its own the core planner on this machine's measured
-    row costs. Exact mode keeps one kernel and static trees: its block is fixed."""
+    row costs (a drafter it can plan: ranked, or nested). Exact mode keeps one kernel and static
+    trees: its block is fixed."""
     if exact:
         return
     if args.kernels == "tuned" and args.device == "cpu":
         model.kernels = kernels.tuned(model)
     for d in drafters:
-        if args.planner == "measured" and type(d) is not Drafter and d.planner is None:
+        if args.planner == "measured" and (d.topk or d.nested) and d.planner is None:
             d.plan(Planner(measure_costs(model)))
 
 

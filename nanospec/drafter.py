@@ -148,6 +148,11 @@ class Drafter:
         runs the first budget + 1 nodes)."""
         return Tree.chain(dec.last)
 
+    def context(self, dec) -> int:
+        """What predicts how much of an unranked drafter's next draft is accepted (Lookahead: how long a
+        suffix its trie matches): the planner keeps its gains per context."""
+        return 0
+
     def size(self, n: int) -> int:
         """Rows a step over a tree of n nodes runs."""
         return n

@@ -316,8 +316,8 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
              eos_id=None, record_logits=False, batch=None):
     """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of
     prompts (lists of ids) is a batch: one Output each, every sequence as if decoded alone (its own
-    sampling stream from seed), each step one forward over every live sequence's rows (one per shape
-    key: a method whose rows depend on its tree's size runs a forward per size). batch: the sequences
+    sampling stream from seed), each step one forward over every live sequence's rows (near the
+    cache's end, one per tree size: a smaller tree gets no filler nodes there). batch: the sequences
     decoded at once (None: all); a stopped one's cache row takes the next prompt (continuous batching).
     Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)). eos_id None
     uses the model's; pass -1 to never stop on EOS."""
@@ -353,13 +353,13 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         planner.start(drafter, live[0])
     while live:
         ts = time.perf_counter()
-        budget, template = planner.budget(live[0], len(live)) if planner is not None else (None, None)
+        budget, template = planner.budget(live) if planner is not None else (None, None)
         step_drafter = drafter if budget != 0 else AR  # budget 0: drafting does not pay, an AR step
-        wide = step_drafter.nested and budget  # a nested draft is drafted whole: the planner scores its every prefix
+        wide = drafter.nested and budget is not None  # drafted whole, AR steps too: the planner scores every prefix
         groups, drafted, paths = {}, {}, {}
         for d in live:
-            drafted[d] = step_drafter.draft(d, d.cands, template or getattr(drafter, "template", None),
-                                            None if wide else budget)
+            drafted[d] = (drafter if wide else step_drafter).draft(
+                d, d.cands, template or getattr(drafter, "template", None), None if wide else budget)
             tree = drafted[d].prefix(min(len(drafted[d]), budget + 1)) if wide else drafted[d]
             s, tree = d.fit(step_drafter, tree)
             key = (id(s), None if d.room >= s.max_rows else len(tree))  # near the cache's end: no filler

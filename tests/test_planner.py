@@ -3,6 +3,7 @@
 not pay; planned trees stay exact."""
 import math
 import random
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -122,11 +123,11 @@ def drive(planner, acc, steps, right, seconds=lambda rows, size: 0.01) -> list[i
     output i is token i: a drafting step's candidates at depth k guess output n + k (n: the tokens
     after the step), right at top-1 where right(step, i); a step takes seconds(rows, size). The
     size of each step."""
-    d = SimpleNamespace(topk=[3] * len(acc), acc=acc, size=lambda n: n, family=None)
+    d = SimpleNamespace(topk=[3] * len(acc), acc=acc, size=lambda n: n, family=None, context=lambda dec: 0)
     planner.start(d, None)
     dec, sizes = SimpleNamespace(out=[], cur=0), []
     for step in range(steps):
-        size, _ = planner.budget(dec)
+        size, _ = planner.budget([dec])
         dec.out.append(len(dec.out))
         dec.cur += 1
         n = len(dec.out)
@@ -301,37 +302,18 @@ def test_a_nested_draft_is_scored_at_every_budget():
     tree = Tree([50] + [10 + i for i in range(1, 17)], parents)
     want = {1: 0, 2: 1, 4: 1, 8: 2, 12: 3, 16: 3, 24: 3, 64: 3}
     p = Planner(FixedCost(0.01, 1e-4))
-    p.start(SimpleNamespace(topk=None, nested=True), None)
+    p.start(SimpleNamespace(topk=None, nested=True, context=lambda dec: 0), None)
     dec = SimpleNamespace(out=[99, 12, 15, 19, 7])
     p.observe(dec, 16, 17, 0.01, [0, 2, 5, 9], tree)
-    assert {s: p.gain[s] for s in want} == want and not p.drafts[id(dec)]
+    assert {s: p.gain[0, s] for s in want} == want and not p.drafts[id(dec)]
     p = Planner(FixedCost(0.01, 1e-4))
-    p.start(SimpleNamespace(topk=None, nested=True), None)
+    p.start(SimpleNamespace(topk=None, nested=True, context=lambda dec: 0), None)
     dec = SimpleNamespace(out=[99, 12])
     p.observe(dec, 1, 2, 0.01, [0], tree)  # budget 1: node 1 is wrong; 12 is AR's token
     assert not p.gain and len(p.drafts[id(dec)]) == 1  # node 2 has a child: the output so far cannot tell
     dec.out += [15, 19, 7]
     p.observe(dec, 0, 1, 0.01)  # later steps bring the output
-    assert {s: p.gain[s] for s in want} == want and not p.drafts[id(dec)]
-
-
-def test_a_new_sequence_makes_a_trie_probe_at_once():
-    """A trie's gains are its prompts': when a new sequence arrives (continuous batching admits one
-    within a generate call), the next AR plan probes, however recent the last probe. Without a new
-    sequence, AR steps wait out the usual interval."""
-    from nanospec.planner import PROBE
-    from nanospec.tree import Tree
-    p = Planner(FixedCost(0.01, 1e-4), replan=8)
-    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n), None)
-    p.gain = {s: 0.0 for s in p.sizes if s}  # every draft so far failed: AR
-    old, new = SimpleNamespace(cur=0, out=[]), SimpleNamespace(cur=0, out=[])
-    sizes = []
-    for dec in [old] * (1 + PROBE + 4) + [new, old]:
-        sizes.append(p.budget(dec)[0])
-        dec.out.append(1)
-        dec.cur += 1
-        p.observe(dec, sizes[-1], 1 + (sizes[-1] > 0), 0.01, [0], Tree([0, 9], [-1, 0]))  # a wrong draft
-    assert sizes == [0] + [1] * PROBE + [0] * 4 + [0, 1]  # each sequence's first step is followed by a probe
+    assert {s: p.gain[0, s] for s in want} == want and not p.drafts[id(dec)]
 
 
 def test_unlucky_first_steps_do_not_lock_a_budget_out():
@@ -347,12 +329,12 @@ def test_unlucky_first_steps_do_not_lock_a_budget_out():
             tokens[i], parents[i] = world[pos + k], [0, 1, 8, 9, 10, 11, 12][k]
         return Tree(tokens, parents)
     p = Planner(FixedCost(0.01, 1e-4))
-    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n), None)
+    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n, context=lambda dec: 0), None)
     pos, sizes = 1, []
     for i in range(400):
         dec = SimpleNamespace(cur=pos, out=world[1:pos])
-        s, _ = p.budget(dec)
-        whole = draft(pos, i >= 3) if s else None
+        s, _ = p.budget([dec])
+        whole = draft(pos, i >= 3)  # drafted on AR steps too
         path = whole.prefix(min(17, s + 1)).follow(world[pos:pos + 20]) if s else [0]
         pos += len(path)
         rows = min(17, s + 1)
@@ -370,17 +352,58 @@ def test_a_nested_budget_is_priced_at_the_nodes_its_drafts_run():
     from nanospec.tree import Tree
     world = list(range(1000, 9000))
     p = Planner(FixedCost(0.01, 0.004))
-    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n), None)
+    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n, context=lambda dec: 0), None)
     pos, sizes = 1, []
     for i in range(400):
-        s, _ = p.budget(SimpleNamespace(cur=pos, out=world[1:pos]))
+        s, _ = p.budget([SimpleNamespace(cur=pos, out=world[1:pos])])
         whole = Tree(world[pos - 1:pos + (3 if i % 4 == 0 else 0)], list(range(-1, 3 if i % 4 == 0 else 0)))
         path = whole.prefix(min(len(whole), s + 1)).follow(world[pos:pos + 20]) if s else [0]
         rows = min(len(whole), s + 1)
         pos += len(path)
-        p.observe(SimpleNamespace(cur=pos, out=world[1:pos]), s, rows, p.cost.estimate(rows), path, whole if s else None)
+        p.observe(SimpleNamespace(cur=pos, out=world[1:pos]), s, rows, p.cost.estimate(rows), path, whole)
         sizes.append(s)
     assert sum(s >= 3 for s in sizes[200:]) > 0.8 * 200
+
+
+def nested_run(p, context, whole, steps=200) -> list[tuple[int, int]]:
+    """Steps of a stand-in nested drafter over a world whose output i is token 1000 + i: context(i)
+    and whole(i, pos) give step i's context and whole draft. (context, size) of each step."""
+    world = list(range(1000, 9000))
+    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n, context=lambda dec: context(dec.i)), None)
+    dec, out = SimpleNamespace(cur=1, out=[], i=0), []
+    for dec.i in range(steps):
+        s, _ = p.budget([dec])
+        tree = whole(dec.i, world[dec.cur - 1:dec.cur + 16])
+        path = tree.prefix(min(len(tree), s + 1)).follow(world[dec.cur:dec.cur + 20])
+        rows = min(len(tree), s + 1)
+        dec.cur += len(path)
+        dec.out = world[1:dec.cur]
+        p.observe(dec, s, rows, p.cost.estimate(rows), path, tree)
+        out.append((context(dec.i), s))
+    return out
+
+
+def test_a_trie_match_plans_its_own_budget():
+    """Lookahead's gains are kept per context (how long a suffix its trie matched): here one step in
+    two matches long and drafts 16 right tokens, the other matches short and only its first node is
+    right. Pooled, one budget serves both (16); per context, the short match drafts 1 node."""
+    from nanospec.tree import Tree
+
+    def whole(i, seq):  # a chain of the next 16 tokens, wrong after the first on short matches
+        return Tree.chain(seq[0], seq[1:] if i % 2 else seq[1:2] + [-t for t in seq[2:]])
+    steps = nested_run(Planner(FixedCost(0.01, 0.002)), lambda i: 2 if i % 2 else 1, whole)[50:]
+    assert all(s == 1 for c, s in steps if c == 1) and all(s >= 16 for c, s in steps if c == 2)
+
+
+def test_a_nested_draft_is_scored_on_ar_steps_too():
+    """An AR step runs the root alone, but a nested drafter still drafts whole and the planner scores
+    the draft once the output is known: after a stretch where drafts failed (AR planned), drafts that
+    turn right are taken up as soon as the output shows it (16 AR steps), with no probe (a probe runs the smallest budget, 1)."""
+    from nanospec.tree import Tree
+    p = Planner(FixedCost(0.01, 0.002))
+    p.gain, p.nodes, p.tries = {(0, s): 0.0 for s in p.sizes}, {(0, s): 1.0 for s in p.sizes}, Counter({(0, s): 99 for s in p.sizes})
+    sizes = [s for _, s in nested_run(p, lambda i: 0, lambda i, seq: Tree.chain(seq[0], seq[1:]), steps=30)]
+    assert sizes[0] == 0 and 1 not in sizes and min(sizes[-4:]) >= 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

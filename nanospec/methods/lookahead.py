@@ -22,7 +22,9 @@ the same token budget) and "single" (the one highest-frequency branch).
 
 Choices where the paper is silent, and why:
 - decoding_length counts draft tokens: a step's forward runs 1 + decoding_length rows. Under
-  the planner (`--planner measured`), a step runs the first 1 + budget of them (nested).
+  the planner (`--planner measured`), a step runs the first 1 + budget of them (nested), and the
+  planner keeps the gains per `context`, the matched suffix's length up to 3: retrieval ranks a
+  longer match as more relevant, and a step without a match drafts nothing (an AR step).
 - The trie is partitioned by first token and `capacity` (default 16 x decoding
   length, Table 4) bounds each first token's sub-trie, as in the authors' release:
   a single bound of 512 nodes over the whole trie would not hold one response's
@@ -229,6 +231,10 @@ class Lookahead(Drafter):
         """(how long a suffix of the sequence the trie matched, the node it leads to, or None)."""
         m = self.max_prefix
         return self.trie.retrieve((dec.prompt[-m:] + dec.out[-m:])[-m:], m, self.min_nodes)
+
+    def context(self, dec) -> int:
+        """How long a suffix the trie matches, up to 3 (0: none, a draft of the root alone)."""
+        return min(self.retrieve(dec)[0], 3)
 
     def draft(self, dec, cands, template, budget):
         j, node = self.retrieve(dec)
