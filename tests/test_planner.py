@@ -260,6 +260,19 @@ def test_a_probe_comes_sooner_the_closer_drafting_is_to_paying():
     assert PROBE <= far <= 6 * PROBE and near > 2 * far
 
 
+def test_a_probe_weighs_beside_the_history():
+    """A probe's outcomes weigh as PROBE steps of the history: 8 right guesses move an estimate of
+    0.2 to 0.6, not to 1 (a good stretch that a probe meets would plan drafting as if it always came)."""
+    from nanospec.planner import PROBE
+    p = Planner(FixedCost(0.01, 0.001))
+    p.start(SimpleNamespace(topk=[3], acc=[[0.2, 0.0, 0.0]], size=lambda n: n, family=None), None)
+    dec, p.probed = SimpleNamespace(out=[], cur=0), True
+    for i in range(PROBE + 1):
+        p.observe(dec, 1, 2, 0.01, cands=[[i, -1, -2]])  # a depth-0 candidate list that guesses output i
+        dec.out.append(i)
+    assert p.P[0][0] == pytest.approx(0.6)
+
+
 def test_lookahead_budget_from_its_own_gains():
     """Lookahead has no ranked candidates: each budget is judged by the drafts it got accepted."""
     model = random_model(ARGS, 3)
