@@ -334,26 +334,13 @@ def test_unlucky_first_steps_do_not_lock_a_budget_out():
     (node 1, then a chain at nodes 8..13): scored at every budget, the whole drafts show it at once,
     whatever budgets the steps ran."""
     from nanospec.tree import Tree
-    world = list(range(1000, 9000))
 
-    def draft(pos, good):  # 16 nodes under the root: wrong tokens, but for the chain 1, 8..13 when good
-        tokens, parents = [world[pos - 1]] + [-i for i in range(1, 17)], [-1] + [0] * 16
-        for k, i in enumerate([1, 8, 9, 10, 11, 12, 13] if good else []):
-            tokens[i], parents[i] = world[pos + k], [0, 1, 8, 9, 10, 11, 12][k]
+    def whole(i, seq):  # 16 nodes under the root: wrong tokens, but for the chain 1, 8..13 when good
+        tokens, parents = [seq[0]] + [-j for j in range(1, 17)], [-1] + [0] * 16
+        for k, j in enumerate([1, 8, 9, 10, 11, 12, 13] if i >= 3 else []):
+            tokens[j], parents[j] = seq[1 + k], [0, 1, 8, 9, 10, 11, 12][k]
         return Tree(tokens, parents)
-    p = Planner(FixedCost(0.01, 1e-4))
-    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n, context=lambda dec: 0), None)
-    pos, sizes = 1, []
-    for i in range(400):
-        dec = SimpleNamespace(cur=pos, out=world[1:pos])
-        s, _ = p.budget([dec])
-        whole = draft(pos, i >= 3)  # drafted on AR steps too
-        path = whole.prefix(min(17, s + 1)).follow(world[pos:pos + 20]) if s else [0]
-        pos += len(path)
-        rows = min(17, s + 1)
-        p.observe(SimpleNamespace(cur=pos, out=world[1:pos]), s, rows, p.cost.estimate(rows), path, whole)
-        sizes.append(s)
-    late = sizes[200:]
+    late = [s for _, s in nested_run(Planner(FixedCost(0.01, 1e-4)), lambda i: 0, whole, steps=400)][200:]
     assert sum(s >= 13 for s in late) > 0.8 * len(late)
 
 
@@ -363,24 +350,15 @@ def test_a_nested_budget_is_priced_at_the_nodes_its_drafts_run():
     its full budget, drafting loses to AR (1.75 tokens for 5 rows); priced at the 1.75 nodes its
     drafts run, it pays, and the planner drafts."""
     from nanospec.tree import Tree
-    world = list(range(1000, 9000))
-    p = Planner(FixedCost(0.01, 0.004))
-    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n, context=lambda dec: 0), None)
-    pos, sizes = 1, []
-    for i in range(400):
-        s, _ = p.budget([SimpleNamespace(cur=pos, out=world[1:pos])])
-        whole = Tree(world[pos - 1:pos + (3 if i % 4 == 0 else 0)], list(range(-1, 3 if i % 4 == 0 else 0)))
-        path = whole.prefix(min(len(whole), s + 1)).follow(world[pos:pos + 20]) if s else [0]
-        rows = min(len(whole), s + 1)
-        pos += len(path)
-        p.observe(SimpleNamespace(cur=pos, out=world[1:pos]), s, rows, p.cost.estimate(rows), path, whole)
-        sizes.append(s)
-    assert sum(s >= 3 for s in sizes[200:]) > 0.8 * 200
+    late = [s for _, s in nested_run(Planner(FixedCost(0.01, 0.004)), lambda i: 0,
+                                     lambda i, seq: Tree.chain(seq[0], seq[1:4] if i % 4 == 0 else []), steps=400)][200:]
+    assert sum(s >= 3 for s in late) > 0.8 * 200
 
 
 def nested_run(p, context, whole, steps=200) -> list[tuple[int, int]]:
-    """Steps of a stand-in nested drafter over a world whose output i is token 1000 + i: context(i)
-    and whole(i, pos) give step i's context and whole draft. (context, size) of each step."""
+    """Steps of a stand-in nested drafter over a world whose output i is token 1000 + i, one sequence
+    (its Decoding persists, as the engine's does): context(i) and whole(i, seq) give step i's context
+    and whole draft, seq the last token and the 16 after it. (context, size) of each step."""
     world = list(range(1000, 9000))
     p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n, context=lambda dec: context(dec.i)), None)
     dec, out = SimpleNamespace(cur=1, out=[], i=0), []
