@@ -319,8 +319,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     sampling stream from seed), each step one forward over every live sequence's rows (near the
     cache's end, one per tree size: a smaller tree gets no filler nodes there). batch: the sequences
     decoded at once (None: all); a stopped one's cache row takes the next prompt (continuous batching).
-    Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)). eos_id None
-    uses the model's; pass -1 to never stop on EOS."""
+    Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)); eos_id None: the model's, -1: none."""
     drafter = drafter or AR
     many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
     prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if many else [prompt])]
@@ -386,7 +385,8 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
             secs = time.perf_counter() - ts
             for i, d in enumerate(live):  # the step's rows and time once; each sequence's outcome
                 planner.observe(d, budget, rows if i == 0 else 0, secs, paths[d], drafted[d], d.lists)
-        live = [d for d in live if d not in done] + [n for d in done for n in admit(d.seq)]
+        live = sorted([d for d in live if d not in done] + [n for d in done for n in admit(d.seq)],
+                      key=lambda d: d.seq)  # cache order: a full batch reads its cache in place, no gather
     for d, r in outs.items():
         r.prefill_s, r.forward_s = prefill_s, d.forward_s
         n = min(len(d.out), max_new_tokens)
