@@ -18,33 +18,38 @@ import torch
 
 from .engine import Decoding
 from .files import atomic_write, cache_root, fingerprint, hardware
-from .kernels import to_json
+from .kernels import BUCKETS, to_json
 from .model import KVCache
 from .sizes import MIN_BLOCK
 from .tree import Tree
 
-COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+COST_ROWS = BUCKETS + (96, 128)  # every bucket of fast mode's products, and beyond them
 SETTLE = 3  # steps of a kind before its excess is taken as known (the planner then replans)
 WINDOW = 16  # the steps of a kind whose median excess is taken
 COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached measures are then stale
 
 
 class Measured:
-    """A step's seconds: a forward's by rows (costs.measure), interpolated, plus the step's excess
-    over it, learnt from the steps' own times. A count measured slower than a larger one takes its
-    time (fast mode then runs the product on more rows: kernels.py; else it is noise). The excess is
+    """A step's seconds: a forward's by rows (costs.measure) plus the step's excess over it, learnt
+    from the steps' own times. A count measured slower than a larger one takes its time (fast mode
+    then runs the product on more rows: kernels.py; else it is noise). Between measured counts a
+    forward is interpolated, or (padded: fast mode's tuned products, which run a row count at its
+    bucket's, kernels.BUCKETS) costs the next measured count, as 9 rows cost 12. The excess is
     what a forward of the same rows leaves out (drafting, the draft heads' products, a method's own
     rows, verification, the host's work) and what else the machine is doing. It is kept per batch
     size and kind of step (AR's or a drafter's) as the median of the last WINDOW steps: a first
     step's warm-up or a stall of several steps' length does not swing it. It grows with the batch
     about as the sequences do (SmolLM2, SDSAT's drafting steps: 15-23 ms per sequence at B = 1-4)."""
 
-    def __init__(self, points: dict[int, float]):
+    def __init__(self, points: dict[int, float], padded: bool = False):
         rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))
         self.rows, self.secs = rows, tuple(itertools.accumulate(secs[::-1], min))[::-1]
+        self.padded = padded
         self.seen, self.excess = {}, {}  # (batch, drafting) -> the last WINDOW steps' excesses; their median
 
     def forward(self, rows: int) -> float:
+        if self.padded and rows <= min(BUCKETS[-1], self.rows[-1]):
+            return self.secs[bisect.bisect_left(self.rows, rows)]
         i = min(max(bisect.bisect_left(self.rows, rows), 1), len(self.rows) - 1)
         (r0, r1), (s0, s1) = self.rows[i - 1:i + 1], self.secs[i - 1:i + 1]
         return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
@@ -112,7 +117,7 @@ def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}-{COSTS_VERSION}"
     path = cache_root() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
-        return Measured({int(r): t for r, t in json.loads(path.read_text())["seconds"].items()})
+        return Measured({int(r): t for r, t in json.loads(path.read_text())["seconds"].items()}, padded=bool(forms))
     Q = max(MIN_BLOCK, *rows)
     cache = KVCache.for_model(model, context + Q + 1)
     dec = Decoding(model, cache, exact, Q, [0] * (context + 1))
@@ -129,4 +134,4 @@ def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps
                 points[n] = min(points.get(n, math.inf), time.perf_counter() - t0)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda p: p.write_text(json.dumps({"key": key, "seconds": points}, indent=1)))
-    return Measured(points)
+    return Measured(points, padded=bool(forms))

@@ -11,10 +11,13 @@ Beyond the paper, each with its A/B (RESULTS.md, issue 34's and 35's sections; f
   (costs.Measured: drafting, heads, a method's own rows, host work), learnt from the steps' own
   times. SmolLM2 at B = 1/2/4/8, against the forward alone: BiTA 0.96/0.97/0.97/1.04x (was
   0.85/0.96/0.99/0.99x), SDSAT 0.96/0.99/0.96/0.96x (was 0.72/0.85/0.89/0.82x); default model:
-  BiTA 0.92x at B = 4 (was 0.72x), 0.98x beside a neighbour's job (was 0.80-0.91x), but Medusa
-  1.69x at B = 1 (was 1.83-1.86x) and Lookahead 2.38-2.64x (was 2.64-2.77x). A batch size not
-  seen yet takes the nearest seen one's excess per sequence: SmolLM2, B = 4, the drafting steps
-  at the tail's sizes (3, 2, 1) fell from 25 to 3 (SDSAT) and 16 to 11 (BiTA).
+  BiTA 0.92x at B = 4 (was 0.72x), 0.98x beside a neighbour's job (was 0.80-0.91x). A batch size
+  not seen yet takes the nearest seen one's excess per sequence (SmolLM2, B = 4: SDSAT's drafting
+  steps at the tail's sizes 25 -> 3).
+- Sizes one under fast mode's row buckets (kernels.BUCKETS), where n rows run at their bucket's
+  count, as costs.Measured prices them: s + 1 rows (x B = 1, 2, 4, 8) fill a bucket. Default model,
+  B = 1/4: Medusa 1.95/1.48x and 1.90/1.47x against 1.76/1.23x and 1.81/1.17x, Hidden Transfer
+  1.74/1.21x and 1.78/1.28x against 1.54/1.13x and 1.54/1.12x; SmolLM2 within the spread.
 - Probes: a ranked drafter's AR steps teach no acceptance, so while AR is planned, PROBE drafting
   steps of the cheapest tree renew the estimates (acceptance and cost), once AR has run since the
   last drafting step long enough that the probe's expected loss against AR is at most SHARE of that
@@ -24,14 +27,11 @@ Beyond the paper, each with its A/B (RESULTS.md, issue 34's and 35's sections; f
   1.15/1.17x (against 1.05/0.99x). Its outcomes weigh as PROBE steps of history, not all of it:
   SmolLM2, Hidden Transfer 0.96/0.97x against 0.95/0.95x; the default model within the spread.
 - Nested drafts (Lookahead's) are drafted whole on every step, AR's too, run as their first s
-  nodes, and scored at every budget once the output is known (2.19-2.28x against 1.81-1.97x scored
-  at the run budget only), with gains kept per context (Drafter.context: Lookahead's match length),
-  so a step without a match runs AR and a long match drafts deep: B = 1, default model 2.31-2.40x
-  (4.2 tokens per step) against 2.00-2.42x (3.0-4.1) pooled, SmolLM2 1.47/1.49x against 1.31/1.34x.
-  Alone, a budget is priced at the nodes its drafts run (a trie that matches nothing costs an AR
-  step): default model 1.84-2.08x against 1.71-1.86x, SmolLM2 1.31/1.37x against 1.30/1.29x. A
-  batch pads every sequence to its longest tree, so at B > 1 a budget of s keeps s + 1 rows (at
-  its drafts' nodes, SmolLM2 at B = 4 read 1.09/1.11x against 1.14/1.16x).
+  nodes, and scored at every budget once the output is known (2.19-2.28x against 1.81-1.97x at the
+  run budget only), with gains per context (Drafter.context: Lookahead's match length): B = 1,
+  default model 2.31-2.40x against 2.00-2.42x pooled, SmolLM2 1.47/1.49x against 1.31/1.34x. Alone,
+  a budget is priced at the nodes its drafts run (default model 1.84-2.08x against 1.71-1.86x); a
+  batch pads every sequence to its longest tree, so at B > 1 a budget of s keeps s + 1 rows.
 """
 import itertools
 import math
@@ -39,7 +39,7 @@ from collections import Counter
 
 from .tree import Template, choose_tree
 
-SIZES = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+SIZES = (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63)  # one under fast mode's row buckets
 PROBE = 8      # drafting steps per probe: enough outcomes to estimate from
 SHARE = 0.02   # a probe's expected loss against AR, as a share of the time at AR before it
 LONGEST = 32   # replans: the longest wait for a probe, so a cost inflated by a stall cannot lock AR in

@@ -92,6 +92,31 @@ def test_measured_costs_interpolate():
     assert [bumpy.estimate(n) for n in range(1, 9)] == sorted(bumpy.estimate(n) for n in range(1, 9))
 
 
+def test_fast_modes_padded_products_cost_their_bucket():
+    """Fast mode runs a product of n rows at its bucket's row count (kernels.py), so a forward of 9
+    rows costs what 12 do, not a line between 8 and 12; past the last bucket products are not padded."""
+    points = {1: 0.010, 8: 0.020, 12: 0.030, 64: 0.060, 128: 0.100}
+    c = Measured(points, padded=True)
+    assert c.estimate(9) == pytest.approx(0.030) and c.estimate(12) == pytest.approx(0.030)
+    assert c.estimate(2) == pytest.approx(0.020) and c.estimate(96) == pytest.approx(0.080)
+    assert Measured(points).estimate(9) == pytest.approx(0.0225)
+
+
+def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp_path):
+    """costs.measure prices rows by bucket where fast mode's tuned products pad them, and by a line
+    in exact mode and under plain products; a cached measure reads back the same."""
+    from nanospec import kernels
+    from nanospec.costs import measure
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    model = random_model(ARGS)
+    rows = kernels.BUCKETS[:4]
+    assert not measure(model, rows=rows, context=8, reps=1).padded  # no tuned products
+    model.kernels = kernels.tune(model, reps=1)
+    for again in (False, True):
+        assert measure(model, rows=rows, context=8, reps=1).padded
+        assert not measure(model, exact=True, rows=rows, context=8, reps=1).padded
+
+
 def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
     """Measured learns, per batch size and kind of step (AR's or a drafter's), a step's excess over
     its forward: the median of the last steps, so one stall does not move it; known after SETTLE
@@ -314,12 +339,12 @@ def test_a_nested_draft_is_scored_at_every_budget():
     parents = [-1, 0, 0, 1, 0, 2, 3, 4, 1, 5] + [0] * 7
     tree = Tree([50] + [10 + i for i in range(1, 17)], parents)
     want = {1: 0, 2: 1, 4: 1, 8: 2, 12: 3, 16: 3, 24: 3, 64: 3}
-    p = Planner(FixedCost(0.01, 1e-4))
+    p = Planner(FixedCost(0.01, 1e-4), sizes=(0, *want))
     p.start(SimpleNamespace(topk=None, nested=True, context=lambda dec: 0), None)
     dec = SimpleNamespace(out=[99, 12, 15, 19, 7])
     p.observe(dec, 16, 17, 0.01, [0, 2, 5, 9], tree)
     assert {s: p.gain[0, s] for s in want} == want and not p.drafts[id(dec)]
-    p = Planner(FixedCost(0.01, 1e-4))
+    p = Planner(FixedCost(0.01, 1e-4), sizes=(0, *want))
     p.start(SimpleNamespace(topk=None, nested=True, context=lambda dec: 0), None)
     dec = SimpleNamespace(out=[99, 12])
     p.observe(dec, 1, 2, 0.01, [0], tree)  # budget 1: node 1 is wrong; 12 is AR's token
