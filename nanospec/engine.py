@@ -385,8 +385,8 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
             secs = time.perf_counter() - ts
             for i, d in enumerate(live):  # the step's rows and time once; each sequence's outcome
                 planner.observe(d, budget, rows if i == 0 else 0, secs, paths[d], drafted[d], d.lists)
-        live = sorted([d for d in live if d not in done] + [n for d in done for n in admit(d.seq)],
-                      key=lambda d: d.seq)  # cache order: a full batch reads its cache in place, no gather
+        # a stopped sequence's refill takes its place: cache-row order, so a full batch reads the cache in place
+        live = [n for d in live for n in (admit(d.seq) if d in done else [d])]
     for d, r in outs.items():
         r.prefill_s, r.forward_s = prefill_s, d.forward_s
         n = min(len(d.out), max_new_tokens)
