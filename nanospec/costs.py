@@ -18,13 +18,12 @@ import torch
 
 from .engine import Decoding
 from .files import atomic_write, cache_root, fingerprint, hardware
-from .kernels import BUCKETS, to_json
-from .model import KVCache
+from .kernels import to_json
+from .model import BUCKETS, KVCache
 from .sizes import MIN_BLOCK
 from .tree import Tree
 
 COST_ROWS = BUCKETS + (96, 128)  # every bucket of fast mode's products, and beyond them
-SETTLE = 3  # steps of a kind before its excess is taken as known (the planner then replans)
 WINDOW = 16  # the steps of a kind whose median excess is taken
 COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached measures are then stale
 
@@ -34,7 +33,7 @@ class Measured:
     from the steps' own times. A count measured slower than a larger one takes its time (fast mode
     then runs the product on more rows: kernels.py; else it is noise). Between measured counts a
     forward is interpolated, or (padded: fast mode's tuned products, which run a row count at its
-    bucket's, kernels.BUCKETS) costs the next measured count, as 9 rows cost 12. The excess is
+    bucket's, model.BUCKETS) costs the next measured count, as 9 rows cost 12. The excess is
     what a forward of the same rows leaves out (drafting, the draft heads' products, a method's own
     rows, verification, the host's work) and what else the machine is doing. It is kept per batch
     size and kind of step (AR's or a drafter's) as the median of the last WINDOW steps: a first
@@ -54,13 +53,11 @@ class Measured:
         (r0, r1), (s0, s1) = self.rows[i - 1:i + 1], self.secs[i - 1:i + 1]
         return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
 
-    def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False) -> bool:
-        """Learns from a whole step (ar: AR's; else a drafter's, even of one row per sequence); True when
-        this kind of step's excess is first known (after SETTLE steps)."""
+    def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False) -> None:
+        """Learns from a whole step (ar: AR's; else a drafter's, even of one row per sequence)."""
         seen = self.seen.setdefault((batch, not ar), collections.deque(maxlen=WINDOW))
         seen.append(seconds - self.forward(rows))
         self.excess[batch, not ar] = statistics.median(seen)  # once per step, not per estimate
-        return len(seen) == SETTLE
 
     def estimate(self, rows: int, batch: int = 1, bare: bool = False) -> float:
         """A step of `rows` rows over `batch` sequences (bare: the forward alone). A batch size whose
@@ -82,13 +79,12 @@ class CostModel:
         self.alpha, self.lam, self.step = alpha, lam, 0
         self.perf, self.seen = {}, {}  # (batch, rows) -> EMA of step seconds; step of its last update
 
-    def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False) -> bool:
+    def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False) -> None:
         if rows <= batch:  # one row per sequence takes another kernel path on a CPU: it would bend the line
-            return False
+            return
         old = self.perf.get((batch, rows))
         self.perf[batch, rows] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
         self.seen[batch, rows], self.step = self.step, self.step + 1
-        return False
 
     def fit(self, batch: int = 1) -> tuple[float, float] | None:
         """(b0, b1), or None with fewer than two row counts measured."""

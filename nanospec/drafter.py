@@ -10,7 +10,7 @@
   logits, and per node the drafts that node would make if it ended the accepted path. Forward and
   Out live here: they are what a method's forward is written with.
 - propose(drafts, mm) turns each sequence's last accepted node's drafts into logits per depth
-  (B, K, V), its vocabulary products through mm(layer, x) (fast mode's tuned kernels: kernels.Kernels)
+  (B, K, V), its vocabulary products through mm(layer, x) (fast mode's tuned kernels: model.Kernels)
   as one product for the batch.
 - accepted(dec, tree, path) is told what was accepted (Lookahead's trie, SDSAT's statistics).
 Plain AR is the base Drafter: a tree of the root alone.

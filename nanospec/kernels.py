@@ -1,5 +1,5 @@
 """Fast mode's matrix products by row count (`--kernels tuned`, the default on a CPU): the table of
-Kernels, tuned here per machine and cached.
+model.Kernels, tuned here per machine and cached (the forms run in model.py).
 
 A forward of a few rows on a CPU is bound by reading the weights, yet eager `F.linear` handles
 a small row count almost row by row. The same product written weight-first, `(W @ x.T).T`, or
@@ -27,43 +27,9 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from .files import atomic_write, cache_root, fingerprint, hardware
-
-BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # fast mode's row counts, each with its tuned forms
-# x @ w.T in several forms (the fastest depends on rows, shape, machine); p: the weight as PREPARE made it
-FORMS = {"linear": lambda x, w, p: F.linear(x, w), "weight-first": lambda x, w, p: (w @ x.T).T,
-         "transposed": lambda x, w, p: x @ p}
-PREPARE = {"transposed": lambda w: w.t().contiguous()}  # forms run on a copy of the weight, made once
-if torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in
-                                                 ("_linear_pointwise", "_reorder_linear_weight")):
-    FORMS["packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-    PREPARE["packed"] = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 16)  # 16: the layout's row hint
-
-
-class Kernels:
-    """{(out, in, rows bucket): (form, rows)}: each product's fastest form and row count."""
-
-    def __init__(self, table: dict):
-        self.table = table
-        self.prepared = {}  # (id(weight), form) -> the weight as that form wants it
-
-    def linear(self, layer, x):
-        M, w = x.shape[:-1].numel(), layer.weight
-        b = next((b for b in BUCKETS if b >= M), None)
-        form, rows = self.table.get((*w.shape, b), ("linear", M)) if b else ("linear", M)
-        if form == "linear" and rows == M:
-            return layer(x)
-        if form in PREPARE and (id(w), form) not in self.prepared:
-            self.prepared[id(w), form] = PREPARE[form](w.detach())
-        x2 = x.reshape(M, -1)
-        if rows > M:
-            x2 = torch.cat([x2, x2.new_zeros(rows - M, x2.shape[1])])
-        # row-major out, as F.linear's: later products on a weight-first result's layout run slower
-        y = FORMS[form](x2, w, self.prepared.get((id(w), form)))[:M].contiguous()
-        return y.reshape(*x.shape[:-1], -1)
-
+from .model import BUCKETS, FORMS, PREPARE, Kernels
 
 PAD_MARGIN = 0.1  # run a product on more rows only if that measured at least 10% faster
 

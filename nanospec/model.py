@@ -1,14 +1,12 @@
 """A Llama that computes a block of rows with explicit positions, cache slots and visibility.
 
 Every forward takes a Block: T rows, each with a RoPE position, the KVCache slot its key/value is written to, and
-the slots it may attend to: "the committed prefix 0..prefix-1, then `extra` in the given order" -- for a tree
-node, its ancestors by depth and itself: the canonical key order of the exactness contract (DESIGN.md section 2).
-A batch's sequences each have their own cache row (a forward's seqs; slots per sequence). Two modes:
-- exact: each row gathers its visible keys in canonical order, padded to the cache's S slots, so its result
-  depends only on its own input and visible keys, not on the block's other rows: in a fixed block of Q rows
-  per sequence (the engine pads), a tree node's logits are bitwise AR's for its token.
-- fast: SDPA over the used part of the cache with a boolean mask, no padding, and each product in the form
-  fastest for its row count (kernels.Kernels), when set.
+the slots it may attend to: "the committed prefix 0..prefix-1, then `extra` in the given order" -- for a tree node,
+its ancestors by depth and itself: the canonical key order of the exactness contract (DESIGN.md section 2). A
+batch's sequences each have their own cache row (a forward's seqs). Two modes:
+- exact: each row gathers its visible keys in canonical order, padded to the cache's S slots, so its result depends
+  only on its own input and visible keys: in a fixed block of Q rows per sequence, a node's logits are bitwise AR's.
+- fast: SDPA over the used part of the cache with a boolean mask, and each product in its fastest form (Kernels).
 """
 import math
 from dataclasses import dataclass, fields
@@ -101,7 +99,7 @@ class Context:
     valid: torch.Tensor | None = None  # exact: (B, T, Sp) which of those are visible
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
-    kernels: object = None             # fast: kernels.Kernels, the products' forms by row count
+    kernels: object = None             # fast: Kernels, the products' forms by row count
     seqs: torch.Tensor | None = None   # (B,) the cache rows of the block's sequences; None: 0..B-1
     delta: object = None               # delta(layer, x, y): a product's update on some rows (SDSAT's adaptive rows)
 
@@ -161,9 +159,38 @@ def rowwise(fn, x):
     return out[:, :D].reshape(x.shape)
 
 
-def mm(kernels, layer, x):
-    """layer(x) for a bias-free layer: in the form fastest for x's rows when kernels (fast mode's
-    tuned Kernels) are given, else as the layer computes it (exact mode: AR's one kernel)."""
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # fast mode's row counts, each with its tuned forms
+# x @ w.T in several forms (the fastest depends on rows, shape, machine); p: the weight as PREPARE made it
+FORMS = {"linear": lambda x, w, p: F.linear(x, w), "weight-first": lambda x, w, p: (w @ x.T).T,
+         "transposed": lambda x, w, p: x @ p}
+PREPARE = {"transposed": lambda w: w.t().contiguous()}  # forms run on a copy of the weight, made once
+if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):  # oneDNN's packed weights
+    FORMS["packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+    PREPARE["packed"] = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 16)  # 16: the layout's row hint
+
+
+class Kernels:
+    """Fast mode's products, {(out, in, rows bucket): (form, rows)}: each one's fastest here (kernels.tune)."""
+
+    def __init__(self, table: dict):
+        self.table, self.prepared = table, {}  # prepared: (id(weight), form) -> the weight as that form wants it
+
+    def linear(self, layer, x):
+        M, w = x.shape[:-1].numel(), layer.weight
+        b = next((b for b in BUCKETS if b >= M), None)
+        form, rows = self.table.get((*w.shape, b), ("linear", M)) if b else ("linear", M)
+        if form == "linear" and rows == M:
+            return layer(x)
+        if form in PREPARE and (id(w), form) not in self.prepared:
+            self.prepared[id(w), form] = PREPARE[form](w.detach())
+        x2 = x.reshape(M, -1) if rows == M else F.pad(x.reshape(M, -1), (0, 0, 0, rows - M))  # zero rows added
+        # row-major out, as F.linear's: later products on a weight-first result's layout run slower
+        y = FORMS[form](x2, w, self.prepared.get((id(w), form)))[:M].contiguous()
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def mm(kernels: Kernels | None, layer, x):
+    """layer(x) for a bias-free layer, in fast mode's tuned forms when given (exact mode: AR's one kernel)."""
     return layer(x) if kernels is None else kernels.linear(layer, x)
 
 
@@ -174,8 +201,7 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     if kind != "llama3":
         return inv / sc["factor"] if kind == "linear" else inv
     # llama3: frequency-dependent scaling, as in Llama 3.1
-    factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-    old = sc["original_max_position_embeddings"]
+    factor, lo, hi, old = (sc[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > old / lo, inv / factor, inv)
     smooth = (old / wavelen - lo) / (hi - lo)

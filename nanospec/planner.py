@@ -4,34 +4,28 @@ ProPD's section 4.2 (../shared/papers/propd.txt), in the core so every method ge
 model of a step's seconds by (batch, rows) (costs.Measured, or ProPD's own online costs.CostModel),
 acceptance per depth and rank, the expected accepted length of a tree (1, plus each node's path
 probability: Figure 6), and the size with the most expected tokens per second, replanned every
-`replan` tokens. Size 0, an AR step, is the one generalisation: drafting that does not pay stops.
+`replan` tokens (the cost model learns then, from the steps since). Size 0, an AR step, is the one
+generalisation: drafting that does not pay stops.
 
 Beyond the paper, each with its A/B (RESULTS.md, issue 34's and 35's sections; fp32 fast mode, 2 cores):
-- Whole steps: a step costs its forward plus what steps of its kind took beyond their forwards
-  (costs.Measured: drafting, heads, a method's own rows, host work), learnt from the steps' own
-  times. SmolLM2 at B = 1/2/4/8, against the forward alone: BiTA 0.96/0.97/0.97/1.04x (was
-  0.85/0.96/0.99/0.99x), SDSAT 0.96/0.99/0.96/0.96x (was 0.72/0.85/0.89/0.82x); default model:
-  BiTA 0.92x at B = 4 (was 0.72x), 0.98x beside a neighbour's job (was 0.80-0.91x). A batch size
-  not seen yet takes the nearest seen one's excess per sequence (SmolLM2, B = 4: SDSAT's drafting
-  steps at the tail's sizes 25 -> 3).
-- Sizes one under fast mode's row buckets (kernels.BUCKETS), where n rows run at their bucket's
-  count, as costs.Measured prices them: s + 1 rows (x B = 1, 2, 4, 8) fill a bucket. Default model,
-  B = 1/4: Medusa 1.95/1.48x and 1.90/1.47x against 1.76/1.23x and 1.81/1.17x, Hidden Transfer
-  1.74/1.21x and 1.78/1.28x against 1.54/1.13x and 1.54/1.12x; SmolLM2 within the spread.
-- Probes: a ranked drafter's AR steps teach no acceptance, so while AR is planned, PROBE drafting
-  steps of the cheapest tree renew the estimates (acceptance and cost), once AR has run since the
-  last drafting step long enough that the probe's expected loss against AR is at most SHARE of that
-  time. Without probes BiTA and Hidden Transfer lock into AR on the default model (0.96-0.98x
-  against 1.11-1.13x and 1.55-1.56x). Priced at its expected loss, a probe comes sooner the closer
-  drafting is to paying: default model, B = 1, BiTA 1.20/1.10x (against 1.15/1.04x), SDSAT
-  1.15/1.17x (against 1.05/0.99x). Its outcomes weigh as PROBE steps of history, not all of it:
-  SmolLM2, Hidden Transfer 0.96/0.97x against 0.95/0.95x; the default model within the spread.
-- Nested drafts (Lookahead's) are drafted whole on every step, AR's too, run as their first s
-  nodes, and scored at every budget once the output is known (2.19-2.28x against 1.81-1.97x at the
-  run budget only), with gains per context (Drafter.context: Lookahead's match length): B = 1,
-  default model 2.31-2.40x against 2.00-2.42x pooled, SmolLM2 1.47/1.49x against 1.31/1.34x. Alone,
-  a budget is priced at the nodes its drafts run (default model 1.84-2.08x against 1.71-1.86x); a
-  batch pads every sequence to its longest tree, so at B > 1 a budget of s keeps s + 1 rows.
+- Whole steps: a step costs its forward plus what steps of its kind took beyond it (costs.Measured).
+  SmolLM2, B = 1/2/4/8, against the forward alone: BiTA 0.96/0.97/0.97/1.04x (was 0.85/0.96/0.99/0.99x),
+  SDSAT 0.96/0.99/0.96/0.96x (was 0.72/0.85/0.89/0.82x); default model, BiTA 0.92x at B = 4 (was 0.72x).
+  An unseen batch size takes the nearest one's excess per sequence (SmolLM2, B = 4: SDSAT's sizes 25 -> 3).
+- Sizes one under fast mode's row buckets (model.BUCKETS), as costs.Measured prices a forward:
+  s + 1 rows (x B = 1, 2, 4, 8) fill one. Default model, B = 1/4: Medusa 1.95/1.48x and 1.90/1.47x
+  against 1.76/1.23x and 1.81/1.17x, Hidden Transfer 1.74/1.78x against 1.54/1.54x (B = 1).
+- Probes: while AR is planned, PROBE drafting steps of the cheapest tree renew the estimates (AR
+  steps teach no acceptance), their expected loss at most SHARE of the time at AR since the last
+  drafting step. Without them BiTA and Hidden Transfer lock into AR on the default model (0.96-0.98x
+  against 1.11-1.13x and 1.55-1.56x); priced so, not at a fixed wait, BiTA 1.20/1.10x against
+  1.15/1.04x, SDSAT 1.15/1.17x against 1.05/0.99x. Their outcomes weigh as PROBE steps of history:
+  SmolLM2, Hidden Transfer 0.96/0.97x against 0.95/0.95x (all of it).
+- Nested drafts (Lookahead's) are drafted whole on every step, AR's too, and scored at every budget
+  (2.19-2.28x against 1.81-1.97x at the run budget only), with gains per context (the match length:
+  default model 2.31-2.40x against 2.00-2.42x pooled, SmolLM2 1.47/1.49x against 1.31/1.34x). Alone, a
+  budget is priced at the nodes its drafts run (1.84-2.08x against 1.71-1.86x); a batch pads every
+  sequence to its longest tree, so at B > 1 a budget of s keeps s + 1 rows.
 """
 import itertools
 import math
@@ -42,6 +36,7 @@ from .tree import Template, choose_tree
 SIZES = (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63)  # one under fast mode's row buckets
 PROBE = 8      # drafting steps per probe: enough outcomes to estimate from
 SHARE = 0.02   # a probe's expected loss against AR, as a share of the time at AR before it
+SETTLE = 3     # steps of a kind (batch size, AR or drafting) before its cost is taken as known: then replan
 LONGEST = 32   # replans: the longest wait for a probe, so a cost inflated by a stall cannot lock AR in
 
 
@@ -71,6 +66,7 @@ class Planner:
     def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         self.cost, self.sizes, self.replan, self.alpha = cost, sorted(sizes), replan, alpha
         self.used, self.clock, self.known = Counter(), 0, 0  # steps per size; tokens decoded; the clock at the last drafting step
+        self.steps, self.kinds = [], Counter()  # steps not yet learnt by the cost model; steps per (batch, drafting)
         self.batch = 1  # the sequences of the step planned (the cost model's key: a batch's rows share a forward)
         self.P, self.gain, self.tries = None, {}, Counter()  # unranked: (context, size) -> drafts accepted,
         self.nodes = {}  # and the nodes its drafts ran (a draft shorter than the budget runs whole)
@@ -123,10 +119,12 @@ class Planner:
             self.at = self.at if self.probing else None  # then replan on the probe's outcomes
             return self.probe
         B = self.batch
-        if self.cost.estimate(B, B) is None:  # an online cost model has no line yet: two sizes first
-            first = len(self.drafter.template) - 1 if getattr(self.drafter, "template", None) else self.sizes[-1]
-            return next((s for s in (first, 1) if (B, B * self.drafter.size(s + 1)) not in self.cost.perf), 1)
         if self.at is None or dec.cur - self.at >= self.replan or self.P is None:
+            while self.steps:  # the cost model learns at each plan, from the steps since the last
+                self.cost.update(*self.steps.pop(0))
+            if self.cost.estimate(B, B) is None:  # an online cost model has no line yet: two sizes first
+                first = len(self.drafter.template) - 1 if getattr(self.drafter, "template", None) else self.sizes[-1]
+                return next((s for s in (first, 1) if (B, B * self.drafter.size(s + 1)) not in self.cost.perf), 1)
             lengths = self.lengths()
             self.at, self.size = dec.cur, best(lengths, self.seconds)
             if not self.size and best(self.lengths(sure=bool(self.P)), lambda s: self.seconds(s, bare=True)):
@@ -145,7 +143,9 @@ class Planner:
         its first sequence), the sequence's accepted path (node indices, root first), a nested drafter's whole
         draft (the step ran its first size + 1 nodes), and the next candidates (host lists per depth)."""
         if rows:  # a batch's step is timed with its first sequence: the probes' cadence is one sequence's tokens
-            if self.cost.update(rows, seconds, self.batch, ar=not size):  # what this kind of step costs is now known: replan
+            self.steps.append((rows, seconds, self.batch, not size))
+            self.kinds[self.batch, bool(size)] += 1
+            if self.kinds[self.batch, bool(size)] == SETTLE:  # what this kind of step costs is now known: replan
                 self.at = None
             self.clock += len(path)
             if size:

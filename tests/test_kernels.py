@@ -1,4 +1,4 @@
-"""Fast mode's tuned products (kernels.Kernels, tuned by kernels.tune): every form, padded or not,
+"""Fast mode's tuned products (model.Kernels, tuned by kernels.tune): every form, padded or not,
 computes the linear layer, a table survives its cache file, and tune() fills every (shape, bucket)
 with a valid choice."""
 import pytest
@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 from helpers import Adversary, full_logits, random_model
 from nanospec import kernels
-from nanospec.kernels import BUCKETS, FORMS, Kernels
+from nanospec.model import BUCKETS, FORMS, Kernels
 from nanospec.model import ModelArgs
 
 TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)

@@ -107,9 +107,10 @@ def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp
     in exact mode and under plain products; a cached measure reads back the same."""
     from nanospec import kernels
     from nanospec.costs import measure
+    from nanospec.model import BUCKETS
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     model = random_model(ARGS)
-    rows = kernels.BUCKETS[:4]
+    rows = BUCKETS[:4]
     assert not measure(model, rows=rows, context=8, reps=1).padded  # no tuned products
     model.kernels = kernels.tune(model, reps=1)
     for again in (False, True):
@@ -119,14 +120,13 @@ def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp
 
 def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
     """Measured learns, per batch size and kind of step (AR's or a drafter's), a step's excess over
-    its forward: the median of the last steps, so one stall does not move it; known after SETTLE
-    steps (update says so once); bare leaves it out. A drafter's one-row step counts as drafting. A
-    batch size not seen takes the nearest seen one's excess per sequence."""
-    from nanospec.costs import SETTLE
+    its forward: the median of the last steps, so one stall does not move it; bare leaves it out. A
+    drafter's one-row step counts as drafting. A batch size not seen takes the nearest seen one's
+    excess per sequence."""
     c = Measured({1: 0.010, 4: 0.016, 16: 0.040})
     assert c.estimate(4) == pytest.approx(0.016)  # nothing seen: the forward
-    said = [c.update(4, 0.016 + 0.030) for _ in range(SETTLE + 2)]
-    assert said == [i + 1 == SETTLE for i in range(SETTLE + 2)]
+    for _ in range(3):
+        c.update(4, 0.016 + 0.030)
     c.update(4, 2.0)  # a stall
     c.update(1, 0.010 + 0.030)  # a drafter's step of one row (no draft yet) is a drafting step
     assert c.estimate(4) == pytest.approx(0.046) and c.estimate(10) == pytest.approx(0.058)
@@ -141,6 +141,27 @@ def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
     assert c.estimate(12, batch=3) == pytest.approx(c.forward(12) + 3 * 0.025)  # the nearest seen: 2
     c.update(16, c.forward(16) + 0.080, batch=4)
     assert c.estimate(12, batch=3) == pytest.approx(c.forward(12) + 3 * 0.020)  # 2 and 4 as near: the larger
+
+
+def test_the_cost_model_learns_at_each_plan_and_a_kind_of_step_known_replans():
+    """The planner hands its steps' times to the cost model when it plans (not on every step), and
+    replans when a kind of step (batch size, AR or drafting) has run SETTLE times: its cost is known."""
+    from nanospec.planner import SETTLE
+    learnt = []
+    cost = FixedCost(0.01, 0.001)
+    cost.update = lambda *step: learnt.append(step)
+    planner = Planner(cost, replan=1000)
+    d = SimpleNamespace(topk=[3], acc=[[0.5, 0.1, 0.1]], size=lambda n: n, family=None, context=lambda dec: 0)
+    planner.start(d, None)
+    dec = SimpleNamespace(out=[], cur=0)
+    for i in range(2 * SETTLE):
+        size, _ = planner.budget([dec])
+        assert len(learnt) == (0 if i < SETTLE else SETTLE)  # none at the first plan; the SETTLE steps at the next
+        dec.out.append(i)
+        dec.cur += 1
+        planner.observe(dec, size, size + 1, 0.01 * (i + 1), cands=[[-1, -2, -3]] if size else None)
+        assert (planner.at is None) == (i + 1 == SETTLE)  # the SETTLE-th step of its kind: replan
+    assert [s[1] for s in learnt] == [0.01 * (i + 1) for i in range(SETTLE)] and all(s[2] == 1 for s in learnt)
 
 
 def drive(planner, acc, steps, right, seconds=lambda rows, size: 0.01) -> list[int]:
