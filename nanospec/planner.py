@@ -4,8 +4,8 @@ ProPD's section 4.2 (../shared/papers/propd.txt), in the core so every method ge
 model of a step's seconds by (batch, rows) (costs.Measured, or ProPD's own online costs.CostModel),
 acceptance per depth and rank, the expected accepted length of a tree (1, plus each node's path
 probability: Figure 6), and the size with the most expected tokens per second, replanned every
-`replan` tokens (the cost model learns then, from the steps since). Size 0, an AR step, is the one
-generalisation: drafting that does not pay stops.
+`replan` tokens of the planner's clock (not a cursor, which a refill restarts); the cost model learns
+then, from the steps since. Size 0, an AR step, is the one generalisation: drafting that does not pay stops.
 
 Beyond the paper, each with its A/B (RESULTS.md, issue 34's and 35's sections; fp32 fast mode, 2 cores):
 - Whole steps: a step costs its forward plus what steps of its kind took beyond it (costs.Measured).
@@ -106,27 +106,27 @@ class Planner:
         if len(decs) != self.batch:
             self.batch, self.at = len(decs), None
         self.context = {id(d): self.drafter.context(d) for d in decs}
-        size = self.choose(decs[0])
+        size = self.choose()
         self.used[size] += 1
         if size and self.P and (self.tree is None or self.tree[0] != size):  # built once per plan
             self.tree = size, Template.of(tuple(choose_tree(self.p(), size, self.drafter.family)))
         return size, self.tree[1] if size and self.P else None
 
-    def choose(self, dec) -> int:
+    def choose(self) -> int:
         self.probed = bool(self.probing)
         if self.probing:
             self.probing -= 1
             self.at = self.at if self.probing else None  # then replan on the probe's outcomes
             return self.probe
         B = self.batch
-        if self.at is None or dec.cur - self.at >= self.replan or self.P is None:
+        if self.at is None or self.clock - self.at >= self.replan or self.P is None:
             while self.steps:  # the cost model learns at each plan, from the steps since the last
                 self.cost.update(*self.steps.pop(0))
             if self.cost.estimate(B, B) is None:  # an online cost model has no line yet: two sizes first
                 first = len(self.drafter.template) - 1 if getattr(self.drafter, "template", None) else self.sizes[-1]
                 return next((s for s in (first, 1) if (B, B * self.drafter.size(s + 1)) not in self.cost.perf), 1)
             lengths = self.lengths()
-            self.at, self.size = dec.cur, best(lengths, self.seconds)
+            self.at, self.size = self.clock, best(lengths, self.seconds)
             if not self.size and best(self.lengths(sure=bool(self.P)), lambda s: self.seconds(s, bare=True)):
                 # AR for want of acceptance (a ranked drafter's: an unranked one's drafts are scored every
                 # step) or for drafting's cost: a probe renews both, its expected loss (in AR steps) at most
@@ -135,7 +135,7 @@ class Planner:
                 extra = PROBE * (self.seconds(probe) / self.seconds(0) - lengths[probe])
                 if self.clock - self.known >= min(max(self.replan, extra / SHARE), LONGEST * self.replan):
                     self.probing, self.probe, self.fresh = PROBE, probe, Counter()
-                    return self.choose(dec)
+                    return self.choose()
         return self.size
 
     def observe(self, dec, size: int, rows: int, seconds: float, path=(0,), drafted=None, cands=None) -> None:

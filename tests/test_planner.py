@@ -164,6 +164,25 @@ def test_the_cost_model_learns_at_each_plan_and_a_kind_of_step_known_replans():
     assert [s[1] for s in learnt] == [0.01 * (i + 1) for i in range(SETTLE)] and all(s[2] == 1 for s in learnt)
 
 
+def test_a_refill_does_not_stop_the_replans():
+    """Continuous batching gives a stopped sequence's row to a new prompt, whose cursor starts at its
+    prompt's length: the planner still replans every `replan` tokens (its own clock, not a cursor)."""
+    planner = Planner(FixedCost(0.01, 0.001), replan=8)
+    d = SimpleNamespace(topk=[3], acc=[[0.5, 0.1, 0.1]], size=lambda n: n, family=None, context=lambda dec: 0)
+    planner.start(d, None)
+    plans = []
+    lengths = planner.lengths
+    planner.lengths = lambda sure=False: plans.append(sure) or lengths(sure)
+    for dec in (SimpleNamespace(out=[], cur=500), SimpleNamespace(out=[], cur=10)):  # the second: a refill
+        before = plans.count(False)
+        for i in range(40):
+            size, _ = planner.budget([dec])
+            dec.out.append(i)
+            dec.cur += 1
+            planner.observe(dec, size, size + 1, 0.01, cands=[[-1, -2, -3]] if size else None)
+        assert plans.count(False) - before >= 40 // 8  # one plan in 8 tokens, after the refill too
+
+
 def drive(planner, acc, steps, right, seconds=lambda rows, size: 0.01) -> list[int]:
     """Plans `steps` tokens for a stand-in ranked drafter (acc: its prior per depth, 3 ranks) whose
     output i is token i: a drafting step's candidates at depth k guess output n + k (n: the tokens
