@@ -160,11 +160,11 @@ def rowwise(fn, x):
 
 
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # fast mode's row counts, each with its tuned forms
-# x @ w.T in several forms (the fastest depends on rows, shape, machine); p: the weight as PREPARE made it
 FORMS = {"linear": lambda x, w, p: F.linear(x, w), "weight-first": lambda x, w, p: (w @ x.T).T,
-         "transposed": lambda x, w, p: x @ p}
+         "transposed": lambda x, w, p: x @ p}  # x @ w.T, each the fastest somewhere; p: the weight as PREPARE made it
 PREPARE = {"transposed": lambda w: w.t().contiguous()}  # forms run on a copy of the weight, made once
-if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):  # oneDNN's packed weights
+if torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in
+                                                 ("_linear_pointwise", "_reorder_linear_weight")):  # oneDNN's packed weights
     FORMS["packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
     PREPARE["packed"] = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 16)  # 16: the layout's row hint
 

@@ -93,7 +93,7 @@ def test_measured_costs_interpolate():
 
 
 def test_fast_modes_padded_products_cost_their_bucket():
-    """Fast mode runs a product of n rows at its bucket's row count (kernels.py), so a forward of 9
+    """Fast mode runs a product of n rows at its bucket's row count (model.BUCKETS), so a forward of 9
     rows costs what 12 do, not a line between 8 and 12; past the last bucket products are not padded."""
     points = {1: 0.010, 8: 0.020, 12: 0.030, 64: 0.060, 128: 0.100}
     c = Measured(points, padded=True)
@@ -143,6 +143,11 @@ def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
     assert c.estimate(12, batch=3) == pytest.approx(c.forward(12) + 3 * 0.020)  # 2 and 4 as near: the larger
 
 
+def ranked(acc):
+    """A stand-in ranked drafter: its prior acc per depth over 3 ranks, a row per node, one context."""
+    return SimpleNamespace(topk=[3] * len(acc), acc=acc, size=lambda n: n, family=None, context=lambda dec: 0)
+
+
 def test_the_cost_model_learns_at_each_plan_and_a_kind_of_step_known_replans():
     """The planner hands its steps' times to the cost model when it plans (not on every step), and
     replans when a kind of step (batch size, AR or drafting) has run SETTLE times: its cost is known."""
@@ -151,8 +156,7 @@ def test_the_cost_model_learns_at_each_plan_and_a_kind_of_step_known_replans():
     cost = FixedCost(0.01, 0.001)
     cost.update = lambda *step: learnt.append(step)
     planner = Planner(cost, replan=1000)
-    d = SimpleNamespace(topk=[3], acc=[[0.5, 0.1, 0.1]], size=lambda n: n, family=None, context=lambda dec: 0)
-    planner.start(d, None)
+    planner.start(ranked([[0.5, 0.1, 0.1]]), None)
     dec = SimpleNamespace(out=[], cur=0)
     for i in range(2 * SETTLE):
         size, _ = planner.budget([dec])
@@ -168,8 +172,7 @@ def test_a_refill_does_not_stop_the_replans():
     """Continuous batching gives a stopped sequence's row to a new prompt, whose cursor starts at its
     prompt's length: the planner still replans every `replan` tokens (its own clock, not a cursor)."""
     planner = Planner(FixedCost(0.01, 0.001), replan=8)
-    d = SimpleNamespace(topk=[3], acc=[[0.5, 0.1, 0.1]], size=lambda n: n, family=None, context=lambda dec: 0)
-    planner.start(d, None)
+    planner.start(ranked([[0.5, 0.1, 0.1]]), None)
     plans = []
     lengths = planner.lengths
     planner.lengths = lambda sure=False: plans.append(sure) or lengths(sure)
@@ -188,8 +191,7 @@ def drive(planner, acc, steps, right, seconds=lambda rows, size: 0.01) -> list[i
     output i is token i: a drafting step's candidates at depth k guess output n + k (n: the tokens
     after the step), right at top-1 where right(step, i); a step takes seconds(rows, size). The
     size of each step."""
-    d = SimpleNamespace(topk=[3] * len(acc), acc=acc, size=lambda n: n, family=None, context=lambda dec: 0)
-    planner.start(d, None)
+    planner.start(ranked(acc), None)
     dec, sizes = SimpleNamespace(out=[], cur=0), []
     for step in range(steps):
         size, _ = planner.budget([dec])
