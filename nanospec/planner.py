@@ -15,12 +15,13 @@ Beyond the paper, each with its A/B (RESULTS.md, issue 34's and 35's sections; f
 - Sizes one under fast mode's row buckets (model.BUCKETS), as costs.Measured prices a forward:
   s + 1 rows (x B = 1, 2, 4, 8) fill one. Default model, B = 1/4: Medusa 1.95/1.48x and 1.90/1.47x
   against 1.76/1.23x and 1.81/1.17x, Hidden Transfer 1.74/1.78x against 1.54/1.54x (B = 1).
-- Probes: while AR is planned, PROBE drafting steps of the cheapest tree renew the estimates (AR
-  steps teach no acceptance), their expected loss at most SHARE of the time at AR since the last
-  drafting step. Without them BiTA and Hidden Transfer lock into AR on the default model (0.96-0.98x
-  against 1.11-1.13x and 1.55-1.56x); priced so, not at a fixed wait, BiTA 1.20/1.10x against
-  1.15/1.04x, SDSAT 1.15/1.17x against 1.05/0.99x. Their outcomes weigh as PROBE steps of history:
-  SmolLM2, Hidden Transfer 0.96/0.97x against 0.95/0.95x (all of it).
+- Probes: while AR is planned, drafting steps of the cheapest tree renew the estimates (AR steps teach
+  no acceptance): PROBE candidate lists per depth from the batch together (PROBE / B steps), their expected
+  loss at most SHARE of the time at AR since the last drafting step. Without them BiTA and Hidden Transfer
+  lock into AR on the default model (0.96-0.98x against 1.11-1.13x and 1.55-1.56x); priced so, not at a
+  fixed wait, BiTA 1.20/1.10x against 1.15/1.04x, SDSAT 1.15/1.17x against 1.05/0.99x; PROBE / B steps, not
+  PROBE, SmolLM2 B = 8: BiTA, HT, SDSAT 0.98/0.99/0.96x against 0.95/0.97/0.94x (default model B = 4: alike).
+  Outcomes weigh as PROBE steps of history: SmolLM2, Hidden Transfer 0.96/0.97x against 0.95/0.95x (all of it).
 - Nested drafts (Lookahead's) are drafted whole on every step, AR's too, and scored at every budget
   (2.19-2.28x against 1.81-1.97x at the run budget only), with gains per context (the match length:
   default model 2.31-2.40x against 2.00-2.42x pooled, SmolLM2 1.47/1.49x against 1.31/1.34x). Alone, a
@@ -34,7 +35,7 @@ from collections import Counter
 from .tree import Template, choose_tree
 
 SIZES = (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63)  # one under fast mode's row buckets
-PROBE = 8      # drafting steps per probe: enough outcomes to estimate from
+PROBE = 8      # candidate lists per depth a probe gathers (its batch's together): enough to estimate from
 SHARE = 0.02   # a probe's expected loss against AR, as a share of the time at AR before it
 SETTLE = 3     # steps of a kind (batch size, AR or drafting) before its cost is taken as known: then replan
 LONGEST = 32   # replans: the longest wait for a probe, so a cost inflated by a stall cannot lock AR in
@@ -77,8 +78,7 @@ class Planner:
             K, R = len(drafter.topk), max(drafter.topk)
             acc = getattr(drafter, "acc", None) or [[0.6 * 0.7 ** d if r == 0 else 0.02 for r in range(R)] for d in range(K)]
             self.P = [[sum(row[:r + 1]) for r in range(R)] for row in acc]
-        self.pending, self.drafts, self.context = {}, {}, {}  # per sequence (id of its Decoding): candidate
-        # lists and drafts to score; the drafter's context for its step (Drafter.context)
+        self.pending, self.drafts, self.context = {}, {}, {}  # per sequence: candidates and drafts to score, context
         self.at, self.size, self.tree, self.probe = None, None, None, None
         self.probing, self.probed, self.fresh = 0, False, Counter()
 
@@ -131,10 +131,10 @@ class Planner:
                 # AR for want of acceptance (a ranked drafter's: an unranked one's drafts are scored every
                 # step) or for drafting's cost: a probe renews both, its expected loss (in AR steps) at most
                 # SHARE of the tokens at AR since the last drafting step. The cheapest tree teaches all
-                probe = min(s for s in self.sizes if s)
-                extra = PROBE * (self.seconds(probe) / self.seconds(0) - lengths[probe])
+                probe, steps = min(s for s in self.sizes if s), -(-PROBE // B)  # PROBE outcomes, the batch's
+                extra = steps * (self.seconds(probe) / self.seconds(0) - lengths[probe])
                 if self.clock - self.known >= min(max(self.replan, extra / SHARE), LONGEST * self.replan):
-                    self.probing, self.probe, self.fresh = PROBE, probe, Counter()
+                    self.probing, self.probe, self.fresh = steps, probe, Counter()
                     return self.choose()
         return self.size
 
