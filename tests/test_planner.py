@@ -333,7 +333,7 @@ def test_a_probe_comes_sooner_the_closer_drafting_is_to_paying():
 def test_a_probe_gathers_probe_candidate_lists_across_the_batch(B):
     """A probe's drafting steps gather PROBE candidate lists per depth, from its batch's sequences
     together: PROBE / B steps, not PROBE whatever the batch (at B = 8 eight times what the estimate
-    needs, at eight times AR's cost: SmolLM2 BiTA lost 4.5% of its time to its probes)."""
+    needs, each step costing about an AR step more)."""
     from nanospec.planner import PROBE
     planner = Planner(FixedCost(0.01, 0.0002), sizes=(0, 1, 2, 4), replan=8)
     sizes = drive(planner, [[0.2, 0.0, 0.0]] * 2, 1200 // B, lambda step, i: False, B=B)
