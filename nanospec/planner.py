@@ -131,10 +131,10 @@ class Planner:
                 # AR for want of acceptance (a ranked drafter's: an unranked one's drafts are scored every
                 # step) or for drafting's cost: a probe renews both, its expected loss (in AR steps) at most
                 # SHARE of the tokens at AR since the last drafting step. The cheapest tree teaches all
-                probe, steps = min(s for s in self.sizes if s), -(-PROBE // B)  # PROBE outcomes, the batch's
-                extra = steps * (self.seconds(probe) / self.seconds(0) - lengths[probe])
+                probe, span = min(s for s in self.sizes if s), -(-PROBE // B)  # its steps: PROBE outcomes, the batch's
+                extra = span * (self.seconds(probe) / self.seconds(0) - lengths[probe])
                 if self.clock - self.known >= min(max(self.replan, extra / SHARE), LONGEST * self.replan):
-                    self.probing, self.probe, self.fresh = steps, probe, Counter()
+                    self.probing, self.probe, self.fresh = span, probe, Counter()
                     return self.choose()
         return self.size
 
