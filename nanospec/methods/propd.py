@@ -28,10 +28,14 @@ Choices where the paper is silent, and why:
 - Iteration time is wall time from one draft to the next (forward, verification, commit and
   drafting included), keyed by the tree's size before pruning: pruning shows up as cheaper
   large trees, which is how the two techniques combine (section 5.4.3).
-- Candidate sizes 1-64. Until two sizes have been measured the planner explores: the static
-  tree's size, then the smallest. Every generation's first step is a one-row AR step (no hidden
-  state yet); it is not timed, since a single row takes a faster matrix-vector path on CPU and
-  would bend the line.
+- Candidate sizes: the paper names none. These are the core planner's drafting sizes, 1-63, each
+  one under a fast-mode row bucket (model.BUCKETS): s + 1 rows a sequence fill it at B = 1, 2, 4
+  and 8. Default model, B = 1/2/4/8: 1.75-1.80/1.56-1.67/1.16-1.24/1.09-1.10x AR, against
+  1.62/1.41-1.51/1.06-1.15/0.96-1.00x for 1, 2, 4, 8, ... 64; SmolLM2, one run each, alike:
+  0.98/0.92/0.97/0.95x against 1.00/0.92/0.96/0.93x (RESULTS.md).
+- Until two sizes have been measured the planner explores: the static tree's size, then the
+  smallest. Every generation's first step is a one-row AR step (no hidden state yet); it is not
+  timed, since a single row takes a faster matrix-vector path on CPU and would bend the line.
 - Acceptance starts from the heads' measured held-out accuracies (stored by the trainer) and
   tracks the top 10 ranks per head; a prediction is resolved once its position is emitted.
 - The plan is redone when the sequence length has moved by `replan` tokens (default 32) since
@@ -63,12 +67,12 @@ from ..costs import CostModel
 from ..files import fingerprint
 from ..drafter import Out
 from ..model import RMSNorm
-from ..planner import Planner
+from ..planner import SIZES as CORE_SIZES, Planner
 from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, Progress, update
 from ..tree import choose_tree
 from .medusa import Medusa, load_heads
 
-SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # the paper's candidates: ProPD always drafts
+SIZES = tuple(s for s in CORE_SIZES if s)  # the core planner's without 0: ProPD always drafts
 KEEP = 0.97  # the share of right tokens the pruning's top-k must keep, held out (see the header)
 
 
@@ -176,7 +180,7 @@ PLANNERS = ("online", "measured", "static")
 
 def load_propd(model, weights, layer=None, k=None, prune=True, planner="online", tree_size=0, replan=32) -> ProPD:
     """k=None: the smallest k whose held-out hit rate keeps KEEP of the right tokens; none: no pruning.
-    planner: online (the paper's section 4.2: sizes 1-64 from step times learnt as it runs), measured
+    planner: online (the paper's section 4.2: sizes 1-63 from step times learnt as it runs), measured
     (none of its own: decode.py's core planner on measured row costs, AR steps allowed) or static
     (Medusa's tree every step)."""
     if planner not in PLANNERS:
