@@ -14,9 +14,9 @@ from helpers import FixedCost, check_exact, random_model
 from nanospec.engine import generate
 from nanospec.methods.lookahead import Lookahead
 from nanospec.methods.medusa import Heads, Medusa
-from nanospec.model import ModelArgs
+from nanospec.model import BUCKETS, ModelArgs
 from nanospec.costs import CostModel, Measured
-from nanospec.planner import Planner, best, expected_lengths, tree_lengths
+from nanospec.planner import LONGEST, PROBE, SETTLE, SHARE, Planner, best, expected_lengths, tree_lengths
 from nanospec.tree import choose_tree, product_paths
 
 ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=41, hidden_dim=40)
@@ -107,7 +107,6 @@ def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp
     in exact mode and under plain products; a cached measure reads back the same."""
     from nanospec import kernels
     from nanospec.costs import measure
-    from nanospec.model import BUCKETS
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     model = random_model(ARGS)
     rows = BUCKETS[:4]
@@ -151,7 +150,6 @@ def ranked(acc):
 def test_the_cost_model_learns_at_each_plan_and_a_kind_of_step_known_replans():
     """The planner hands its steps' times to the cost model when it plans (not on every step), and
     replans when a kind of step (batch size, AR or drafting) has run SETTLE times: its cost is known."""
-    from nanospec.planner import SETTLE
     learnt = []
     cost = FixedCost(0.01, 0.001)
     cost.update = lambda *step: learnt.append(step)
@@ -279,7 +277,6 @@ def test_probes_cost_at_most_a_share_of_the_time_at_ar(row_cost):
     where a drafting step costs little more than an AR step, a probe comes about every replan, and where
     it costs 1.5x as much (a one-node tree, two rows), about every 200 tokens; the cadence runs on
     across generations (three prompts here)."""
-    from nanospec.planner import PROBE, SHARE
     model = random_model(ARGS, 2)
     heads = Heads(ARGS.dim, ARGS.vocab_size, 3)
     torch.nn.init.normal_(heads.proj[0].weight, std=5.0)  # wrong guesses: AR gets planned
@@ -303,7 +300,6 @@ def test_a_probe_that_finds_good_drafts_brings_drafting_back():
     """A ranked drafter whose candidates are all wrong for a stretch (AR gets planned), then right at
     top-1 on 3 of 5 tokens: a probe's outcomes replace the stale estimates, so drafting comes back at
     the first probe. An EMA nudged by a probe's few outcomes kept a SmolLM2 Medusa at AR for good."""
-    from nanospec.planner import LONGEST, PROBE, SHARE
     planner = Planner(FixedCost(0.01, 0.004), sizes=(0, 1, 2, 4), replan=8)  # 3 rows cost 2.2x 1 row
     sizes = drive(planner, [[0.5, 0.1, 0.1]] * 2, 600, lambda step, i: step >= 300 and i % 5 < 3)
     bad, good = sizes[:300], sizes[300:]
@@ -319,7 +315,6 @@ def test_a_probe_comes_sooner_the_closer_drafting_is_to_paying():
     last drafting step). Drafts right a quarter of the time, where a third would break even, are
     probed three times as often as drafts never right, at the same costs (a probe's whole extra
     cost, the old price, probed both alike: 5 probes in 600 tokens)."""
-    from nanospec.planner import PROBE
 
     def drafting(hit) -> int:
         planner = Planner(FixedCost(0.01, 0.005), sizes=(0, 1, 2, 4), replan=8)  # 2 rows cost 4/3 of 1 row
@@ -334,7 +329,6 @@ def test_a_probe_gathers_probe_candidate_lists_across_the_batch(B):
     """A probe's drafting steps gather PROBE candidate lists per depth, from its batch's sequences
     together: PROBE / B steps, not PROBE whatever the batch (at B = 8 eight times what the estimate
     needs, each step costing about an AR step more)."""
-    from nanospec.planner import PROBE
     planner = Planner(FixedCost(0.01, 0.0002), sizes=(0, 1, 2, 4), replan=8)
     sizes = drive(planner, [[0.2, 0.0, 0.0]] * 2, 1200 // B, lambda step, i: False, B=B)
     runs = [len(r) for r in "".join("d" if s else "." for s in sizes).split(".") if r]
@@ -344,7 +338,6 @@ def test_a_probe_gathers_probe_candidate_lists_across_the_batch(B):
 def test_a_probe_weighs_beside_the_history():
     """A probe's outcomes weigh as PROBE steps of the history: 8 right guesses move an estimate of
     0.2 to 0.6, not to 1 (a good stretch that a probe meets would plan drafting as if it always came)."""
-    from nanospec.planner import PROBE
     p = Planner(FixedCost(0.01, 0.001))
     p.start(SimpleNamespace(topk=[3], acc=[[0.2, 0.0, 0.0]], size=lambda n: n, family=None), None)
     dec, p.probed = SimpleNamespace(out=[], cur=0), True
