@@ -20,6 +20,7 @@ from nanospec.checkpoint import DTYPES, load
 from nanospec.files import fingerprint
 from nanospec.costs import measure as measure_costs
 from nanospec.engine import AR, check_prompt, check_room, generate, shapes
+from nanospec.sizes import block_batch
 from nanospec.peers import transformers_peers
 from nanospec.planner import Planner
 from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, model_dir, split_specs
@@ -47,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--mode", choices=["exact", "fast"],
                    help="default: fast on cpu; exact on cuda (CUDA graphs), where bf16 fast mode can flip near-ties")
     p.add_argument("--block", type=int, help="exact mode: rows per forward (Q)")
+    p.add_argument("--block-batch", type=int, help="exact mode: every forward runs this many sequences' blocks of Q "
+                   "rows, idle ones padded, so a product's total rows never depend on the batch (default: a "
+                   "multiple of 8 on cuda, where cuBLAS picks its fp32 kernel by them; none on cpu)")
     p.add_argument("--max-len", type=int, help="KV cache slots (S); default fits prompt + new tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -161,6 +165,9 @@ def main(argv=None):
         raise NanospecError("--batch takes one size when decoding (several only with --bench)")
     if args.peers and batches != [1]:
         raise NanospecError("--peers times transformers one prompt at a time: use it with --batch 1")
+    if args.block_batch is not None:  # before any weights are loaded (the batch it must hold: generate checks)
+        block_batch(args.block_batch, 1, (args.mode or ("exact" if args.device == "cuda" else "fast")) == "exact",
+                    args.device)
     weights, model, dtype, tok, own_model = setup(args)
     args.mode = args.mode or ("exact" if args.device == "cuda" else "fast")
     exact = args.mode == "exact"
@@ -181,7 +188,7 @@ def main(argv=None):
         for B in batches:  # each size with fresh drafters: a trie or a planner learns nothing from another size's run
             fresh = copy.deepcopy(drafters) if len(batches) > 1 else drafters
             results += bench(model, prompts, fresh, exact=exact, max_new_tokens=args.max_new_tokens, eos_id=args.eos_id,
-                             sampling=sampling, profile=args.profile, peers=peers, batch=B)
+                             sampling=sampling, profile=args.profile, peers=peers, batch=B, block_batch=args.block_batch)
             print(table([r for r in results if r["batch"] == B]), flush=True)
         if args.json:
             print(json.dumps({**info, "max_new_tokens": args.max_new_tokens, "results": results}))
@@ -225,7 +232,7 @@ def decode_batch(args, model, tok, drafter, texts, prompts, B, info, exact, samp
     decoded alone), printed in turn."""
     Q, S = shapes([drafter, AR], max(map(len, prompts)), args.max_new_tokens, args.block, args.max_len)
     kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S, eos_id=args.eos_id,
-              record_logits=args.check or meta is not None, **sampling)
+              record_logits=args.check or meta is not None, block_batch=args.block_batch, **sampling)
     t = time.perf_counter()
     outs = generate(model, prompts, drafter, batch=B, **kw)
     seconds = time.perf_counter() - t - outs[0].prefill_s

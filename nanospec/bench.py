@@ -58,7 +58,8 @@ def first_difference(out, ref) -> str:
 
 
 def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=False,
-          max_new_tokens=128, eos_id=None, sampling=None, profile=False, peers=(), batch=1) -> list[dict]:
+          max_new_tokens=128, eos_id=None, sampling=None, profile=False, peers=(), batch=1,
+          block_batch=None) -> list[dict]:
     """Run every drafter over every prompt (batch at a time: twice, in order and in reverse, each run's
     outputs counted; the budgets reported are the first run's); one result dict per drafter. Per step:
     step_ms (wall time), forward_ms (the step's device program, synchronised on a GPU) and host_ms,
@@ -71,12 +72,13 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         reference for a batch's prompt, at the batch's shapes."""
         longest = max(map(len, prompt if isinstance(prompt[0], list) else prompts if alone else [prompt]))
         Q, S = shapes(everyone, longest, max_new_tokens)  # same shapes for every run of a prompt
-        return generate(model, prompt, d, max_new_tokens=n, exact=exact, Q=Q, n_slots=S,
-                        eos_id=eos_id, record_logits=exact, batch=rows, **sampling)
+        return generate(model, prompt, d, max_new_tokens=n, exact=exact, Q=Q, n_slots=S, eos_id=eos_id,
+                        record_logits=exact, batch=rows, block_batch=block_batch if exact else None, **sampling)
 
     def own_ar(prompt, n=max_new_tokens):  # exact AR at its own smallest block: a baseline, not a reference
         Q, S = shapes([Drafter()], len(prompt), max_new_tokens)
-        return generate(model, prompt, max_new_tokens=n, exact=True, Q=Q, n_slots=S, eos_id=eos_id, **sampling)
+        return generate(model, prompt, max_new_tokens=n, exact=True, Q=Q, n_slots=S, eos_id=eos_id,
+                        block_batch=block_batch, **sampling)
 
     # Warm-up: first calls pay for allocation, kernel selection and (on a GPU) graph capture, once
     # per cache size: one prompt of each size, on a copy of each drafter so no state leaks.

@@ -8,7 +8,10 @@ host-device synchronisation per step.
 
 In exact mode every forward runs exactly Q rows (padded) for each sequence on a cache of S slots,
 so AR and every method must use the same Q and S to compare bitwise: generate() takes both, and
-sizes.shapes() gives values that fit a set of drafters.
+sizes.shapes() gives values that fit a set of drafters. With a block batch of N (the CUDA default,
+sizes.block_batch), every exact forward also runs N sequences' blocks, each at its cache row, idle
+ones padded: a product's total rows, on which a library may choose its kernel (cuBLAS does in fp32),
+never depend on how many sequences are live.
 """
 import functools
 import time
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import NanospecError, graphs
+from . import NanospecError, graphs, sizes
 from .drafter import AR, Drafter, Forward, Nodes
 from .model import Block, KVCache, mm
 from .sizes import cache_for, check_prompt, check_room, shapes
@@ -31,8 +34,9 @@ class Decoding:
     Decoding per sequence on one cache, each with its own cache row (seq) and cursor (cur)."""
 
     def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None,
-                 sampler: Sampler | None = None, seq: int = 0):
+                 sampler: Sampler | None = None, seq: int = 0, block_batch: int | None = None):
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
+        self.N = block_batch if exact else None  # exact forwards run N sequences' blocks (None: the live ones)
         self.reserved = reserved   # the drafter's own cache slots (e.g. BiTA's prompt keys)
         self.device = model.embed.weight.device
         self.sampler = sampler or Sampler()
@@ -133,9 +137,17 @@ class Decoding:
         def run(embeds, seqs, *b):
             f = Forward.on_cache(model, Block(*b), cache, exact, seqs)
             x = f.embed() if embeds is None else embeds
-            return f.logits(f.norm(f.layers(x)), len(f.block))[0]
-        args = (embeds, self.seqs, block.tokens, block.pos, block.slots, block.prefix, block.extra)
-        return self.launch(("run",), run, args)[:n]
+            return f.logits(f.norm(f.layers(x)), len(f.block))
+        seqs, at = self.seqs, 0
+        if self.N:  # N sequences' blocks, this one's at its cache row
+            block, _, seqs = stack([self], [block], [self.idle()[1]])
+            at = self.seq
+            embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, at, self.N - 1 - at))
+        args = (embeds, seqs, block.tokens, block.pos, block.slots, block.prefix, block.extra)
+        return self.launch(("run",), run, args)[at, :n]
+
+    def idle(self) -> tuple[Block, Nodes]:
+        return idle(self.Q, self.cache.trash, self.cache.n_slots, self.device)
 
     def launch(self, key, fn, args):
         """fn(*args) on the device: through a graph captured once per key and shapes (graphs.run)
@@ -172,9 +184,14 @@ class Decoding:
 def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
     """A group's rows and nodes as one batch: each sequence padded to the group's longest (exact
     mode's are Q rows already). A fast-mode padding row writes the trash slot and sees slot 0 of its
-    own sequence, so it widens no attention. Also the group's cache rows (None: the cache's own order)."""
-    d = decs[0]
-    if len(decs) == 1:
+    own sequence, so it widens no attention. Also the group's cache rows (None: the cache's own order).
+    With a block batch of N, every cache row's sequence, in order: the group's, and idle ones."""
+    d, n = decs[0], nodes[0].n  # every sequence's tree laid out for the group's largest
+    if d.N:
+        own, idle = dict(zip((x.seq for x in decs), zip(blocks, nodes))), d.idle()
+        blocks, nodes = zip(*(own.get(r, idle) for r in range(d.N)))
+        decs = [d] * d.N  # for the cache rows below: 0..N-1, the cache's own order
+    elif len(decs) == 1:
         x = nodes[0]
         return blocks[0], Nodes(x.tokens[None], x.lay.at(None), x.real[None], x.n), d.seqs
     T, N, E = max(map(len, blocks)), max(len(x.tokens) for x in nodes), max(b.extra.shape[-1] for b in blocks)
@@ -188,8 +205,8 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
     block = Block(*(torch.cat([getattr(b, f) for b in rows]) for f in ("tokens", "pos", "slots", "prefix", "extra")))
     pad = lambda t, v: torch.stack([F.pad(x, (0, N - len(x)), value=v) for x in t])
     batch = Nodes(pad([x.tokens for x in nodes], -1), Layout.stack([x.lay for x in nodes], N),
-                  pad([x.real for x in nodes], False), nodes[0].n)
-    seqs = [x.seq for x in decs]
+                  pad([x.real for x in nodes], False), n)
+    seqs = list(range(d.N)) if d.N else [x.seq for x in decs]
     return block, batch, None if seqs == list(range(d.cache.k.shape[1])) else torch.tensor(seqs, device=dev)
 
 
@@ -241,28 +258,29 @@ def step(decs: list[Decoding], drafter: Drafter, trees: list[Tree], record: bool
     res = program(d, drafter, block, nodes, seqs, greedy)
     d.sync()
     took, results = time.perf_counter() - t0, []
+    at = [x.seq for x in decs] if d.N else list(range(len(decs)))  # each sequence's index in the batch
     if greedy:
         packed, logits = res
         head = packed.tolist()  # the step's one read-back
     else:  # sampling verifies on the host: the logits are read back anyway
         logits, drafts, depths, alive = res
         found = [verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
-                 for b, (x, t) in enumerate(zip(decs, trees))]
+                 for b, x, t in zip(at, decs, trees)]
         if drafts is not None:  # each path's end drafts: one product for the batch, as greedy's
             ends = torch.tensor([path[-1] for path, _ in found], device=drafts.device)
-            top = drafter.propose(drafts[torch.arange(len(ends), device=ends.device), ends], d.mm)
+            top = drafter.propose(drafts[torch.tensor(at, device=ends.device), ends], d.mm)
             top = top.topk(max(drafter.topk), dim=-1).indices  # (B, K, R)
     for b, (x, tree) in enumerate(zip(decs, trees)):
         x.forward_s += took / len(decs)  # its share of the step's forward
         if greedy:
             E = nodes.lay.anc.shape[-1]
-            path, emitted, x.cands, x.lists = unpack(head[b], packed[b], E, max(drafter.topk, default=1))
+            path, emitted, x.cands, x.lists = unpack(head[at[b]], packed[at[b]], E, max(drafter.topk, default=1))
         else:
             (path, emitted), x.cands, x.lists = found[b], None, None
-            depth = 0 if drafts is None else int(depths[b, path[-1]]) if depths is not None else top.shape[1]
+            depth = 0 if drafts is None else int(depths[at[b], path[-1]]) if depths is not None else top.shape[1]
             if depth:
                 x.cands, x.lists = top[b, :depth], top[b, :depth].tolist()
-        results.append((tree, path, emitted, logits[b, path].float().cpu() if record else None))
+        results.append((tree, path, emitted, logits[at[b], path].float().cpu() if record else None))
     return results
 
 
@@ -304,6 +322,17 @@ class Output:
         return len(self.tokens) / max(self.decode_s, 1e-9)
 
 
+@functools.lru_cache(maxsize=16)
+def idle(Q: int, trash: int, n_slots: int, device) -> tuple[Block, Nodes]:
+    """An idle sequence's block and nodes in exact mode's block batch, made once: Q padding rows (they
+    write and read the trash slot of their cache row) and a tree of no real node; read-only."""
+    z = torch.zeros(1, Q, dtype=torch.long, device=device)
+    slots = torch.full((Q,), trash, device=device)
+    extra = F.pad(slots.view(1, Q, 1), (0, n_slots - 1), value=-1)
+    nodes = Nodes(torch.full((Q,), -1, device=device), layout((-1,), device).pad(Q), ~ones(Q, device), 1)
+    return Block(z, z, slots, z, extra), nodes
+
+
 @functools.lru_cache(maxsize=256)
 def ones(n: int, device) -> torch.Tensor:
     """n True flags on the device, made once (every real node of a fast-mode step); read-only."""
@@ -313,19 +342,22 @@ def ones(n: int, device) -> torch.Tensor:
 @torch.inference_mode()
 def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=128, exact=False,
              Q=None, n_slots=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-             eos_id=None, record_logits=False, batch=None):
+             eos_id=None, record_logits=False, batch=None, block_batch=None):
     """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of
     prompts (lists of ids) is a batch: one Output each, every sequence as if decoded alone (its own
     sampling stream from seed), each step one forward over every live sequence's rows (near the
     cache's end, one per tree size: a smaller tree gets no filler nodes there). batch: the sequences
     decoded at once (None: all); a stopped one's cache row takes the next prompt (continuous batching).
-    Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)); eos_id None: the model's, -1: none."""
+    Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)); eos_id None: the model's, -1: none.
+    block_batch: exact mode runs every forward as this many sequences' blocks (sizes.block_batch: on CUDA by default)."""
     drafter = drafter or AR
     many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
     prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if many else [prompt])]
     Q, S = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots)
     eos = model.args.eos_id if eos_id is None else eos_id
-    cache = cache_for(model, S, exact, min(batch or len(prompts), len(prompts)))
+    rows = min(batch or len(prompts), len(prompts))
+    N = sizes.block_batch(block_batch, rows, exact, model.embed.weight.device)
+    cache = cache_for(model, S, exact, N or rows)
     reserved = cache.reserve(drafter.reserved_slots)
     for p in prompts:
         check_room(len(p), cache.capacity)
@@ -338,7 +370,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         p, t = next(waiting, None), time.perf_counter()
         if p is None:
             return []
-        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq,  # one sampling stream per sequence
+        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq, block_batch=N,  # one sampling stream each
                      sampler=Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1))
         d.prefill(p[:-1])
         drafter.start(d)
@@ -347,7 +379,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         began[d] = clock()
         return [d]
 
-    live = [d for seq in range(cache.k.shape[1]) for d in admit(seq)]
+    live = [d for seq in range(rows) for d in admit(seq)]
     if (planner := drafter.planner) is not None:
         planner.start(drafter, live[0])
     while live:

@@ -16,11 +16,16 @@ engine keeps one cache per (S, dtype) per model alive across generations (sizes.
 Set NANOSPEC_CUDA_GRAPHS=0 to run exact mode eagerly on CUDA.
 
 Without a GPU, SIMULATE (tests) stands in for capture on the CPU: each program is traced once
-into its tensor ops (make_fx), with any op that needs the host to read a device value refused,
-and replayed without running its Python again. A program that would break under a real graph,
-by syncing or by reading state its key does not name, fails there too.
+into its tensor ops (make_fx) and replayed without running its Python again. The trace refuses
+what a capture refuses (Strict): an op that makes the host read a device value (a sync), a host
+value copied in (`torch.tensor(...)`, a Python scalar written by index: make_fx's `lift_fresh`),
+and a tensor made without a device (the trace runs under the meta default device, so `torch.zeros(n)`
+shows up: on a GPU it would be a host tensor inside a device program). A program that would break
+under a real graph, by any of these or by reading state its key does not name, fails there too.
 """
 import os
+import sysconfig
+import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,26 +64,40 @@ class Graph:
         return _clone(self.out)  # the next replay overwrites self.out
 
 
-class NoSync(TorchDispatchMode):
-    """Refuses the ops that make the host wait for a device value (illegal inside a CUDA graph)."""
+class Strict(TorchDispatchMode):
+    """Refuses what a CUDA graph's capture refuses, naming the op and the line that called it: a host
+    read of a device value (a sync), a host value copied into the program, a tensor made on the host."""
     SYNCS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::equal", "aten::is_nonzero"}
+    HOST_VALUES = {"aten::lift_fresh", "aten::lift_fresh_copy"}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        bool_index = func is torch.ops.aten.index.Tensor and any(
-            i is not None and i.dtype == torch.bool for i in args[1])
-        if func._schema.name in self.SYNCS or bool_index:
-            raise RuntimeError(f"{func._schema.name} reads a device value on the host: not allowed in a CUDA graph")
-        return func(*args, **(kwargs or {}))
+        name, kwargs = func._schema.name, kwargs or {}
+        if name in self.SYNCS or func is torch.ops.aten.index.Tensor and any(
+                i is not None and i.dtype == torch.bool for i in args[1]):
+            refuse(f"{name} reads a device value on the host")
+        if name in self.HOST_VALUES:
+            refuse(f"{name} copies a host value in (torch.tensor(...), or a Python scalar written by index)")
+        if str(kwargs.get("device")) == "meta":
+            refuse(f"{name} makes a tensor without a device: on a GPU a host tensor")
+        return func(*args, **kwargs)
+
+
+def refuse(what: str):
+    """A RuntimeError naming what a program did and the innermost line of ours (not torch's) that did it."""
+    lib = (sysconfig.get_paths()["stdlib"], os.path.dirname(torch.__file__), __file__)
+    here = [f for f in traceback.extract_stack() if not f.filename.startswith(lib)]
+    at = f" at {here[-1].filename}:{here[-1].lineno} ({here[-1].line})" if here else ""
+    raise RuntimeError(f"{what}{at}: not allowed in a CUDA graph")
 
 
 class Traced:
-    """The CPU stand-in for a Graph (SIMULATE): fn traced once into its ops, then replayed."""
+    """The CPU stand-in for a Graph (SIMULATE): fn traced once into its ops (Strict), then replayed."""
 
     def __init__(self, fn, args, device):
         from torch.fx.experimental.proxy_tensor import make_fx
         self.args = [None if a is None else a.to(device, copy=True) for a in args]
         try:
-            with NoSync():
+            with torch.device("meta"), Strict():  # a tensor made without a device lands on meta: refused
                 self.gm = make_fx(fn)(*self.args)
         except RuntimeError as e:
             if "get value out of a tracing tensor" not in str(e):

@@ -134,13 +134,14 @@ class Context:
 
 
 def aligned_pad(x) -> int:
-    """Elements to add to x's last dim for 64-byte aligned rows."""
-    return -x.shape[-1] % (64 // x.element_size())
+    """Elements to add to x's last dim for 64-byte aligned rows on a CPU (0 elsewhere: see `aligned`)."""
+    return -x.shape[-1] % (64 // x.element_size()) if x.device.type == "cpu" else 0
 
 
 def aligned(x):
     """x as a view whose rows start 64-byte aligned (the last dim's stride padded): CPU BLAS takes alignment-
-    dependent paths, so with fp32 rows of odd length a row's result would depend on its index."""
+    dependent paths, so with fp32 rows of odd length a row's result would depend on its index. A GPU's
+    products run one kernel for every row of a fixed shape: x as it is."""
     pad = aligned_pad(x)
     return F.pad(x, (0, pad))[..., :x.shape[-1]] if pad else x
 
@@ -236,7 +237,8 @@ def attend_exact(q, kc, vc, ctx):
     att = q @ k.transpose(-1, -2) * D ** -0.5  # (B, T, Hkv, G, Sp)
     att = att.masked_fill(~ctx.valid[:, :, None, None, :], float("-inf"))
     att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
-    v = F.pad(v, (0, aligned_pad(v)))  # zero columns give each row's output block an aligned start too
+    if pad := aligned_pad(v):  # CPU: zero columns give each row's output block an aligned start too
+        v = F.pad(v, (0, pad))
     return (att @ v)[..., :D].reshape(B, T, H, D)
 
 
@@ -326,9 +328,9 @@ class Llama(nn.Module):
         ctx = Context(*self.rope(block.pos, exact), block.slots, exact, kernels=None if exact else self.kernels, seqs=seqs)
         prefix, extra = block.prefix[..., None], block.extra
         if exact:
-            # each row's keys padded to a multiple of 32, so every row's slice starts 64-byte aligned:
-            # CPU BLAS's alignment-dependent paths would make a row's result depend on its index
-            Sp = -(-n_slots // 32) * 32
+            # on a CPU each row's keys padded to a multiple of 32, so every row's slice starts 64-byte
+            # aligned: CPU BLAS's alignment-dependent paths would make a row's result depend on its index
+            Sp = -(-n_slots // 32) * 32 if extra.device.type == "cpu" else n_slots
             j = torch.arange(Sp, device=extra.device)
             ext = F.pad(extra, (0, Sp - extra.shape[-1]), value=-1)  # (B, T, Sp)
             idx = torch.where(j < prefix, j, ext.gather(-1, (j - prefix).clamp(min=0)))

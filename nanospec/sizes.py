@@ -2,12 +2,16 @@
 bitwise share both), the cache itself (one per shape on a GPU, where CUDA graphs bind to it), and
 the checks that a prompt fits."""
 
+import torch
+
 from . import NanospecError, graphs
 from .model import KVCache
 
 # Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
 # on another path than the first ones (tests/test_model.py checks blocks of 16 and more).
 MIN_BLOCK = 16
+# Exact mode on CUDA runs every forward as a block batch of at least this many sequences (block_batch).
+CUDA_BLOCK_BATCH = 8
 SLOT_BUCKET = 64  # default cache sizes are rounded up to this: prompts of similar length share CUDA graphs
 
 
@@ -22,6 +26,24 @@ def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None)
         raise NanospecError(f"the exact-mode block must have at least {MIN_BLOCK} rows (got --block {Q})")
     S = prompt_len + max_new_tokens + Q + max(d.reserved_slots for d in drafters) + 1
     return Q, n_slots or -(-S // SLOT_BUCKET) * SLOT_BUCKET
+
+
+def block_batch(n: int | None, rows: int, exact: bool, device) -> int | None:
+    """How many sequences' Q-row blocks every exact-mode forward runs (None: only the live ones').
+
+    A product's bits may depend on its total rows: cuBLAS picks its fp32 kernel by them (RESULTS.md,
+    "On a GPU"). A fixed total, N x Q rows whoever is live, a lone sequence included, makes a
+    sequence's bits independent of its batch on any library. On CUDA, where rows are nearly free, it
+    is the default: batches of up to CUDA_BLOCK_BATCH sequences are bitwise each alone; a larger one
+    rounds N up to a multiple of it (compare it alone at the same block_batch). On a CPU a row costs,
+    and its BLAS's products keep a row's bits for any row count: no block batch unless asked for."""
+    if n is None:
+        return -(-rows // CUDA_BLOCK_BATCH) * CUDA_BLOCK_BATCH if exact and torch.device(device).type == "cuda" else None
+    if not exact:
+        raise NanospecError("--block-batch applies to exact mode (--mode exact)")
+    if n < rows:
+        raise NanospecError(f"--block-batch {n} is smaller than the batch of {rows} sequences decoded at once")
+    return n
 
 
 def cache_for(model, n_slots: int, exact: bool, batch: int = 1) -> KVCache:

@@ -208,8 +208,7 @@ def accept(tokens, lay: Layout, logits, alive=None):
     first, among unmerged duplicate branches). Returns (path (E,) node indices, root first, -1
     padded; emitted (E,) the tokens that path emits: its drafts, then the target at its end)."""
     target = logits.argmax(-1)  # (N,)
-    ok = tokens == target[lay.parent]
-    ok[0] = True
+    ok = (tokens == target[lay.parent]) | (lay.parent < 0)  # the root is accepted: no write of a host value
     if alive is not None:
         ok = ok & alive
     good = (ok[lay.anc.clamp(min=0)] | (lay.anc < 0)).all(-1) & (tokens >= 0)  # padding nodes hold token -1

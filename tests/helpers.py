@@ -6,6 +6,7 @@ import random
 
 import torch
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanospec import cli
 from nanospec.engine import Decoding, Drafter, generate, program, shapes, stack
@@ -303,3 +304,25 @@ def run_cli(main, *argv) -> str:
 def decode_main(argv):
     import decode  # the script at the repository root (python -m pytest puts it on the path)
     return decode.main(argv)
+
+
+class RowCountProducts(TorchDispatchMode):
+    """The matrix products (F.linear, @, bmm, mm) as a library that picks its kernel by a product's
+    total rows computes them, as cuBLAS does in fp32: the inner dimension summed in
+    max(1, 256 // rows) parts (split-K, more parts for fewer rows), each part rounded to the output's
+    dtype. A row's bits depend on its own inputs and on the product's total rows, never on the other
+    rows' values: what exact mode's block batch must make constant."""
+    aten = torch.ops.aten
+    PRODUCTS = {aten.linear.default, aten.matmul.default, aten.bmm.default, aten.mm.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self.PRODUCTS or kwargs or args[0].dim() < 2 or args[1].dim() < 2:
+            return func(*args, **(kwargs or {}))
+        x, y = args[0], args[1]
+        if func is self.aten.linear.default:
+            y = y.transpose(-1, -2)
+        K = x.shape[-1]
+        parts = max(1, min(K, 256 // (x.numel() // max(K, 1))))
+        edges = [K * i // parts for i in range(parts + 1)]
+        out = sum(torch.matmul(x[..., a:b], y[..., a:b, :]) for a, b in zip(edges, edges[1:]))
+        return out if len(args) < 3 or args[2] is None else out + args[2]

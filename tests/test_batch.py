@@ -17,14 +17,16 @@ from test_edges import ARGS, METHODS, drafter
 EOS = 5
 
 
-def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=None, rows=None):
+def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=None, rows=None, block_batch=None):
     """The batch against each prompt decoded alone by AR at the same shapes (Q, S): the same tokens
     and stop, and in exact mode bitwise the same logits (fast mode: fp32 only; in bf16 a near-tie
     may flip with a block's shape). peeking: per prompt, how often the
-    drafts carry AR's tokens (their acceptance). rows: the sequences decoded at once (None: all)."""
+    drafts carry AR's tokens (their acceptance). rows: the sequences decoded at once (None: all).
+    block_batch: every exact forward runs that many sequences' blocks, alone and in the batch."""
     d = d or engine.AR
     Q, S = shapes([d], max(map(len, prompts)), n)
-    kw = dict(max_new_tokens=n, exact=exact, Q=Q, n_slots=S, eos_id=EOS, record_logits=True, **(sampling or {}))
+    kw = dict(max_new_tokens=n, exact=exact, Q=Q, n_slots=S, eos_id=EOS, record_logits=True, block_batch=block_batch,
+              **(sampling or {}))
     alone = [generate(model, p, **kw) for p in prompts]
     if isinstance(d, Lookahead):
         d.warm_up([p[-1:] + a.tokens for p, a in zip(prompts, alone) if a.tokens])

@@ -87,8 +87,7 @@ def transfer(f: Forward, tr: Transfer, x, hosts, rows, record=None):
     host j becomes W_i x_j and from then on runs with the others. record: a list that receives the
     states after 0, 1, ..., L layers (Figure 4)."""
     L = len(f.model.layers)
-    active = torch.ones(x.shape[1], dtype=torch.bool, device=x.device)
-    active[torch.cat(rows)] = False
+    active = torch.ones(x.shape[1], dtype=torch.bool, device=x.device).index_fill(0, torch.cat(rows), False)
     idx = hosts[..., None].expand(-1, -1, x.shape[-1])
     bounds = sorted({0, L, *tr.layers}) if record is None else range(L + 1)
     for a, b in zip(bounds, bounds[1:]):

@@ -112,8 +112,7 @@ def pruned(nodes, x: torch.Tensor, early: EarlyHead, k: int) -> torch.Tensor:
     top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # (B, N, k): each row's guesses for its children
     lay = nodes.lay
     parents = top.gather(1, lay.parent.clamp(min=0)[..., None].expand_as(top))  # the root (-1) is no draft
-    bad = ~(parents == nodes.tokens[..., None]).any(-1)
-    bad[:, 0] = False  # the root is no draft
+    bad = ~(parents == nodes.tokens[..., None]).any(-1) & (lay.parent >= 0)  # the root is no draft
     anc = lay.anc.clamp(min=0)
     return (bad.gather(1, anc.flatten(1)).view(anc.shape) & (lay.anc >= 0)).any(-1)
 
@@ -143,8 +142,7 @@ class ProPD(Medusa):
         x = f.layers(f.embed(), 0, self.layer)
         alive = ~pruned(nodes, x[:, :N], self.early, self.k)
         h = f.norm(f.layers(x, self.layer, None, active=alive))
-        drafts = nodes.real.clone()
-        drafts[:, 0] = False
+        drafts = nodes.real & (nodes.lay.parent >= 0)  # the root is no draft
         self.pruning.add_(torch.stack([drafts.sum(), (drafts & ~alive).sum()]))
         return Out(f.logits(h, N), drafts=h[:, :N, None], alive=alive)
 

@@ -1,0 +1,101 @@
+"""A row's bits must not depend on its product's total rows. cuBLAS picks its fp32 kernel by them:
+on an H100 a sequence's logits inside a batch moved by one ulp from the same sequence alone.
+RowCountProducts stands in for such a library on the CPU. Under it the construction of live blocks
+only (each live sequence's Q rows: the CPU default) lets a sequence's bits move with its batch,
+and the block batch (block_batch=N: every exact forward runs N sequences' blocks, idle ones padded;
+the CUDA default) keeps them AR's alone, for every method, in fp32 and bf16, wherever the sequence
+sits in the block."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from helpers import RowCountProducts, call, decode_main, random_model
+from nanospec import NanospecError
+from nanospec.engine import generate, shapes
+from nanospec.sizes import CUDA_BLOCK_BATCH, block_batch
+from test_batch import batch_drafter, check_batch
+from test_edges import ARGS, METHODS
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_stand_in_moves_a_rows_bits_with_the_total_rows(dtype):
+    """The detector detects: the same rows, alone and among others, differ in their last bits."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 96, generator=g).to(dtype), torch.randn(80, 96, generator=g).to(dtype)
+    with RowCountProducts():
+        full, part = torch.nn.functional.linear(x, w), torch.nn.functional.linear(x[:16], w)
+        again = torch.nn.functional.linear(x.clone(), w)
+        batched, single = x.view(4, 16, 96) @ w.T, x[None, :16] @ w.T
+    assert not torch.equal(full[:16], part) and not torch.equal(batched[0], single[0])
+    assert torch.equal(full, again)  # a function of the rows and their count, not of chance
+    ref = (x.float() @ w.float().T)
+    assert (full.float() - ref).abs().max() < 0.02 * ref.abs().max()  # still the product, to its dtype's precision
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["ar", "medusa"])
+def test_live_blocks_alone_move_with_the_batch_under_such_products(name, dtype):
+    """The CPU default's construction, under the stand-in: a sequence of a batch of 4 is not AR alone."""
+    model = random_model(ARGS, seed=2, dtype=dtype)
+    prompts = [[3, 9, 4, 1], [8, 2, 6, 10, 11], [4, 4], [7, 1, 7]]
+    with RowCountProducts(), pytest.raises(AssertionError, match=r"sequence \d"):
+        check_batch(model, prompts, batch_drafter(name, model), 12, peeking=(0.9,))
+
+
+prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1, max_size=12), min_size=2, max_size=6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(name=st.sampled_from(["ar"] + METHODS), prompts=prompt_lists, n=st.integers(1, 16), seed=st.integers(0, 6),
+       dtype=st.sampled_from(DTYPES), rows=st.none() | st.integers(1, 4), sampled=st.booleans())
+def test_a_block_batch_keeps_each_sequence_as_alone_under_such_products(name, prompts, n, seed, dtype, rows, sampled):
+    """Up to 4 sequences at once (refills when there are more prompts than rows), every forward 4
+    sequences' blocks: each sequence, at whichever cache row it lands, is bitwise AR alone."""
+    model = random_model(ARGS, seed=seed, dtype=dtype)
+    sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else None
+    with RowCountProducts():
+        check_batch(model, prompts[:4] if rows is None else prompts, batch_drafter(name, model), n,
+                    peeking=(0.9,), seed=seed, sampling=sampling, rows=rows, block_batch=4)
+
+
+def test_a_block_batch_is_what_cuda_runs_by_default():
+    """Exact mode on CUDA: batches of up to 8 sequences run 8 blocks (so each is bitwise alone), larger
+    ones the next multiple of 8; a CPU runs the live blocks only unless asked; fast mode has no blocks."""
+    assert [block_batch(None, b, True, "cuda") for b in (1, 5, 8, 9, 17)] == [8, 8, 8, 16, 24]
+    assert block_batch(None, 4, True, "cpu") is None and block_batch(None, 4, False, "cuda") is None
+    assert block_batch(6, 4, True, "cpu") == 6 and CUDA_BLOCK_BATCH == 8
+    with pytest.raises(NanospecError, match="smaller than the batch"):
+        block_batch(2, 3, True, "cpu")
+    with pytest.raises(NanospecError, match="exact mode"):
+        block_batch(2, 1, False, "cpu")
+
+
+def test_a_lone_sequence_runs_the_whole_block(monkeypatch):
+    """Every exact forward, prefill included, of a lone sequence with block_batch=3 runs 3 x Q rows."""
+    from nanospec import drafter as drafter_mod
+    model = random_model(ARGS, seed=1)
+    shapes_seen, on_cache = set(), drafter_mod.Forward.on_cache.__func__
+
+    def spy(cls, model, block, *a, **k):
+        shapes_seen.add(tuple(block.tokens.shape))
+        return on_cache(cls, model, block, *a, **k)
+    monkeypatch.setattr(drafter_mod.Forward, "on_cache", classmethod(spy))
+    Q, S = shapes([batch_drafter("medusa", model)], 20, 8)
+    generate(model, list(range(1, 21)), batch_drafter("medusa", model), max_new_tokens=8, exact=True, Q=Q,
+             n_slots=S, block_batch=3)
+    assert shapes_seen == {(3, Q)}
+
+
+def test_block_batch_on_the_command_line(weights, tmp_path):
+    code, out, err = call(decode_main, "--weights", weights, "--prompt-ids", "5,6,7", "--max-new-tokens", "6",
+                          "--mode", "exact", "--block-batch", "3", "--method", "ar", "--check")
+    assert code == 0 and "identical" in err
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def f"}\n{"prompt": "class A"}\n')
+    for argv, msg in [(["--prompt-ids", "5,6", "--block-batch", "2"], "applies to exact mode"),
+                      (["--prompt-ids", "5,6", "--mode", "exact", "--block-batch", "0"], "smaller than the batch"),
+                      (["--prompts", tmp_path / "p.jsonl", "--mode", "exact", "--block-batch", "1", "--batch", "2"],
+                       "--block-batch 1 is smaller than the batch of 2")]:
+        code, _, err = call(decode_main, "--weights", weights, "--max-new-tokens", "4", *argv)
+        assert code == 2 and msg in err and err.count("\n") == 1, err
