@@ -21,10 +21,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 from safetensors.torch import save_file
 
 from . import ArgumentParser, NanospecError, cli, gguf_tokenizer
@@ -35,9 +33,19 @@ from .model import ModelArgs
 SUPPORTED = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
+def gguf_lib():
+    """The gguf package, imported only where a GGUF is read: everything else runs without it."""
+    try:
+        import gguf
+    except ImportError:
+        raise NanospecError("reading a GGUF file needs the gguf package: pip install gguf") from None
+    return gguf
+
+
 def open_gguf(path: Path):
     if not path.is_file():
         raise NanospecError(f"no GGUF file at {path}")
+    gguf = gguf_lib()
     try:
         reader = gguf.GGUFReader(path)
         meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
@@ -110,12 +118,12 @@ def tensors(reader, args: ModelArgs) -> dict:
         expect["lm_head.weight"] = (args.vocab_size, args.dim)
     out = {}
     for t in reader.tensors:
-        name, kind = hf_name(t.name), GGMLQuantizationType(t.tensor_type).name
+        name, kind = hf_name(t.name), gguf_lib().GGMLQuantizationType(t.tensor_type).name
         if kind not in SUPPORTED:
             raise NanospecError(f"tensor {t.name} is {kind}, a type nanospec does not load "
                                 f"(supported: {', '.join(SUPPORTED)})")
         try:
-            w = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            w = np.asarray(gguf_lib().dequantize(t.data, t.tensor_type), dtype=np.float32)
             w = w.reshape(tuple(int(n) for n in reversed(t.shape)))  # GGUF lists dimensions innermost first
         except Exception as e:
             raise NanospecError(f"tensor {t.name} cannot be read (truncated or corrupted file?): {e}") from None
@@ -151,7 +159,7 @@ def convert(gguf_path, out, sha256: str | None = None) -> Path:
     try:
         cfg = {**to_hf_config(args), "torch_dtype": "float32"}
         gen = {"bos_token_id": args.bos_id, "eos_token_id": args.eos_id}
-        types = dict(Counter(GGMLQuantizationType(t.tensor_type).name for t in reader.tensors))
+        types = dict(Counter(gguf_lib().GGMLQuantizationType(t.tensor_type).name for t in reader.tensors))
         source = {"gguf": gguf_path.name, "sha256": sha256, "name": meta.get("general.name"),
                   "license": meta.get("general.license"), "tensor_types": types}
         for fname, obj in (("config.json", cfg), ("generation_config.json", gen), ("nanospec_source.json", source)):

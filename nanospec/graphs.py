@@ -19,8 +19,7 @@ Without a GPU, SIMULATE (tests) stands in for capture on the CPU: each program i
 into its tensor ops (make_fx) and replayed without running its Python again. The trace refuses
 what a capture refuses (Strict): an op that makes the host read a device value (a sync), a host
 value copied in (`torch.tensor(...)`, a Python scalar written by index: make_fx's `lift_fresh`),
-and a tensor made without a device (the trace runs under the meta default device, so `torch.zeros(n)`
-shows up: on a GPU it would be a host tensor inside a device program). A program that would break
+and a tensor made without a device (`torch.zeros(n)`: on a GPU a host tensor inside a device program). A program that would break
 under a real graph, by any of these or by reading state its key does not name, fails there too.
 """
 import os
@@ -28,6 +27,7 @@ import sysconfig
 import traceback
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ENABLED = os.environ.get("NANOSPEC_CUDA_GRAPHS", "1") != "0"
@@ -77,8 +77,19 @@ class Strict(TorchDispatchMode):
             refuse(f"{name} reads a device value on the host")
         if name in self.HOST_VALUES:
             refuse(f"{name} copies a host value in (torch.tensor(...), or a Python scalar written by index)")
-        if str(kwargs.get("device")) == "meta":
-            refuse(f"{name} makes a tensor without a device: on a GPU a host tensor")
+        return func(*args, **kwargs)
+
+
+class NoHostTensors(TorchFunctionMode):
+    """Refuses a tensor made without a device inside a program: on a GPU it would be a host tensor."""
+    FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
+                 torch.eye, torch.rand, torch.randn, torch.randint, torch.linspace, torch.scalar_tensor}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FACTORIES and kwargs.get("device") is None:
+            refuse(f"torch.{func.__name__} makes a tensor without a device (on a GPU, a host tensor)"
+                   + (" and copies a host value in" if func in (torch.tensor, torch.as_tensor) else ""))
         return func(*args, **kwargs)
 
 
@@ -97,7 +108,7 @@ class Traced:
         from torch.fx.experimental.proxy_tensor import make_fx
         self.args = [None if a is None else a.to(device, copy=True) for a in args]
         try:
-            with torch.device("meta"), Strict():  # a tensor made without a device lands on meta: refused
+            with NoHostTensors(), Strict():
                 self.gm = make_fx(fn)(*self.args)
         except RuntimeError as e:
             if "get value out of a tracing tensor" not in str(e):

@@ -1,5 +1,9 @@
 """Tiny Llama GGUFs written with the gguf library itself, as llama.cpp's converter would write them:
 Q and K rows permuted, 1-D norms in F32, a byte-level BPE tokenizer trained here. No download."""
+import pytest
+
+pytest.importorskip("gguf")  # an optional dependency: the tests that write GGUFs need it
+
 import json
 from functools import lru_cache
 from pathlib import Path

@@ -126,13 +126,18 @@ def test_a_refilled_row_that_sees_its_predecessors_key_is_caught(monkeypatch, de
     model = random_model(ARGS, seed=1, device=device)
     prompts = [[3, 9, 4, 1], [8, 2, 6, 10, 11], [4, 4, 7]]
     check_batch(model, prompts, None, 12, rows=2)
-    prefill, used = engine.Decoding.prefill, set()
+    prefill, used, batching, real = engine.Decoding.prefill, set(), [False], generate
+
+    def tell(model, prompt, *a, **k):  # which run check_batch makes: a lone run's cache may have rows to spare too
+        batching[0] = isinstance(prompt[0], list)
+        return real(model, prompt, *a, **k)
 
     def stale(self, tokens):  # a refilled row starts one slot in: slot 0 keeps its predecessor's key
-        if self.cache.k.shape[1] > 1:  # the batch's cache, not a lone run's
+        if batching[0]:  # the batch's rows, not a lone run's
             self.cur = int(self.seq in used)
             used.add(self.seq)
         prefill(self, tokens)
+    monkeypatch.setitem(globals(), "generate", tell)
     monkeypatch.setattr(engine.Decoding, "prefill", stale)
     with pytest.raises(AssertionError, match="sequence 2"):
         check_batch(model, prompts, None, 12, rows=2)

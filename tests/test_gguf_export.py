@@ -3,9 +3,10 @@ back gives the same tensors, config and tokenizer (so llama.cpp reads the weight
 a sentencepiece directory goes in as llama.cpp's `llama` tokenizer; --layers keeps a prefix."""
 import json
 
-import gguf
 import pytest
 import torch
+
+gguf = pytest.importorskip("gguf")  # an optional dependency
 
 from gguf_files import write_gguf
 from helpers import call, run_cli

@@ -5,12 +5,16 @@ Without a GPU the same properties are checked through graphs.SIMULATE: every exa
 is traced once into its tensor ops (host syncs refused) and replayed without its Python, as a
 captured graph would be. A method whose forward reads state its graph key does not name, or
 syncs, fails there."""
+import inspect
+import textwrap
+
 import pytest
 import torch
 
 from helpers import Adversary, peek, random_model
-from nanospec import graphs
-from nanospec.engine import Decoding, generate, shapes
+from nanospec import engine, graphs
+from nanospec.engine import Drafter, generate, shapes
+from nanospec.methods import hidden_transfer
 from nanospec.methods.lookahead import Lookahead
 from nanospec.model import ModelArgs
 from test_edges import ARGS as EDGE_ARGS, drafter
@@ -53,15 +57,15 @@ def test_exact_step_does_not_sync(monkeypatch):
     model = random_model(ARGS, 0, torch.float32, "cuda")
     prompt = list(range(1, 20))
     ar = run(model, prompt)  # captures the graphs (capturing syncs)
-    program = Decoding.program
+    program = engine.program
 
-    def strict(self, *a, **k):
+    def strict(*a, **k):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return program(self, *a, **k)
+            return program(*a, **k)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    monkeypatch.setattr(Decoding, "program", strict)
+    monkeypatch.setattr(engine, "program", strict)
     assert run(model, prompt).tokens == ar.tokens
 
 
@@ -135,3 +139,73 @@ def test_a_forward_reading_unkeyed_state_is_caught(simulate):
     model = random_model(ARGS, 0)
     eager = [t % 7 for t in range(1, 9)]
     assert run(model, list(range(1, 10)), Stale([], ARGS.vocab_size), n=8).tokens != eager
+
+
+# --- what a capture refuses, refused by the stand-in -----------------------------------------------
+
+class Planted(Adversary):
+    """An Adversary whose verification forward also runs plant(logits)."""
+
+    def __init__(self, plant, *a, **k):
+        super().__init__(*a, **k)
+        self.plant = plant
+
+    def forward(self, f, nodes):
+        out = super().forward(f, nodes)
+        out.logits = self.plant(out.logits)
+        return out
+
+
+def written(x):
+    x[:, 0, 0] = 1.0  # a Python scalar written by index: a host value copied in
+    return x
+
+
+@pytest.mark.parametrize("plant, what", [
+    (lambda x: x + torch.tensor(0.0), "torch.tensor makes a tensor without a device .* copies a host value in"),
+    (written, "lift_fresh copies a host value in"),
+    (lambda x: x + torch.zeros(x.shape[-1], dtype=x.dtype), "torch.zeros makes a tensor without a device"),
+    (lambda x: x * float(x.sum() > 0), "reads a device value on the host")])
+def test_what_a_capture_refuses_is_refused_with_its_line(simulate, plant, what):
+    model = random_model(ARGS, 0)
+    with pytest.raises(RuntimeError, match=what) as e:
+        run(model, list(range(1, 10)), Planted(plant, [], ARGS.vocab_size))
+    assert "not allowed in a CUDA graph" in str(e.value)
+    assert what.startswith("reads") or "test_graphs.py" in str(e.value)  # the line that did it
+
+
+@pytest.mark.parametrize("name", ["ar", "medusa", "propd", "propd-dynamic", "bita-deep", "bita-straight",
+                                  "hidden_transfer", "sdsat", "lookahead"])
+def test_a_host_constant_planted_in_any_step_program_is_refused(name, simulate):
+    model = random_model(EDGE_ARGS, seed=11)
+    d = Drafter() if name == "ar" else Lookahead(decoding_length=8) if name == "lookahead" else drafter(name, model)
+    forward = d.forward
+
+    def planted(f, nodes):
+        out = forward(f, nodes)
+        out.logits = out.logits + torch.tensor(0.0, device=out.logits.device)  # made there, from a host value
+        return out
+    d.forward = planted
+    with pytest.raises(RuntimeError, match="lift_fresh copies a host value in"):
+        run(model, [3, 9, 4, 1, 7], d, n=4)
+
+
+@pytest.mark.parametrize("module, name, fixed, bug", [
+    (engine, "accept", "ok = (tokens == target[lay.parent]) | (lay.parent < 0)",
+     "ok = tokens == target[lay.parent]; ok[0] = True"),
+    (hidden_transfer, "transfer", "active = torch.ones(x.shape[1], dtype=torch.bool, device=x.device).index_fill(0, "
+     "torch.cat(rows), False)", "active = torch.ones(x.shape[1], dtype=torch.bool, device=x.device); "
+     "active[torch.cat(rows)] = False")])
+def test_the_host_writes_an_h100_found_are_caught_when_planted_back(simulate, monkeypatch, module, name, fixed, bug):
+    """The two lines that crashed every method's CUDA default at capture (tree.accept's root flag,
+    Hidden Transfer's active rows), written back as they were: the stand-in refuses them."""
+    fn = getattr(module, name)
+    src = textwrap.dedent(inspect.getsource(fn))
+    assert fixed in src
+    scope = dict(fn.__globals__)
+    exec(compile(src.replace(fixed, bug), inspect.getsourcefile(fn), "exec"), scope)
+    monkeypatch.setattr(module, name, scope[name])
+    model = random_model(EDGE_ARGS, seed=11)
+    d = drafter("hidden_transfer", model)
+    with pytest.raises(RuntimeError, match="lift_fresh copies a host value in"):
+        run(model, [3, 9, 4, 1, 7], d, n=4)
