@@ -140,7 +140,7 @@ class Decoding:
             return f.logits(f.norm(f.layers(x)), len(f.block))
         seqs, at = self.seqs, 0
         if self.N:  # N sequences' blocks, this one's at its cache row
-            block, _, seqs = stack([self], [block], [self.idle()[1]])
+            block, _, seqs = stack([self], [block.to(self.device)], [self.idle()[1]])
             at = self.seq
             embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, at, self.N - 1 - at))
         args = (embeds, seqs, block.tokens, block.pos, block.slots, block.prefix, block.extra)
