@@ -35,7 +35,8 @@ SIMULATE = False
 
 
 def _clone(out):
-    return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+    """A program's outputs copied out of the graph's buffers (a tuple may hold None: e.g. a sampled step's drafts)."""
+    return tuple(None if o is None else o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
 
 class Graph:

@@ -109,6 +109,22 @@ def test_every_method_replays_as_a_graph(name, monkeypatch):
         assert len(steps) == 1  # one graph for every tree: shapes fixed, the tree is data
 
 
+@pytest.mark.parametrize("name", ["ar", "medusa", "propd", "sdsat"])
+def test_sampled_steps_replay_as_graphs(name, monkeypatch):
+    """A sampled step's program returns the logits and what the method drafts (None where it drafts
+    nothing): replayed, it samples what AR samples, bit for bit (on an H100 its None crashed the replay)."""
+    model = random_model(EDGE_ARGS, seed=11)
+    prompt = [3, 9, 4, 1, 7, 12, 5]
+    Q, S = shapes([drafter("bita-deep", model)], len(prompt), 16)
+    kw = dict(max_new_tokens=16, exact=True, Q=Q, n_slots=S, eos_id=-1, record_logits=True, temperature=1.0,
+              top_p=0.9, seed=3)
+    ar = generate(model, prompt, **kw)
+    d = Drafter() if name == "ar" else peek(drafter(name, model), ar.tokens, 0.9, seed=2)
+    monkeypatch.setattr(graphs, "SIMULATE", True)
+    out = generate(model, prompt, d, **kw)
+    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+
+
 def test_a_program_that_syncs_is_refused(simulate):
     class Syncing(Adversary):
         def forward(self, f, nodes):
