@@ -188,7 +188,8 @@ def main(argv=None):
         for B in batches:  # each size with fresh drafters: a trie or a planner learns nothing from another size's run
             fresh = copy.deepcopy(drafters) if len(batches) > 1 else drafters
             results += bench(model, prompts, fresh, exact=exact, max_new_tokens=args.max_new_tokens, eos_id=args.eos_id,
-                             sampling=sampling, profile=args.profile, peers=peers, batch=B, block_batch=args.block_batch)
+                             sampling=sampling, profile=args.profile, peers=peers, batch=B,
+                             block_batch=args.block_batch)
             print(table([r for r in results if r["batch"] == B]), flush=True)
         if args.json:
             print(json.dumps({**info, "max_new_tokens": args.max_new_tokens, "results": results}))

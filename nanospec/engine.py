@@ -348,8 +348,8 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     sampling stream from seed), each step one forward over every live sequence's rows (near the
     cache's end, one per tree size: a smaller tree gets no filler nodes there). batch: the sequences
     decoded at once (None: all); a stopped one's cache row takes the next prompt (continuous batching).
-    Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)); eos_id None: the model's, -1: none.
-    block_batch: exact mode runs every forward as this many sequences' blocks (sizes.block_batch: on CUDA by default)."""
+    Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)); eos_id None: the model's,
+    -1: none. block_batch: exact mode runs every forward as that many sequences' blocks (default: sizes.block_batch)."""
     drafter = drafter or AR
     many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
     prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if many else [prompt])]

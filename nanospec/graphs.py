@@ -17,10 +17,11 @@ Set NANOSPEC_CUDA_GRAPHS=0 to run exact mode eagerly on CUDA.
 
 Without a GPU, SIMULATE (tests) stands in for capture on the CPU: each program is traced once
 into its tensor ops (make_fx) and replayed without running its Python again. The trace refuses
-what a capture refuses (Strict): an op that makes the host read a device value (a sync), a host
-value copied in (`torch.tensor(...)`, a Python scalar written by index: make_fx's `lift_fresh`),
-and a tensor made without a device (`torch.zeros(n)`: on a GPU a host tensor inside a device program). A program that would break
-under a real graph, by any of these or by reading state its key does not name, fails there too.
+what a capture refuses: an op that makes the host read a device value (a sync), a host value
+copied in (`torch.tensor(...)`, a Python scalar written by index: make_fx's `lift_fresh`; Strict),
+and a tensor made without a device (`torch.zeros(n)`: on a GPU a host tensor inside a device
+program; NoHostTensors). A program that would break under a real graph, by any of these or by
+reading state its key does not name, fails there too.
 """
 import os
 import sysconfig

@@ -33,12 +33,15 @@ def block_batch(n: int | None, rows: int, exact: bool, device) -> int | None:
 
     A product's bits may depend on its total rows: cuBLAS picks its fp32 kernel by them (RESULTS.md,
     "On a GPU"). A fixed total, N x Q rows whoever is live, a lone sequence included, makes a
-    sequence's bits independent of its batch on any library. On CUDA, where rows are nearly free, it
-    is the default: batches of up to CUDA_BLOCK_BATCH sequences are bitwise each alone; a larger one
-    rounds N up to a multiple of it (compare it alone at the same block_batch). On a CPU a row costs,
-    and its BLAS's products keep a row's bits for any row count: no block batch unless asked for."""
+    sequence's bits independent of its batch on any library. On CUDA it is the default, in every
+    dtype (bf16's invariance there is an observation, not a guarantee): batches of up to
+    CUDA_BLOCK_BATCH sequences are bitwise each alone; a larger one rounds N up to a multiple of it
+    (compare it alone at the same block_batch). It costs a lone sequence there too (RESULTS.md).
+    On a CPU a row costs more, and with exact mode's aligned rows its BLAS keeps a row's bits for any
+    row count (tests/test_batch.py): no block batch unless asked for."""
     if n is None:
-        return -(-rows // CUDA_BLOCK_BATCH) * CUDA_BLOCK_BATCH if exact and torch.device(device).type == "cuda" else None
+        on_cuda = exact and torch.device(device).type == "cuda"
+        return -(-rows // CUDA_BLOCK_BATCH) * CUDA_BLOCK_BATCH if on_cuda else None
     if not exact:
         raise NanospecError("--block-batch applies to exact mode (--mode exact)")
     if n < rows:
