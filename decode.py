@@ -14,18 +14,21 @@ from pathlib import Path
 
 import torch
 
-from nanospec import ArgumentParser, NanospecError, chat, cli, kernels, trace
+from nanospec import ArgumentParser, NanospecError, cli
+from nanospec.io import chat
+from nanospec.tuning import products as kernels
+from nanospec.oracle import trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
-from nanospec.checkpoint import DTYPES, load
-from nanospec.files import fingerprint
+from nanospec.io.checkpoint import DTYPES, load
+from nanospec.io.files import fingerprint
 from nanospec.costs import measure as measure_costs
 from nanospec.engine import AR, check_prompt, check_room, generate, shapes
 from nanospec.sizes import block_batch
-from nanospec.peers import transformers_peers
+from nanospec.oracle.peers import transformers_peers
 from nanospec.planner import Planner
 from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, model_dir, split_specs
-from nanospec.sources import base_of, resolve
-from nanospec.tokenizer import load_tokenizer
+from nanospec.io.sources import base_of, resolve
+from nanospec.io.tokenizer import load_tokenizer
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "pylm"
 

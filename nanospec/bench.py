@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from . import NanospecError, engine
+from . import NanospecError
+from . import engine
 from .engine import Decoding, Drafter, Output, generate, shapes
 
 

@@ -17,8 +17,8 @@ import time
 import torch
 
 from .engine import Decoding
-from .files import atomic_write, cache_root, fingerprint, hardware
-from .kernels import to_json
+from .io.files import atomic_write, cache_root, fingerprint, hardware
+from .tuning.products import to_json
 from .model import BUCKETS, KVCache
 from .sizes import MIN_BLOCK
 from .tree import Tree

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import NanospecError, graphs, sizes
+from . import NanospecError
+from .tuning import cuda as graphs
+from . import sizes
 from .drafter import AR, Drafter, Forward, Nodes
 from .model import Block, KVCache, mm
 from .sizes import cache_for, check_prompt, check_room, shapes

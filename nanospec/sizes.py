@@ -4,7 +4,8 @@ the checks that a prompt fits."""
 
 import torch
 
-from . import NanospecError, graphs
+from . import NanospecError
+from .tuning import cuda as graphs
 from .model import KVCache
 
 # Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from helpers import random_model
-from nanospec.checkpoint import save
+from nanospec.io.checkpoint import save
 from nanospec.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]

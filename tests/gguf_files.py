@@ -14,9 +14,9 @@ from gguf import GGMLQuantizationType as T, GGUFWriter, quants
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from helpers import random_model
-from nanospec.checkpoint import to_hf_name
-from nanospec.gguf_export import add_hyperparameters
-from nanospec.tokenizer import Tokenizer as SentencePiece
+from nanospec.io.checkpoint import to_hf_name
+from nanospec.io.gguf_export import add_hyperparameters
+from nanospec.io.tokenizer import Tokenizer as SentencePiece
 from nanospec.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,9 +145,9 @@ def ascii_model(tmp: Path, seed: int = 0) -> Path:
     EOS) are zeroed in the tied embedding, so their logits are 0 where the others spread by
     several units. Servers that return token texts can then be mapped back to ids."""
     import shutil
-    from nanospec.checkpoint import load, save
-    from nanospec.convert import convert
-    from nanospec.tokenizer_json import JsonTokenizer
+    from nanospec.io.checkpoint import load, save
+    from nanospec.io.convert import convert
+    from nanospec.io.tokenizer_json import JsonTokenizer
     src = convert(write_gguf(tmp / "src.gguf", "F32", seed=seed), tmp / "src")
     tok = JsonTokenizer(src)
     texts = [tok.decode([i]) for i in range(tok.vocab_size)]

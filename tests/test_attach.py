@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanospec import NanospecError, sources
-from nanospec.checkpoint import load
-from nanospec.files import fingerprint
+from nanospec import NanospecError
+from nanospec.io import sources
+from nanospec.io.checkpoint import load
+from nanospec.io.files import fingerprint
 from nanospec.methods import drafters_for, load_drafter
 from test_default_model import SHIPPED, W
 from gguf_files import write_llama_cpp_gguf
@@ -29,7 +30,7 @@ def test_shipped_drafters_load_in_every_dtype(dtype):
 def test_smollm2_drafters_load_in_every_dtype(dtype):
     base = sources.converted("smollm2")
     if not (base / "config.json").is_file():
-        pytest.skip("SmolLM2 is not fetched: python -m nanospec.fetch smollm2")
+        pytest.skip("SmolLM2 is not fetched: python -m nanospec.io.fetch smollm2")
     model = load(base, dtype)
     assert drafters_for(model, base) == SMOL
     for spec in ("medusa", "propd", "bita", "hidden_transfer", "sdsat"):

@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 
 from helpers import check_exact, model_args, one_forward, random_model
 from nanospec import NanospecError
-from nanospec.checkpoint import load
+from nanospec.io.checkpoint import load
 from nanospec.methods.bita import BiTA, Tuning, batches, load_bita, pack, sar_logits, sar_loss
 from nanospec.model import ModelArgs
 from nanospec.tree import Template, Tree

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from helpers import call, run_cli
-from nanospec import NanospecError, calibration as cal, compare, trace
+from nanospec import NanospecError
+from nanospec.oracle import calibration as cal, compare, trace
 
 POS = [{"top_ids": [3, 1], "top_logits": [10.0, 9.0]}, {"top_ids": [0, 2], "top_logits": [2.0, 1.5]}]
 

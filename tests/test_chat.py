@@ -6,9 +6,9 @@ import pytest
 
 from gguf_files import CHAT, write_gguf
 from helpers import decode_main, run_cli
-from nanospec import chat
-from nanospec.convert import convert
-from nanospec.tokenizer import load_tokenizer
+from nanospec.io import chat
+from nanospec.io.convert import convert
+from nanospec.io.tokenizer import load_tokenizer
 
 SMOLLM_LIKE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
                "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"

@@ -10,7 +10,7 @@ import torch
 
 import decode
 from helpers import call, random_model, run_cli
-from nanospec.checkpoint import save
+from nanospec.io.checkpoint import save
 from nanospec.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]

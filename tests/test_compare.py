@@ -1,4 +1,4 @@
-"""The oracle for other engines: decode.py --trace, nanospec.compare's verdicts, and transformers as a client."""
+"""The oracle for other engines: decode.py --trace, nanospec.oracle.compare's verdicts, and transformers as a client."""
 import hashlib
 import json
 import subprocess
@@ -10,8 +10,9 @@ import torch
 
 import decode
 from helpers import call, random_model
-from nanospec import NanospecError, compare, trace
-from nanospec.checkpoint import save
+from nanospec import NanospecError
+from nanospec.oracle import compare, trace
+from nanospec.io.checkpoint import save
 from nanospec.engine import generate
 from nanospec.model import ModelArgs
 
@@ -98,7 +99,7 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert summary == {"prompts": 1, "identical": 0, "near-tie": 1, "divergence": 0, "short": 0, "empty": 0,
                        "not-bitwise": 0}
     assert "1 near-tie, 0 divergence" in out
-    res = run("nanospec.compare", ref, bad)  # the module's own command line, once
+    res = run("nanospec.oracle.compare", ref, bad)  # the module's own command line, once
     assert res.returncode == 1 and "divergence" in res.stdout
     for args, msg in [((ref, tmp_path / "none.jsonl"), "no trace at"), ((ok, ok), "not a nanospec-trace/1 line"),
                       ((ref,), "give REFERENCE.jsonl and OTHER.jsonl"), ((ref, ok, "--ulps", "x"), "invalid float"),
@@ -170,7 +171,7 @@ def test_transformers_batch_question(weights, tmp_path, monkeypatch):
     reference and against each prompt alone; with the pads planted as attended (no attention mask),
     the batched output is caught against both."""
     pytest.importorskip("transformers")
-    from nanospec.engines import hf
+    from nanospec.oracle.engines import hf
     prompts = tmp_path / "p.jsonl"
     texts = ["def f(x):\n    return", "import os\n", "class Stack:\n    def push(self, x):", "for i in"]
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from nanospec import data
+from nanospec.training import data
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "weights" / "pylm" / "prompts.jsonl"

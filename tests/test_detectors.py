@@ -1,13 +1,13 @@
 """Every detector behind the word "identical" is shown to detect: planted faults (a changed token,
 a one-ulp logit, a truncated or empty output, a wrong row hash) must make --check, the benchmark
-and nanospec.compare fail, with the documented exit codes."""
+and nanospec.oracle.compare fail, with the documented exit codes."""
 import json
 
 import pytest
 
 import decode
 from helpers import Corrupt, call, random_model
-from nanospec import compare, trace
+from nanospec.oracle import compare, trace
 from nanospec.bench import bench, same_as_ar
 from nanospec.engine import generate
 from nanospec.methods import METHODS
@@ -57,7 +57,7 @@ def test_bench_counts_mismatches(exact, ulp):
     assert [r["mismatches"] for r in res] == [3, 0]  # at=100: never reached, so no fault
 
 
-# --- nanospec.compare on a real trace, with planted faults ---------------------------------------
+# --- nanospec.oracle.compare on a real trace, with planted faults ---------------------------------------
 
 @pytest.fixture(scope="module")
 def traced():

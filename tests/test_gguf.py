@@ -11,9 +11,9 @@ import torch
 from gguf_files import K_QUANTS, ROOT, transformers_model, write_gguf
 from helpers import decode_main, full_logits, run_cli
 from nanospec import NanospecError
-from nanospec.checkpoint import load
+from nanospec.io.checkpoint import load
 from nanospec.engine import generate
-from nanospec.sources import resolve
+from nanospec.io.sources import resolve
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"] + K_QUANTS
 PROMPT = [1, 40, 41, 300, 7, 99, 250]
@@ -57,7 +57,7 @@ def test_convert_cli_writes_a_directory_transformers_loads(tmp_path):
     transformers = pytest.importorskip("transformers")
     path = write_gguf(tmp_path / "tiny.gguf", "F16")
     out = tmp_path / "hf"
-    res = subprocess.run([sys.executable, "-m", "nanospec.convert", str(path), str(out)], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "nanospec.io.convert", str(path), str(out)], capture_output=True,
                          text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(out)
@@ -69,7 +69,7 @@ def test_convert_cli_writes_a_directory_transformers_loads(tmp_path):
 
 def test_unpermute_inverts_llama_cpp_permute():
     from gguf_files import permute
-    from nanospec.convert import unpermute
+    from nanospec.io.convert import unpermute
     w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
     assert np.array_equal(unpermute(permute(w, 8), 8), w)
     assert not np.array_equal(permute(w, 8), w)
@@ -113,7 +113,7 @@ def test_unknown_pre_tokenizer_and_missing_merges_are_refused(tmp_path, cache):
 
 
 def test_convert_refuses_an_existing_directory(tmp_path):
-    from nanospec.convert import convert
+    from nanospec.io.convert import convert
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "x").write_text("")
     with pytest.raises(NanospecError, match="already exists"):

@@ -1,4 +1,4 @@
-"""`python -m nanospec.convert DIR OUT.gguf`: an HF directory as an F32 GGUF. Converting that file
+"""`python -m nanospec.io.convert DIR OUT.gguf`: an HF directory as an F32 GGUF. Converting that file
 back gives the same tensors, config and tokenizer (so llama.cpp reads the weights nanospec runs);
 a sentencepiece directory goes in as llama.cpp's `llama` tokenizer; --layers keeps a prefix."""
 import json
@@ -10,11 +10,11 @@ gguf = pytest.importorskip("gguf")  # an optional dependency
 
 from gguf_files import write_gguf
 from helpers import call, run_cli
-from nanospec import convert
-from nanospec.checkpoint import load, load_tensors
-from nanospec.gguf_export import export
-from nanospec.sources import as_gguf
-from nanospec.tokenizer import load_tokenizer
+from nanospec.io import convert
+from nanospec.io.checkpoint import load, load_tensors
+from nanospec.io.gguf_export import export
+from nanospec.io.sources import as_gguf
+from nanospec.io.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("qtype, tie", [("Q4_1", True), ("F32", False)])

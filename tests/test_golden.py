@@ -19,7 +19,7 @@ loader's K rows un-permuted wrongly, RMSNorm's eps ignored) move these values 10
 ATOL (RESULTS.md). The Q8_0 GGUF (weights rounded: logits move by up to 0.09) is checked with 0.2 and the argmax only up to
 that tolerance: it catches the RoPE and K-row faults, not eps.
 
-The stored values come from the fp32 model in exact mode (nanospec.checkpoint.load(W), then
+The stored values come from the fp32 model in exact mode (nanospec.io.checkpoint.load(W), then
 helpers.full_logits(model, ids, exact=True)). To regenerate them on purpose (a new default model,
 or a deliberate change in the forward), run from the repository root:
 
@@ -40,9 +40,9 @@ import torch
 
 from gguf_files import write_llama_cpp_gguf
 from helpers import full_logits
-from nanospec import sources
-from nanospec.checkpoint import load
-from nanospec.tokenizer import Tokenizer
+from nanospec.io import sources
+from nanospec.io.checkpoint import load
+from nanospec.io.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 W = ROOT / "weights" / "pylm"

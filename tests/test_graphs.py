@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from helpers import Adversary, peek, random_model
-from nanospec import engine, graphs
+from nanospec import engine
+from nanospec.tuning import cuda as graphs
 from nanospec.engine import Drafter, generate, shapes
 from nanospec.methods import hidden_transfer
 from nanospec.methods.lookahead import Lookahead

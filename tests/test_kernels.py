@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from helpers import Adversary, full_logits, random_model
-from nanospec import kernels
+from nanospec.tuning import products as kernels
 from nanospec.model import BUCKETS, FORMS, Kernels, ModelArgs
 
 TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)

@@ -7,15 +7,17 @@ PKG = Path(__file__).resolve().parents[1] / "nanospec"
 
 # Lowest first. A module may import its own layer's modules (without a cycle) and lower layers'.
 LAYERS = [
-    {"nanospec", "files", "tokenizer_json", "gguf_tokenizer"},                  # leaves: nothing of the package
-    {"model", "tree", "planner", "kernels", "graphs"},                          # the model and its parts
-    {"checkpoint", "tokenizer", "chat", "gguf_export", "convert", "sources",    # weights and text in and out
-     "fetch", "calibration", "trace", "verdict"},
+    {"nanospec", "io", "oracle", "training", "tuning",                          # leaves: nothing of the package
+     "io.files", "io.tokenizer_json", "io.gguf_tokenizer"},
+    {"model", "tree", "planner", "tuning.products", "tuning.cuda"},             # the model and its parts
+    {"io.checkpoint", "io.tokenizer", "io.chat", "io.gguf_export", "io.convert",  # weights and text in and out
+     "io.sources", "io.fetch", "oracle.calibration", "oracle.trace", "oracle.verdict"},
     {"drafter", "sizes", "engine"},                                             # the contract and the loop
-    {"costs", "data", "training", "pretrain", "methods", "methods.lookahead", "methods.medusa", "methods.propd",
-     "methods.bita", "methods.hidden_transfer", "methods.sdsat", "methods.sdsat_full"},  # drafters and their trainers
-    {"bench", "peers", "analysis", "engines", "engines.hf", "engines.llamacpp", "engines.openai",
-     "compare"},                                                                # command lines and the oracle
+    {"costs", "training.data", "training.loop", "training.pretrain", "methods", "methods.lookahead",
+     "methods.medusa", "methods.propd", "methods.bita", "methods.hidden_transfer", "methods.sdsat",
+     "methods.sdsat_full"},                                                     # drafters and their trainers
+    {"bench", "oracle.peers", "methods.analysis", "oracle.engines", "oracle.engines.hf", "oracle.engines.llamacpp",
+     "oracle.engines.openai", "oracle.compare"},                               # command lines and the oracle
 ]
 LEVEL = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 
@@ -83,6 +85,6 @@ def test_no_import_cycle():
 
 def test_the_checks_catch_a_cycle_and_an_upward_import():
     g = graph()
-    g["model"] = g["model"] | {"checkpoint"}  # checkpoint imports model: a cycle, and an import upward
-    assert cycles(g) and LEVEL["checkpoint"] > LEVEL["model"]
+    g["model"] = g["model"] | {"io.checkpoint"}  # checkpoint imports model: a cycle, and an import upward
+    assert cycles(g) and LEVEL["io.checkpoint"] > LEVEL["model"]
     assert "model" in imports(PKG / "tree.py")  # the parser sees the real imports

@@ -13,8 +13,8 @@ import pytest
 
 from gguf_files import ascii_model
 from helpers import call, run_cli
-from nanospec import calibration as cal, compare
-from nanospec.gguf_export import export
+from nanospec.oracle import calibration as cal, compare
+from nanospec.io.gguf_export import export
 
 
 def test_missing_llama_cpp_python_is_one_line(monkeypatch):

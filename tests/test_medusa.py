@@ -6,8 +6,8 @@ from hypothesis import given, strategies as st
 
 from helpers import check_exact, model_args, random_model
 from nanospec import NanospecError
-from nanospec.checkpoint import save, save_drafter
-from nanospec.files import fingerprint
+from nanospec.io.checkpoint import save, save_drafter
+from nanospec.io.files import fingerprint
 from nanospec.engine import generate
 from nanospec.methods.medusa import Heads, Medusa, load_medusa, loss_fn, samples
 from nanospec.tree import choose_tree

@@ -105,7 +105,7 @@ def test_fast_modes_padded_products_cost_their_bucket():
 def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp_path):
     """costs.measure prices rows by bucket where fast mode's tuned products pad them, and by a line
     in exact mode and under plain products; a cached measure reads back the same."""
-    from nanospec import kernels
+    from nanospec.tuning import products as kernels
     from nanospec.costs import measure
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     model = random_model(ARGS)

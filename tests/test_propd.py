@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 from helpers import FixedCost, check_exact, model_args, pruned_rows, random_model
 from nanospec import NanospecError
-from nanospec.checkpoint import load
+from nanospec.io.checkpoint import load
 from nanospec.engine import generate
 from nanospec import planner
 from nanospec.methods.medusa import Heads

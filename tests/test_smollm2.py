@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct, the real model (run only where `python -m nanospec.fetch smollm2` has
+"""SmolLM2-135M-Instruct, the real model (run only where `python -m nanospec.io.fetch smollm2` has
 downloaded it): fp32 logits and greedy ids as transformers' on the same directory, its tokenizer
 as AutoTokenizer's, its chat template as apply_chat_template's. The fetched GGUF is converted
 afresh with the current convert.py (not read from the cache's earlier conversion)."""
@@ -8,17 +8,17 @@ import pytest
 import torch
 
 from helpers import full_logits
-from nanospec import chat, fetch
-from nanospec.checkpoint import load
-from nanospec.convert import convert
+from nanospec.io import chat, fetch
+from nanospec.io.checkpoint import load
+from nanospec.io.convert import convert
 from nanospec.engine import generate
-from nanospec.files import cache_root
-from nanospec.tokenizer import load_tokenizer
+from nanospec.io.files import cache_root
+from nanospec.io.tokenizer import load_tokenizer
 from test_tokenizer_json import mixed_lines
 
 _, MEMBER, DIGEST = fetch.MODELS["smollm2"]
 GGUF = cache_root() / "downloads" / Path(MEMBER).name
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason="SmolLM2 is not fetched: python -m nanospec.fetch smollm2")
+pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason="SmolLM2 is not fetched: python -m nanospec.io.fetch smollm2")
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\n# 2024-01-31:"]
 
 

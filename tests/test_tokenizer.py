@@ -3,7 +3,7 @@ from pathlib import Path
 
 from hypothesis import given, strategies as st
 
-from nanospec.tokenizer import N_RESERVED, Tokenizer
+from nanospec.io.tokenizer import N_RESERVED, Tokenizer
 
 TOK = Tokenizer(Path(__file__).resolve().parents[1] / "weights" / "pylm" / "tokenizer.model")
 

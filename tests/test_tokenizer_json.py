@@ -8,9 +8,10 @@ from hypothesis import given, strategies as st
 from tokenizers import Tokenizer
 
 from gguf_files import ROOT, SPECIALS, write_gguf
-from nanospec import NanospecError, gguf_tokenizer
-from nanospec.convert import convert
-from nanospec.tokenizer import load_tokenizer
+from nanospec import NanospecError
+from nanospec.io import gguf_tokenizer
+from nanospec.io.convert import convert
+from nanospec.io.tokenizer import load_tokenizer
 
 
 def mixed_lines(n_unicode: int = 600) -> list[str]:

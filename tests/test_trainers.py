@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 import train
 from helpers import call, check_exact, random_model
-from nanospec import analysis
-from nanospec.checkpoint import load, save
+from nanospec.methods import analysis
+from nanospec.io.checkpoint import load, save
 from nanospec.methods import load_drafter, model_dir
 from nanospec.model import ModelArgs
 
@@ -52,7 +52,7 @@ def test_trainers_write_loadable_drafters(tmp_path):
 def test_an_interrupted_drafter_trainer_resumes_exactly(tmp_path, monkeypatch, method, opts):
     """Every drafter trainer checkpoints: a run stopped after a checkpoint and resumed writes the same
     weights as an uninterrupted one."""
-    from nanospec import training
+    from nanospec.training import loop as training
     model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
     save(model, tmp_path, tokenizer_model=TOKENIZER)
     opts = ["--method", method, "--out", tmp_path, "--distill-prompts", 6, "--new-tokens", 8,

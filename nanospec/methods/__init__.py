@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from .. import NanospecError
 from ..drafter import AR, Drafter
-from ..files import fingerprint
+from ..io.files import fingerprint
 from . import bita, hidden_transfer, lookahead, medusa, propd, sdsat, sdsat_full
 
 METHODS = {

@@ -49,11 +49,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..checkpoint import load_trained, save_drafter
-from ..files import fingerprint
-from ..data import distill_args
+from ..io.checkpoint import load_trained, save_drafter
+from ..io.files import fingerprint
+from ..training.data import distill_args
 from ..drafter import Forward, Out, Ranked
-from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
+from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
 from ..tree import Template, choose_tree
 
 ATTENTION = ("paper", "chain", "masked")

@@ -47,8 +47,8 @@ from pathlib import Path
 
 from .. import NanospecError
 from ..drafter import Drafter
-from ..sources import base_of
-from ..tokenizer import Tokenizer, load_tokenizer
+from ..io.sources import base_of
+from ..io.tokenizer import Tokenizer, load_tokenizer
 from ..tree import Tree
 
 STRATEGIES = ("hierarchical", "parallel", "single")

@@ -39,11 +39,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checkpoint import load_trained, save_drafter
-from ..files import fingerprint
-from ..data import distill_args
+from ..io.checkpoint import load_trained, save_drafter
+from ..io.files import fingerprint
+from ..training.data import distill_args
 from ..drafter import Out, Ranked
-from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, Progress, update
+from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, Progress, update
 from ..tree import Template, choose_tree
 
 

@@ -62,13 +62,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..checkpoint import load_drafter_file, save_drafter
+from ..io.checkpoint import load_drafter_file, save_drafter
 from ..costs import CostModel
-from ..files import fingerprint
+from ..io.files import fingerprint
 from ..drafter import Out
 from ..model import RMSNorm
 from ..planner import SIZES as CORE_SIZES, Planner
-from ..training import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, Progress, update
+from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, Progress, update
 from ..tree import choose_tree
 from .medusa import Medusa, load_heads
 

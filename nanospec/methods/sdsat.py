@@ -55,12 +55,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..checkpoint import load_trained, save_drafter
-from ..data import distill_args
+from ..io.checkpoint import load_trained, save_drafter
+from ..training.data import distill_args
 from ..drafter import Forward, Out, Ranked
-from ..files import fingerprint
-from ..pretrain import windows
-from ..training import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
+from ..io.files import fingerprint
+from ..training.pretrain import windows
+from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..tree import Template
 
 TRAIN = "python train.py --method sdsat"

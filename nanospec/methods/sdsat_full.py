@@ -35,12 +35,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..checkpoint import load as load_model, save
-from ..data import distill, distill_args, token_stream
-from ..files import atomic_write, fingerprint, hardware
-from ..pretrain import eval_loss, val_windows, windows
-from ..tokenizer import load_tokenizer
-from ..training import Progress, adamw, causal, cosine_lr, update
+from ..io.checkpoint import load as load_model, save
+from ..training.data import distill, distill_args, token_stream
+from ..io.files import atomic_write, fingerprint, hardware
+from ..training.pretrain import eval_loss, val_windows, windows
+from ..io.tokenizer import load_tokenizer
+from ..training.loop import Progress, adamw, causal, cosine_lr, update
 from .sdsat import SDSAT
 
 

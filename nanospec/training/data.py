@@ -8,8 +8,8 @@ another version has other files and so a somewhat different corpus.
 Held-out files also give the evaluation prompts: a function's signature and
 docstring, cut at the line boundary after the docstring, so the model writes the body.
 
-    python -m nanospec.data --prompts weights/pylm/prompts.jsonl   # regenerate the prompt set
-    python -m nanospec.data --responses .cache/warmup.jsonl -n 1000  # training-split functions
+    python -m nanospec.training.data --prompts weights/pylm/prompts.jsonl   # regenerate the prompt set
+    python -m nanospec.training.data --responses .cache/warmup.jsonl -n 1000  # training-split functions
 """
 import ast
 import hashlib
@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import ArgumentParser, NanospecError, cli
-from .files import atomic_write
-from .engine import generate
+from .. import ArgumentParser, NanospecError, cli
+from ..io.files import atomic_write
+from ..engine import generate
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 VAL_PERCENT = 5
@@ -123,8 +123,8 @@ def instruction(prompt: str) -> str:
 
 def chat_encoder(weights):
     """text -> prompt ids through the weights' chat template, or None when they have none."""
-    from .chat import prompt_ids
-    from .tokenizer import load_tokenizer
+    from ..io.chat import prompt_ids
+    from ..io.tokenizer import load_tokenizer
     tok = load_tokenizer(weights)
     try:
         prompt_ids(weights, tok, "")
@@ -152,7 +152,7 @@ def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64, c
     function prompts; with a chat encoder (chat_encoder), every other one is a chat request to
     implement the function instead, and its reply is cut after the end of the turn. Generated
     batched once, then cached under .cache/ by the model's fingerprint."""
-    from .files import fingerprint
+    from ..io.files import fingerprint
     path = CACHE / f"distill-{fingerprint(model)}-{n}-{new_tokens}{'-chat' if chat else ''}.pt"
     if path.is_file():
         return torch.load(path)
@@ -189,9 +189,9 @@ def main(argv=None):
     if args.prompts:
         prompts = eval_prompts(args.n)
         if args.chat:  # the first half as code, the second as chat requests (rendered: any engine can take them)
-            from .chat import render, template
-            from .tokenizer import load_tokenizer
-            from .sources import base_of
+            from ..io.chat import render, template
+            from ..io.tokenizer import load_tokenizer
+            from ..io.sources import base_of
             base = base_of(args.chat)
             tmpl, config = template(base), load_tokenizer(base).config
             half = len(prompts) // 2

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import NanospecError
+from .. import NanospecError
 from .files import atomic_write, fingerprint, hash_tensors
-from .model import Llama, ModelArgs, rope_inv_freq
+from ..model import Llama, ModelArgs, rope_inv_freq
 
 HF_NAMES = [  # (HF, ours); lm_head, mlp.*_proj and self_attn.*_proj keep their leaf names
     ("model.embed_tokens.", "embed."), ("model.norm.", "norm."), ("model.layers.", "layers."),

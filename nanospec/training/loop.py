@@ -5,12 +5,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load
-from .files import atomic_write
+from ..io.checkpoint import load
+from ..io.files import atomic_write
 from .data import chat_encoder, distill
-from .model import Block, Llama
-from .sources import base_of
-from .tokenizer import load_tokenizer
+from ..model import Block, Llama
+from ..io.sources import base_of
+from ..io.tokenizer import load_tokenizer
 
 
 def cosine_lr(step: int, steps: int, peak: float, warmup: int, floor: float = 0.1) -> float:
@@ -154,7 +154,7 @@ class Checkpoint:
         if getattr(args, "resume", False):
             state = load_state(self.path)
             if state is None:
-                from . import NanospecError
+                from .. import NanospecError
                 raise NanospecError(f"--resume: no checkpoint at {self.path}; run without --resume to start")
             module.load_state_dict(state["module"])
             opt.load_state_dict(state["opt"])

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from .. import NanospecError
+from ... import NanospecError
 from .. import calibration as cal
-from ..checkpoint import DTYPES, load, load_args
-from ..files import fingerprint
+from ...io.checkpoint import DTYPES, load, load_args
+from ...io.files import fingerprint
 from ..verdict import coarser, compare
-from ..sources import base_of, resolve
+from ...io.sources import base_of, resolve
 from . import progress, prompt_texts, references, reference, save, tokenizer, top
 
 SETTINGS = {"greedy": "plain greedy", "prompt_lookup": "prompt lookup (prompt_lookup_num_tokens=10)",

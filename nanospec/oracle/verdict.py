@@ -2,7 +2,7 @@
 short, empty, not-bitwise), judged on the reference's logits with the calibrated or the float
 rule. compare.py's docstring defines each; the engines (engines/) and compare's command line use
 this module, which imports no engine."""
-from . import NanospecError
+from .. import NanospecError
 from .calibration import EPS, tolerance
 
 

@@ -31,11 +31,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import NanospecError
+from ... import NanospecError
 from .. import calibration as cal
-from ..checkpoint import load
+from ...io.checkpoint import load
 from ..verdict import compare
-from ..sources import base_of, resolve
+from ...io.sources import base_of, resolve
 from . import progress, prompt_texts, references, save, tokenizer
 
 TOP_LOGPROBS = 5  # OpenAI's own API allows at most 5

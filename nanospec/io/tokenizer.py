@@ -13,7 +13,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from . import NanospecError
+from .. import NanospecError
 
 N_RESERVED = 32
 SPACE_META = "\u2581"

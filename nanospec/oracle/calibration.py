@@ -4,7 +4,7 @@ The near-tie tolerance at a row is `ulps x eps(units) x scale`, scale = max(1, m
 of the reference row. Without a calibration, units is the coarser float type of the two engines
 and ulps is ULPS[units]: the rounding of one float type. An engine that computes otherwise
 (llama.cpp multiplies quantized weights with quantized activations, and batches with other
-kernels than single tokens) needs its own tolerance, measured (`nanospec.compare --engine E
+kernels than single tokens) needs its own tolerance, measured (`nanospec.oracle.compare --engine E
 --calibrate`): the engine runs teacher-forced over reference sequences, and at every position
 the reference row's top-2 gap, logit[a] - logit[c], is compared with the same two logits of the
 engine's row there. Positions where the engine's own argmax is not a are left out (a flip is what
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from . import NanospecError
-from .files import atomic_write
+from .. import NanospecError
+from ..io.files import atomic_write
 
 FORMAT = "nanospec-calibration/1"
 FACTOR = 4

@@ -1,6 +1,6 @@
 """An HF Llama directory as an F32 GGUF file, so that llama.cpp runs the very weights nanospec runs.
 
-    python -m nanospec.convert DIR OUT.gguf [--layers N]
+    python -m nanospec.io.convert DIR OUT.gguf [--layers N]
 
 The inverse of convert.py: HF names become GGUF names, Q and K rows are permuted into llama.cpp's
 RoPE layout again (convert_hf_to_gguf.py's `permute`), every matrix is written in F32 (the 1-D
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import NanospecError
+from .. import NanospecError
 from .checkpoint import load_args, load_tensors, to_hf_name
 from .files import atomic_write
-from .model import ModelArgs
+from ..model import ModelArgs
 
 LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import NanospecError
-from .checkpoint import load, save
-from .files import atomic_write, hardware
+from .. import NanospecError
+from ..io.checkpoint import load, save
+from ..io.files import atomic_write, hardware
 from .data import STDLIB, documents, split_bytes, token_stream
-from .model import Llama, ModelArgs
-from .tokenizer import Tokenizer, train_tokenizer
-from .training import Progress, adamw, causal, cosine_lr, load_state, save_state, update
+from ..model import Llama, ModelArgs
+from ..io.tokenizer import Tokenizer, train_tokenizer
+from .loop import Progress, adamw, causal, cosine_lr, load_state, save_state, update
 
 
 def add_args(p):

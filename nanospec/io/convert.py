@@ -2,8 +2,8 @@
 (fp32), tokenizer.json, tokenizer_config.json (with the chat template), generation_config.json.
 And back: an HF directory as an F32 GGUF (gguf_export.py), so llama.cpp runs nanospec's weights.
 
-    python -m nanospec.convert FILE.gguf DIR
-    python -m nanospec.convert DIR OUT.gguf [--layers N]
+    python -m nanospec.io.convert FILE.gguf DIR
+    python -m nanospec.io.convert DIR OUT.gguf [--layers N]
 
 Tensors are dequantized with the `gguf` library, in fp32 as llama.cpp computes them (Q4_1:
 d * q + m per weight), so the fp32 directory is the GGUF's model itself (a Q4_1 file is of course
@@ -25,10 +25,11 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from . import ArgumentParser, NanospecError, cli, gguf_tokenizer
+from .. import ArgumentParser, NanospecError, cli
+from . import gguf_tokenizer
 from .checkpoint import to_hf_config
 from .gguf_export import LAYER_NAMES, TOP_NAMES, export
-from .model import ModelArgs
+from ..model import ModelArgs
 
 SUPPORTED = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import tokenizers
 
-from . import NanospecError
+from .. import NanospecError
 
 
 def read_json(path: Path) -> dict:

@@ -1,7 +1,7 @@
 """Where weights come from: every `--weights` goes through resolve(), which returns an HF directory.
 
 - a directory: itself;
-- FILE.gguf: converted once (nanospec.convert) into the cache, keyed by the file's sha256, and
+- FILE.gguf: converted once (nanospec.io.convert) into the cache, keyed by the file's sha256, and
   reused from then on;
 - org/name (a hub id, when no such path exists here): the snapshot that huggingface_hub (an
   optional dependency) has cached, downloaded first when the network allows.
@@ -25,7 +25,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from . import NanospecError
+from .. import NanospecError
 from .files import atomic_write, cache_root, sha256
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

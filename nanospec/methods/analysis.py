@@ -1,8 +1,8 @@
 """Experiments that reproduce the papers' figures and tables, kept out of the method files.
 
-    python -m nanospec.analysis hidden_transfer        # Hidden Transfer's Figures 3, 4 and 7
-    python -m nanospec.analysis propd_grid             # ProPD's Table 2: early layer x top-k
-    python -m nanospec.analysis propd_grid --layers 2,4 --topk 5,10 --limit 20
+    python -m nanospec.methods.analysis hidden_transfer        # Hidden Transfer's Figures 3, 4 and 7
+    python -m nanospec.methods.analysis propd_grid             # ProPD's Table 2: early layer x top-k
+    python -m nanospec.methods.analysis propd_grid --layers 2,4 --topk 5,10 --limit 20
 
 Each takes --weights (default: the shipped model) and prints markdown tables (RESULTS.md holds
 the measured ones). Layer sweeps are training runs: loop over `train.py --method hidden_transfer
@@ -13,17 +13,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import ArgumentParser, cli
-from .bench import bench, load_prompts
-from .checkpoint import load
-from .data import distill_args
-from .methods import load_drafter
-from .methods import propd
-from .methods.hidden_transfer import accuracy, load_transfer, ordered, pseudo_states
-from .methods.medusa import accuracy as medusa_accuracy, load_heads, samples as medusa_samples
-from .sources import base_of, resolve
-from .tokenizer import load_tokenizer
-from .training import distilled
+from .. import ArgumentParser, cli
+from ..bench import bench, load_prompts
+from ..io.checkpoint import load
+from ..training.data import distill_args
+from . import load_drafter
+from . import propd
+from .hidden_transfer import accuracy, load_transfer, ordered, pseudo_states
+from .medusa import accuracy as medusa_accuracy, load_heads, samples as medusa_samples
+from ..io.sources import base_of, resolve
+from ..io.tokenizer import load_tokenizer
+from ..training.loop import distilled
 
 DEFAULT = Path(__file__).resolve().parents[1] / "weights" / "pylm"
 

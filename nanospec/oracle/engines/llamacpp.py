@@ -31,12 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import NanospecError
+from ... import NanospecError
 from .. import calibration as cal
-from ..checkpoint import load
-from ..files import fingerprint
+from ...io.checkpoint import load
+from ...io.files import fingerprint
 from ..verdict import compare
-from ..sources import as_gguf, base_of, resolve
+from ...io.sources import as_gguf, base_of, resolve
 from . import progress, prompt_texts, references, save, tokenizer, tokens_per_s, top
 
 INSTALL = ('pip install "nanospec[llamacpp]" (llama-cpp-python: it builds llama.cpp from source, some minutes; '

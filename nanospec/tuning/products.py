@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from .files import atomic_write, cache_root, fingerprint, hardware
-from .model import BUCKETS, FORMS, PREPARE, Kernels
+from ..io.files import atomic_write, cache_root, fingerprint, hardware
+from ..model import BUCKETS, FORMS, PREPARE, Kernels
 
 PAD_MARGIN = 0.1  # run a product on more rows only if that measured at least 10% faster
 

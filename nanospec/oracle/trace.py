@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from . import NanospecError
-from .files import atomic_write
+from .. import NanospecError
+from ..io.files import atomic_write
 
 FORMAT = "nanospec-trace/1"
 

@@ -1,4 +1,4 @@
-"""Engines under test for `nanospec.compare --engine`, one module each, imported only when named:
+"""Engines under test for `nanospec.oracle.compare --engine`, one module each, imported only when named:
 
 - transformers (hf.py): LlamaForCausalLM.generate, greedy / prompt lookup / assisted;
 - llama.cpp (llamacpp.py): llama-cpp-python (an optional extra), greedy / prompt lookup / draft model;
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import NanospecError
+from ... import NanospecError
 from .. import trace as traces
-from ..bench import load_prompts
-from ..files import fingerprint
-from ..engine import generate
-from ..sources import base_of
-from ..tokenizer import load_tokenizer
+from ...bench import load_prompts
+from ...io.files import fingerprint
+from ...engine import generate
+from ...io.sources import base_of
+from ...io.tokenizer import load_tokenizer
 
 MODULES = {"transformers": "hf", "llama.cpp": "llamacpp", "openai": "openai"}
 TOP_K = 8  # top-k kept per position, as in traces

@@ -8,7 +8,7 @@ rather than guessed, since a wrong split changes the ids without any error.
 """
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from . import NanospecError
+from .. import NanospecError
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 

@@ -1,13 +1,13 @@
 """Check another engine's greedy output against nanospec's reference trace, or against itself.
 
-    python -m nanospec.compare REFERENCE.jsonl OTHER.jsonl [--dtype bfloat16] [--calibration FILE] [--json]
-    python -m nanospec.compare --engine transformers [--weights DIR] [--dtype float32,bfloat16]
-    python -m nanospec.compare --engine llama.cpp --weights FILE.gguf [--kv f16,f32]
-    python -m nanospec.compare --engine openai --url http://HOST:PORT/v1 --weights FILE.gguf
-    python -m nanospec.compare [REFERENCE.jsonl] --engine E --calibrate [--save-calibration FILE]
-    python -m nanospec.compare --engine E --self-only      # speculative vs the engine's own greedy only
-    python -m nanospec.compare --engine transformers --batch 4     # does batching change the output?
-    python -m nanospec.compare --engine openai --url URL --concurrency 8
+    python -m nanospec.oracle.compare REFERENCE.jsonl OTHER.jsonl [--dtype bfloat16] [--calibration FILE] [--json]
+    python -m nanospec.oracle.compare --engine transformers [--weights DIR] [--dtype float32,bfloat16]
+    python -m nanospec.oracle.compare --engine llama.cpp --weights FILE.gguf [--kv f16,f32]
+    python -m nanospec.oracle.compare --engine openai --url http://HOST:PORT/v1 --weights FILE.gguf
+    python -m nanospec.oracle.compare [REFERENCE.jsonl] --engine E --calibrate [--save-calibration FILE]
+    python -m nanospec.oracle.compare --engine E --self-only      # speculative vs the engine's own greedy only
+    python -m nanospec.oracle.compare --engine transformers --batch 4     # does batching change the output?
+    python -m nanospec.oracle.compare --engine openai --url URL --concurrency 8
 
 REFERENCE is a `decode.py --trace` file (nanospec-trace/1; AR in exact mode is the reference).
 OTHER holds one {"prompt_ids": [...], "output_ids": [...]} object per line, from any engine (a
@@ -45,7 +45,7 @@ not-bitwise fail (2 on bad input).
 import json
 from pathlib import Path
 
-from . import ArgumentParser, NanospecError, cli
+from .. import ArgumentParser, NanospecError, cli
 from . import calibration as cal
 from . import trace as traces
 from .calibration import EPS, ULPS, tolerance  # noqa: F401 (the rule's constants, as before)

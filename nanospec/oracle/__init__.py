@@ -1,0 +1,1 @@
+"""The oracle: traces of reference logits, comparison with other engines, their tolerances and verdicts."""

@@ -1,0 +1,1 @@
+"""Training: self-distillation data, the shared training loop, and the default model's pretraining."""
