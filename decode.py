@@ -21,11 +21,11 @@ from nanospec.oracle import trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.io.checkpoint import DTYPES, load
 from nanospec.io.files import fingerprint
-from nanospec.costs import measure as measure_costs
+from nanospec.tuning.costs import measure as measure_costs
 from nanospec.engine import AR, check_prompt, check_room, generate, shapes
 from nanospec.sizes import block_batch
 from nanospec.oracle.peers import transformers_peers
-from nanospec.planner import Planner
+from nanospec.tuning.planner import Tuned, own_sizes
 from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, model_dir, split_specs
 from nanospec.io.sources import base_of, resolve
 from nanospec.io.tokenizer import load_tokenizer
@@ -123,17 +123,20 @@ def note_own_model(weights) -> None:
 
 
 def tune(args, model, exact: bool, drafters) -> None:
-    """Fast mode on a CPU: --kernels tuned picks each product's form by row count; --planner measured
-    gives every drafter without a planner of its own the core planner on this machine's measured
-    row costs (a drafter it can plan: ranked, or nested). Exact mode keeps one kernel and static
-    trees: its block is fixed."""
+    """Fast mode's speed layer (nanospec/tuning/): on a CPU, --kernels tuned installs each product's
+    fastest form by row count on the model's and drafters' layers; --planner measured hands every
+    drafter without a planner of its own the core planner with a CPU's additions, on this machine's
+    measured row costs (a drafter it can plan: ranked, or nested), and a method's own planner gets
+    the sizes that fill the row buckets. Exact mode keeps one kernel and static trees: its block is fixed."""
     if exact:
         return
     if args.kernels == "tuned" and args.device == "cpu":
-        model.kernels = kernels.tuned(model)
+        kernels.install(kernels.tuned(model), model, *drafters)
     for d in drafters:
-        if args.planner == "measured" and (d.topk or d.nested) and d.planner is None:
-            d.plan(Planner(measure_costs(model)))
+        if d.planner is not None:
+            own_sizes(d)
+        elif args.planner == "measured" and (d.topk or d.nested):
+            d.plan(Tuned(measure_costs(model)))
 
 
 def read_text(path) -> str:

@@ -9,9 +9,8 @@
 - forward(f, nodes) is the verification forward on a Forward f; it returns an Out: the nodes'
   logits, and per node the drafts that node would make if it ended the accepted path. Forward and
   Out live here: they are what a method's forward is written with.
-- propose(drafts, mm) turns each sequence's last accepted node's drafts into logits per depth
-  (B, K, V), its vocabulary products through mm(layer, x) (fast mode's tuned kernels: model.Kernels)
-  as one product for the batch.
+- propose(drafts) turns each sequence's last accepted node's drafts into logits per depth
+  (B, K, V), as one product for the batch.
 - accepted(dec, tree, path) is told what was accepted (Lookahead's trie, SDSAT's statistics).
 Plain AR is the base Drafter: a tree of the root alone.
 """
@@ -88,7 +87,7 @@ class Forward:
         """The first n rows' logits (B, n, V). Exact mode multiplies every row, as AR's block does (a
         GEMM's rows depend on its shape); fast mode only the n asked for."""
         if self.exact:
-            return self.model.lm_head(self.ctx.rows(h))[:, :n]
+            return self.ctx.mm(self.model.lm_head, self.ctx.rows(h))[:, :n]
         return self.ctx.mm(self.model.lm_head, h[:, :n])
 
 
@@ -170,9 +169,8 @@ class Drafter:
     def forward(self, f: Forward, nodes) -> Out:
         return Out(f.logits(f.norm(f.layers(f.embed())), nodes.N))
 
-    def propose(self, drafts: torch.Tensor, mm) -> torch.Tensor:
-        """Logits per draft depth (B, K, V) from each sequence's last accepted node's drafts (B, K', D);
-        a bias-free layer's product runs as mm(layer, x) (Decoding.mm)."""
+    def propose(self, drafts: torch.Tensor) -> torch.Tensor:
+        """Logits per draft depth (B, K, V) from each sequence's last accepted node's drafts (B, K', D)."""
         return drafts
 
     def accepted(self, dec, tree: Tree, path: list[int]) -> None:

@@ -24,7 +24,7 @@ from . import NanospecError
 from .tuning import cuda as graphs
 from . import sizes
 from .drafter import AR, Drafter, Forward, Nodes
-from .model import Block, KVCache, mm
+from .model import Block, KVCache
 from .sizes import cache_for, check_prompt, check_room, shapes
 from .tree import Layout, Sampler, Tree, accept, layout, step_layout, verify
 
@@ -177,11 +177,6 @@ class Decoding:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def mm(self, layer, x):
-        """A drafter's bias-free product layer(x), on fast mode's tuned kernels when set: a few rows
-        through a large lm_head cost a fraction of F.linear's time in the weight-first form."""
-        return mm(None if self.exact else self.model.kernels, layer, x)
-
 
 def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
     """A group's rows and nodes as one batch: each sequence padded to the group's longest (exact
@@ -236,7 +231,7 @@ def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs, gre
             return torch.stack([pack(path, emitted) for path, emitted in paths]), out.logits
         last = torch.stack([path.max() for path, _ in paths])  # each path's deepest node (indices grow along a path)
         b = torch.arange(len(last), device=last.device)
-        cands = drafter.propose(out.drafts[b, last], d.mm).topk(R, dim=-1).indices  # (B, K, R): one product for all
+        cands = drafter.propose(out.drafts[b, last]).topk(R, dim=-1).indices  # (B, K, R): one product for all
         depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])
         return torch.stack([pack(p, e, depth[i:i + 1], cands[i]) for i, (p, e) in enumerate(paths)]), out.logits
     lay = nodes.lay
@@ -270,7 +265,7 @@ def step(decs: list[Decoding], drafter: Drafter, trees: list[Tree], record: bool
                  for b, x, t in zip(at, decs, trees)]
         if drafts is not None:  # each path's end drafts: one product for the batch, as greedy's
             ends = torch.tensor([path[-1] for path, _ in found], device=drafts.device)
-            top = drafter.propose(drafts[torch.tensor(at, device=ends.device), ends], d.mm)
+            top = drafter.propose(drafts[torch.tensor(at, device=ends.device), ends])
             top = top.topk(max(drafter.topk), dim=-1).indices  # (B, K, R)
     for b, (x, tree) in enumerate(zip(decs, trees)):
         x.forward_s += took / len(decs)  # its share of the step's forward

@@ -6,7 +6,8 @@ its ancestors by depth and itself: the canonical key order of the exactness cont
 batch's sequences each have their own cache row (a forward's seqs). Two modes:
 - exact: each row gathers its visible keys in canonical order, padded to the cache's S slots, so its result depends
   only on its own input and visible keys: in a fixed block of Q rows per sequence, a node's logits are bitwise AR's.
-- fast: SDPA over the used part of the cache with a boolean mask, and each product in its fastest form (Kernels).
+- fast: SDPA over the used part of the cache with a boolean mask, and each product as its layer runs it (a device
+  layer may install faster forms on the layers: tuning/products.py).
 """
 import math
 from dataclasses import dataclass, fields
@@ -99,7 +100,6 @@ class Context:
     valid: torch.Tensor | None = None  # exact: (B, T, Sp) which of those are visible
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
-    kernels: object = None             # fast: Kernels, the products' forms by row count
     seqs: torch.Tensor | None = None   # (B,) the cache rows of the block's sequences; None: 0..B-1
     delta: object = None               # delta(layer, x, y): a product's update on some rows (SDSAT's adaptive rows)
 
@@ -108,7 +108,9 @@ class Context:
         return aligned(x) if self.exact else x
 
     def mm(self, layer, x):
-        y = mm(self.kernels, layer, x)
+        """A bias-free layer's product: in exact mode F.linear, AR's one kernel, whatever form a device layer
+        installed on the layer; in fast mode the layer as it runs."""
+        y = F.linear(x, layer.weight) if self.exact else layer(x)
         return y if self.delta is None else self.delta(layer, x, y)
 
     def map(self, fn, x):
@@ -119,7 +121,7 @@ class Context:
         """The context of a subset of rows (e.g. survivors of pruning), sliced rather than rebuilt."""
         pick = lambda t: None if t is None else t[:, rows]
         return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact,
-                       pick(self.idx), pick(self.valid), pick(self.mask), self.L, self.kernels, self.seqs)
+                       pick(self.idx), pick(self.valid), pick(self.mask), self.L, self.seqs)
 
     def write(self, kc, vc, k, v):
         """Store the rows' keys and values (B, T, Hkv, D) in their sequences' cache rows; returns (kc, vc)."""
@@ -158,41 +160,6 @@ def rowwise(fn, x):
     rows = F.pad(x, (0, Dp - D)).reshape(-1, Dp)
     out = torch.cat([fn(c) for c in rows.split(max(1, 32768 // Dp))])
     return out[:, :D].reshape(x.shape)
-
-
-BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # fast mode's row counts, each with its tuned forms
-FORMS = {"linear": lambda x, w, p: F.linear(x, w), "weight-first": lambda x, w, p: (w @ x.T).T,
-         "transposed": lambda x, w, p: x @ p}  # x @ w.T, each the fastest somewhere; p: the weight as PREPARE made it
-PREPARE = {"transposed": lambda w: w.t().contiguous()}  # forms run on a copy of the weight, made once
-if torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in
-                                                 ("_linear_pointwise", "_reorder_linear_weight")):  # oneDNN's packed weights
-    FORMS["packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-    PREPARE["packed"] = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 16)  # 16: the layout's row hint
-
-
-class Kernels:
-    """Fast mode's products, {(out, in, rows bucket): (form, rows)}: each one's fastest here (kernels.tune)."""
-
-    def __init__(self, table: dict):
-        self.table, self.prepared = table, {}  # prepared: (id(weight), form) -> the weight as that form wants it
-
-    def linear(self, layer, x):
-        M, w = x.shape[:-1].numel(), layer.weight
-        b = next((b for b in BUCKETS if b >= M), None)
-        form, rows = self.table.get((*w.shape, b), ("linear", M)) if b else ("linear", M)
-        if form == "linear" and rows == M:
-            return layer(x)
-        if form in PREPARE and (id(w), form) not in self.prepared:
-            self.prepared[id(w), form] = PREPARE[form](w.detach())
-        x2 = x.reshape(M, -1) if rows == M else F.pad(x.reshape(M, -1), (0, 0, 0, rows - M))  # zero rows added
-        # row-major out, as F.linear's: later products on a weight-first result's layout run slower
-        y = FORMS[form](x2, w, self.prepared.get((id(w), form)))[:M].contiguous()
-        return y.reshape(*x.shape[:-1], -1)
-
-
-def mm(kernels: Kernels | None, layer, x):
-    """layer(x) for a bias-free layer, in fast mode's tuned forms when given (exact mode: AR's one kernel)."""
-    return layer(x) if kernels is None else kernels.linear(layer, x)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -314,7 +281,6 @@ class Llama(nn.Module):
         if args.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        self.kernels = None  # fast mode's tuned product forms (Kernels, from kernels.tuned), when set
 
     def rope(self, pos: torch.Tensor, exact: bool = False):
         """cos, sin (B, T, 1, D) for positions (B, T)."""
@@ -325,7 +291,7 @@ class Llama(nn.Module):
         return f(torch.cos, emb).to(dt), f(torch.sin, emb).to(dt)
 
     def context(self, block: Block, n_slots: int, exact: bool, seqs=None) -> Context:
-        ctx = Context(*self.rope(block.pos, exact), block.slots, exact, kernels=None if exact else self.kernels, seqs=seqs)
+        ctx = Context(*self.rope(block.pos, exact), block.slots, exact, seqs=seqs)
         prefix, extra = block.prefix[..., None], block.extra
         if exact:
             # on a CPU each row's keys padded to a multiple of 32, so every row's slice starts 64-byte

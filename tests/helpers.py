@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nanospec import cli
 from nanospec.engine import Decoding, Drafter, generate, program, shapes, stack
 from nanospec.model import Block, KVCache, Llama, ModelArgs
-from nanospec.costs import Measured
+from nanospec.tuning.costs import Measured
 from nanospec.tree import Tree
 
 

@@ -1,4 +1,4 @@
-"""Fast mode's tuned products (model.Kernels, tuned by kernels.tune): every form, padded or not,
+"""Fast mode's tuned products (tuning/products.py: Kernels, tuned by tune, installed on layers): every form, padded or not,
 computes the linear layer, a table survives its cache file, and tune() fills every (shape, bucket)
 with a valid choice."""
 import pytest
@@ -6,8 +6,9 @@ import torch
 from hypothesis import given, strategies as st
 
 from helpers import Adversary, full_logits, random_model
+from nanospec.model import ModelArgs
 from nanospec.tuning import products as kernels
-from nanospec.model import BUCKETS, FORMS, Kernels, ModelArgs
+from nanospec.tuning.products import BUCKETS, FORMS, Kernels, install
 
 TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
 
@@ -49,11 +50,11 @@ def test_tuned_table_round_trips_and_keeps_fast_mode_close():
     assert kernels.from_json(kernels.to_json(table)).table == table.table
     ids = [1, 5, 9, 2]
     plain = full_logits(model, ids, False)
-    model.kernels = table
-    try:
-        torch.testing.assert_close(full_logits(model, ids, False), plain, rtol=1e-4, atol=1e-4)
-    finally:
-        model.kernels = None
+    install(table, model)
+    torch.testing.assert_close(full_logits(model, ids, False), plain, rtol=1e-4, atol=1e-4)
+    assert kernels.installed(model) is table
+    install(None, model)
+    assert kernels.installed(model) is None and torch.equal(full_logits(model, ids, False), plain)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -65,34 +66,31 @@ def test_a_table_that_pads_every_product_changes_no_greedy_token(seed):
     kw = dict(max_new_tokens=24, eos_id=-1)
     ref = generate(model, [1, 2, 3], **kw).tokens
     shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    model.kernels = Kernels({(*s, b): ("weight-first", min(2 * b, 64)) for s in shapes for b in BUCKETS})
-    try:
-        out = generate(model, [1, 2, 3], Adversary(ref, TINY.vocab_size, seed), **kw)
-    finally:
-        model.kernels = None
+    install(Kernels({(*s, b): ("weight-first", min(2 * b, 64)) for s in shapes for b in BUCKETS}), model)
+    out = generate(model, [1, 2, 3], Adversary(ref, TINY.vocab_size, seed), **kw)
     assert out.tokens == ref
     assert out.steps < len(ref)  # drafts were accepted: multi-row forwards ran
 
 
 @pytest.mark.parametrize("exact", [False, True])
-def test_drafters_vocabulary_products_use_fast_modes_kernels(exact):
-    """Medusa's heads project through the shared lm_head in propose: in fast mode on the tuned
-    kernels (a 3-row product, here the spy form), in exact mode never (one kernel for all)."""
+def test_installed_forms_reach_the_heads_and_never_exact_modes_forward(exact, monkeypatch):
+    """Medusa's heads project through the shared lm_head in propose, on the installed forms (a 3-row
+    product, here the spy form) in either mode; exact mode's own products never use them (AR's one
+    kernel), fast mode's do."""
     from nanospec.engine import generate
     from nanospec.methods.medusa import Heads, Medusa
     model = random_model(TINY, seed=3)
     heads = Heads(TINY.dim, TINY.vocab_size, 3, model.lm_head)
-    seen = []
-    FORMS["spy"] = lambda x, w, wt: seen.append((tuple(w.shape), x.shape[0])) or x @ w.T
+    seen, proposed = [], []
+    monkeypatch.setitem(FORMS, "spy", lambda x, w, wt: seen.append((tuple(w.shape), x.shape[0])) or x @ w.T)
     V = (TINY.vocab_size, TINY.dim)
-    model.kernels = Kernels({(*V, b): ("spy", b) for b in BUCKETS})
-    try:
-        out = generate(model, [1, 2, 3], Medusa(heads, [(0,), (0, 0)]), max_new_tokens=6, eos_id=-1, exact=exact)
-    finally:
-        del FORMS["spy"]
-        model.kernels = None
-    assert len(out.tokens) == 6
-    assert ((V, 3) in seen) == (not exact) and (seen == []) == exact
+    install(Kernels({(*V, b): ("spy", b) for b in BUCKETS}), model)
+    medusa = Medusa(heads, [(0,), (0, 0)])
+    propose = medusa.propose
+    monkeypatch.setattr(medusa, "propose", lambda h: proposed.append(1) or propose(h))
+    out = generate(model, [1, 2, 3], medusa, max_new_tokens=6, eos_id=-1, exact=exact)
+    assert len(out.tokens) == 6 and (V, 3) in seen and proposed
+    assert (len(seen) == len(proposed)) == exact  # exact: the heads' products only
 
 
 def test_the_packed_form_is_offered_where_onednn_is():

@@ -14,9 +14,12 @@ from helpers import FixedCost, check_exact, random_model
 from nanospec.engine import generate
 from nanospec.methods.lookahead import Lookahead
 from nanospec.methods.medusa import Heads, Medusa
-from nanospec.model import BUCKETS, ModelArgs
-from nanospec.costs import CostModel, Measured
-from nanospec.planner import LONGEST, PROBE, SETTLE, SHARE, Planner, best, expected_lengths, tree_lengths
+from nanospec.model import ModelArgs
+from nanospec.tuning.products import BUCKETS
+from nanospec.costs import CostModel
+from nanospec.tuning.costs import Measured
+from nanospec.planner import best, expected_lengths, tree_lengths
+from nanospec.tuning.planner import LONGEST, PROBE, SETTLE, SHARE, Tuned
 from nanospec.tree import choose_tree, product_paths
 
 ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=41, hidden_dim=40)
@@ -56,7 +59,7 @@ def test_expected_length_matches_figure_6():
 
 def test_acceptance_ema_and_rank_probabilities():
     """P[d][k] is an EMA of "depth d's true token was in its top k+1"; p() the chance of rank k."""
-    planner = Planner(FixedCost(0.01, 0.001), alpha=0.5)
+    planner = Tuned(FixedCost(0.01, 0.001), alpha=0.5)
     planner.start(SimpleNamespace(topk=[3], acc=[[0.0, 0.0, 0.0]]), None)
     dec = SimpleNamespace(out=[9])
     for out, cands, P in (([9, 7], [5, 7, 8], [0.0, 0.5, 0.5]),  # right at rank 2: top-2 and top-3
@@ -93,7 +96,7 @@ def test_measured_costs_interpolate():
 
 
 def test_fast_modes_padded_products_cost_their_bucket():
-    """Fast mode runs a product of n rows at its bucket's row count (model.BUCKETS), so a forward of 9
+    """Fast mode runs a product of n rows at its bucket's row count (products.BUCKETS), so a forward of 9
     rows costs what 12 do, not a line between 8 and 12; past the last bucket products are not padded."""
     points = {1: 0.010, 8: 0.020, 12: 0.030, 64: 0.060, 128: 0.100}
     c = Measured(points, padded=True)
@@ -106,12 +109,12 @@ def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp
     """costs.measure prices rows by bucket where fast mode's tuned products pad them, and by a line
     in exact mode and under plain products; a cached measure reads back the same."""
     from nanospec.tuning import products as kernels
-    from nanospec.costs import measure
+    from nanospec.tuning.costs import measure
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     model = random_model(ARGS)
     rows = BUCKETS[:4]
     assert not measure(model, rows=rows, context=8, reps=1).padded  # no tuned products
-    model.kernels = kernels.tune(model, reps=1)
+    kernels.install(kernels.tune(model, reps=1), model)
     for again in (False, True):
         assert measure(model, rows=rows, context=8, reps=1).padded
         assert not measure(model, exact=True, rows=rows, context=8, reps=1).padded
@@ -153,7 +156,7 @@ def test_the_cost_model_learns_at_each_plan_and_a_kind_of_step_known_replans():
     learnt = []
     cost = FixedCost(0.01, 0.001)
     cost.update = lambda *step: learnt.append(step)
-    planner = Planner(cost, replan=1000)
+    planner = Tuned(cost, replan=1000)
     planner.start(ranked([[0.5, 0.1, 0.1]]), None)
     dec = SimpleNamespace(out=[], cur=0)
     for i in range(2 * SETTLE):
@@ -169,7 +172,7 @@ def test_the_cost_model_learns_at_each_plan_and_a_kind_of_step_known_replans():
 def test_a_refill_does_not_stop_the_replans():
     """Continuous batching gives a stopped sequence's row to a new prompt, whose cursor starts at its
     prompt's length: the planner still replans every `replan` tokens (its own clock, not a cursor)."""
-    planner = Planner(FixedCost(0.01, 0.001), replan=8)
+    planner = Tuned(FixedCost(0.01, 0.001), replan=8)
     planner.start(ranked([[0.5, 0.1, 0.1]]), None)
     plans = []
     lengths = planner.lengths
@@ -209,7 +212,7 @@ def test_drafting_that_costs_more_than_its_forward_goes_to_ar():
     drafts get 0.6 tokens per step: worth a forward, not that. The planner learns the excess from
     the steps' times and plans AR; priced at the forward alone (no excess learnt), it drafts on."""
     for cost, ar in ((Measured({1: 0.010, 64: 0.020}), True), (FixedCost(0.00984, 0.00016), False)):
-        planner = Planner(cost, replan=8)
+        planner = Tuned(cost, replan=8)
         drive(planner, [[0.6, 0.1, 0.1], [0.4, 0.1, 0.1]], 100, lambda step, i: (i - 1) % 5 < 3,
               lambda rows, size: cost.forward(rows) + (0.03 if size else 0.0))
         assert (planner.size == 0) == ar and (planner.used[0] > 50) == ar
@@ -230,7 +233,7 @@ def test_budgets_follow_what_a_row_costs(base, row_cost, expect):
     """Cheap rows: big trees; a step that costs only its rows (no tree beats AR even if every draft
     is right, so no probe either): AR steps (budget 0), and a planned method runs no extra rows."""
     model = random_model(ARGS, 1)
-    d = medusa(model).plan(Planner(FixedCost(base, row_cost), replan=8))
+    d = medusa(model).plan(Tuned(FixedCost(base, row_cost), replan=8))
     out = generate(model, [3, 4, 5], d, max_new_tokens=40, eos_id=-1)
     sizes = d.planner.used
     if expect == "big":
@@ -244,7 +247,7 @@ def test_a_planned_ranked_drafter_may_use_every_rank_it_was_measured_at():
     (7 here), not to its number of heads (3)."""
     acc = [[0.5, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02]] * 3
     d = Medusa(Heads(ARGS.dim, ARGS.vocab_size, 3), [(0,), (0, 0), (0, 0, 0)], acc)
-    assert d.plan(Planner(FixedCost(0.01, 1e-5))).topk == [7, 7, 7]
+    assert d.plan(Tuned(FixedCost(0.01, 1e-5))).topk == [7, 7, 7]
 
 
 def test_ar_steps_reuse_one_drafter(monkeypatch):
@@ -252,7 +255,7 @@ def test_ar_steps_reuse_one_drafter(monkeypatch):
     program), not a new one per step."""
     from nanospec import engine
     model = random_model(ARGS, 1)
-    d = medusa(model).plan(Planner(FixedCost(0.0, 1.0), replan=8))
+    d = medusa(model).plan(Tuned(FixedCost(0.0, 1.0), replan=8))
     seen, step = [], engine.step
     monkeypatch.setattr(engine, "step", lambda decs, drafter, *a: seen.append(drafter) or step(decs, drafter, *a))
     generate(model, [3, 4, 5], d, max_new_tokens=10, eos_id=-1)
@@ -265,7 +268,7 @@ def test_the_budget_shrinks_to_ar_when_drafts_fail():
     model = random_model(ARGS, 2)
     heads = Heads(ARGS.dim, ARGS.vocab_size, 3)
     torch.nn.init.normal_(heads.proj[0].weight, std=5.0)  # wrong guesses
-    d = Medusa(heads, choose_tree(ACC, 6), [[0.9] * 3] * 3).plan(Planner(FixedCost(0.01, 0.002), replan=4, alpha=0.3))
+    d = Medusa(heads, choose_tree(ACC, 6), [[0.9] * 3] * 3).plan(Tuned(FixedCost(0.01, 0.002), replan=4, alpha=0.3))
     generate(model, [3, 4, 5], d, max_new_tokens=120, eos_id=-1)
     assert d.planner.size == 0 and d.planner.used[0] > 40
 
@@ -281,7 +284,7 @@ def test_probes_cost_at_most_a_share_of_the_time_at_ar(row_cost):
     heads = Heads(ARGS.dim, ARGS.vocab_size, 3)
     torch.nn.init.normal_(heads.proj[0].weight, std=5.0)  # wrong guesses: AR gets planned
     cost = FixedCost(0.01, row_cost)
-    planner = Planner(cost, replan=16, alpha=0.3)
+    planner = Tuned(cost, replan=16, alpha=0.3)
     d = Medusa(heads, choose_tree(ACC, 6), [[0.9] * 3] * 3).plan(planner)
     log = []  # (the step's size, the size planned for the replan period, its rows)
     observe = planner.observe
@@ -300,7 +303,7 @@ def test_a_probe_that_finds_good_drafts_brings_drafting_back():
     """A ranked drafter whose candidates are all wrong for a stretch (AR gets planned), then right at
     top-1 on 3 of 5 tokens: a probe's outcomes replace the stale estimates, so drafting comes back at
     the first probe. An EMA nudged by a probe's few outcomes kept a SmolLM2 Medusa at AR for good."""
-    planner = Planner(FixedCost(0.01, 0.004), sizes=(0, 1, 2, 4), replan=8)  # 3 rows cost 2.2x 1 row
+    planner = Tuned(FixedCost(0.01, 0.004), sizes=(0, 1, 2, 4), replan=8)  # 3 rows cost 2.2x 1 row
     sizes = drive(planner, [[0.5, 0.1, 0.1]] * 2, 600, lambda step, i: step >= 300 and i % 5 < 3)
     bad, good = sizes[:300], sizes[300:]
     assert bad[-40:].count(0) >= 30  # wrong drafts: AR
@@ -317,7 +320,7 @@ def test_a_probe_comes_sooner_the_closer_drafting_is_to_paying():
     cost, the old price, probed both alike: 5 probes in 600 tokens)."""
 
     def drafting(hit) -> int:
-        planner = Planner(FixedCost(0.01, 0.005), sizes=(0, 1, 2, 4), replan=8)  # 2 rows cost 4/3 of 1 row
+        planner = Tuned(FixedCost(0.01, 0.005), sizes=(0, 1, 2, 4), replan=8)  # 2 rows cost 4/3 of 1 row
         return sum(s > 0 for s in drive(planner, [[0.25, 0.0, 0.0]] * 2, 600, lambda step, i: hit(i)))
 
     near, far = drafting(lambda i: i % 4 == 0), drafting(lambda i: False)
@@ -329,7 +332,7 @@ def test_a_probe_gathers_probe_candidate_lists_across_the_batch(B):
     """A probe's drafting steps gather PROBE candidate lists per depth, from its batch's sequences
     together: PROBE / B steps, not PROBE whatever the batch (at B = 8 eight times what the estimate
     needs, each step costing about an AR step more)."""
-    planner = Planner(FixedCost(0.01, 0.0002), sizes=(0, 1, 2, 4), replan=8)
+    planner = Tuned(FixedCost(0.01, 0.0002), sizes=(0, 1, 2, 4), replan=8)
     sizes = drive(planner, [[0.2, 0.0, 0.0]] * 2, 1200 // B, lambda step, i: False, B=B)
     runs = [len(r) for r in "".join("d" if s else "." for s in sizes).split(".") if r]
     assert len(runs) >= 4 and set(runs[1:-1]) == {-(-PROBE // B)}  # the first: drafting at the prior; the last: cut short
@@ -338,7 +341,7 @@ def test_a_probe_gathers_probe_candidate_lists_across_the_batch(B):
 def test_a_probe_weighs_beside_the_history():
     """A probe's outcomes weigh as PROBE steps of the history: 8 right guesses move an estimate of
     0.2 to 0.6, not to 1 (a good stretch that a probe meets would plan drafting as if it always came)."""
-    p = Planner(FixedCost(0.01, 0.001))
+    p = Tuned(FixedCost(0.01, 0.001))
     p.start(SimpleNamespace(topk=[3], acc=[[0.2, 0.0, 0.0]], size=lambda n: n, family=None), None)
     dec, p.probed = SimpleNamespace(out=[], cur=0), True
     for i in range(PROBE + 1):
@@ -354,7 +357,7 @@ def test_lookahead_budget_from_its_own_gains():
     ar = generate(model, prompt, max_new_tokens=48, eos_id=-1)
     d = Lookahead(decoding_length=16)
     d.warm_up([prompt[-1:] + ar.tokens])  # the trie knows the continuation: long drafts pay
-    d.plan(Planner(FixedCost(0.01, 1e-5), replan=8))
+    d.plan(Tuned(FixedCost(0.01, 1e-5), replan=8))
     steps = []
     observe = d.planner.observe
     d.planner.observe = lambda dec, size, rows, *a, **k: steps.append((size, rows)) or observe(dec, size, rows, *a, **k)
@@ -375,7 +378,7 @@ def test_a_planned_lookahead_is_exact(dtype, device):
     ar = generate(model, prompt, max_new_tokens=40, eos_id=-1)
     d = Lookahead(decoding_length=16)
     d.warm_up([prompt[-1:] + ar.tokens])
-    d.plan(Planner(FixedCost(0.01, 1e-4), replan=4))
+    d.plan(Tuned(FixedCost(0.01, 1e-4), replan=4))
     out = check_exact(model, prompt, d, 32, fast=dtype == torch.float32)
     assert out.mean_accepted > 2 and len({s for s in d.planner.used if s}) >= 2
 
@@ -388,12 +391,12 @@ def test_a_nested_draft_is_scored_at_every_budget():
     parents = [-1, 0, 0, 1, 0, 2, 3, 4, 1, 5] + [0] * 7
     tree = Tree([50] + [10 + i for i in range(1, 17)], parents)
     want = {1: 0, 2: 1, 4: 1, 8: 2, 12: 3, 16: 3, 24: 3, 64: 3}
-    p = Planner(FixedCost(0.01, 1e-4), sizes=(0, *want))
+    p = Tuned(FixedCost(0.01, 1e-4), sizes=(0, *want))
     p.start(SimpleNamespace(topk=None, nested=True, context=lambda dec: 0), None)
     dec = SimpleNamespace(out=[99, 12, 15, 19, 7])
     p.observe(dec, 16, 17, 0.01, [0, 2, 5, 9], tree)
     assert {s: p.gain[0, s] for s in want} == want and not p.drafts[id(dec)]
-    p = Planner(FixedCost(0.01, 1e-4), sizes=(0, *want))
+    p = Tuned(FixedCost(0.01, 1e-4), sizes=(0, *want))
     p.start(SimpleNamespace(topk=None, nested=True, context=lambda dec: 0), None)
     dec = SimpleNamespace(out=[99, 12])
     p.observe(dec, 1, 2, 0.01, [0], tree)  # budget 1: node 1 is wrong; 12 is AR's token
@@ -414,7 +417,7 @@ def test_unlucky_first_steps_do_not_lock_a_budget_out():
         for k, j in enumerate([1, 8, 9, 10, 11, 12, 13] if i >= 3 else []):
             tokens[j], parents[j] = seq[1 + k], [0, 1, 8, 9, 10, 11, 12][k]
         return Tree(tokens, parents)
-    late = [s for _, s in nested_run(Planner(FixedCost(0.01, 1e-4)), lambda i: 0, whole, steps=400)][200:]
+    late = [s for _, s in nested_run(Tuned(FixedCost(0.01, 1e-4)), lambda i: 0, whole, steps=400)][200:]
     assert sum(s >= 13 for s in late) > 0.8 * len(late)
 
 
@@ -424,7 +427,7 @@ def test_a_nested_budget_is_priced_at_the_nodes_its_drafts_run():
     its full budget, drafting loses to AR (1.75 tokens for 5 rows); priced at the 1.75 nodes its
     drafts run, it pays, and the planner drafts."""
     from nanospec.tree import Tree
-    late = [s for _, s in nested_run(Planner(FixedCost(0.01, 0.004)), lambda i: 0,
+    late = [s for _, s in nested_run(Tuned(FixedCost(0.01, 0.004)), lambda i: 0,
                                      lambda i, seq: Tree.chain(seq[0], seq[1:4] if i % 4 == 0 else []), steps=400)][200:]
     assert sum(s >= 3 for s in late) > 0.8 * 200
 
@@ -456,7 +459,7 @@ def test_a_trie_match_plans_its_own_budget():
 
     def whole(i, seq):  # a chain of the next 16 tokens, wrong after the first on short matches
         return Tree.chain(seq[0], seq[1:] if i % 2 else seq[1:2] + [-t for t in seq[2:]])
-    steps = nested_run(Planner(FixedCost(0.01, 0.002)), lambda i: 2 if i % 2 else 1, whole)[50:]
+    steps = nested_run(Tuned(FixedCost(0.01, 0.002)), lambda i: 2 if i % 2 else 1, whole)[50:]
     assert all(s == 1 for c, s in steps if c == 1) and all(s >= 16 for c, s in steps if c == 2)
 
 
@@ -465,7 +468,7 @@ def test_a_nested_draft_is_scored_on_ar_steps_too():
     the draft once the output is known: after a stretch where drafts failed (AR planned), drafts that
     turn right are taken up as soon as the output shows it (16 AR steps), with no probe (a probe runs the smallest budget, 1)."""
     from nanospec.tree import Tree
-    p = Planner(FixedCost(0.01, 0.002))
+    p = Tuned(FixedCost(0.01, 0.002))
     p.gain, p.nodes, p.tries = {(0, s): 0.0 for s in p.sizes}, {(0, s): 1.0 for s in p.sizes}, Counter({(0, s): 99 for s in p.sizes})
     sizes = [s for _, s in nested_run(p, lambda i: 0, lambda i, seq: Tree.chain(seq[0], seq[1:]), steps=30)]
     assert sizes[0] == 0 and 1 not in sizes and min(sizes[-4:]) >= 16
@@ -477,7 +480,7 @@ def test_planned_trees_are_exact(dtype, row_cost, device):
     """Exact with the planner's trees: big ones where rows are cheap; where a row costs 20% of a step,
     trees whose size changes within the exact run as the acceptance estimates leave the prior (2, then 1)."""
     model = random_model(ARGS, 4, dtype, device)
-    d = medusa(model).plan(Planner(FixedCost(0.01, row_cost), replan=4))
+    d = medusa(model).plan(Tuned(FixedCost(0.01, row_cost), replan=4))
     d.heads.to(device=device, dtype=dtype)
     runs, start, budget = [], d.planner.start, d.planner.budget  # each run's step sizes; runs[0]: exact mode's
     d.planner.start = lambda *a: runs.append([]) or start(*a)

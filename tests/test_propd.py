@@ -15,7 +15,9 @@ from nanospec.methods.medusa import Heads
 from nanospec.tree import choose_tree as medusa_tree
 from nanospec.engine import Nodes
 from nanospec.methods.propd import EarlyHead, ProPD, pruned, load_propd, samples, train_early
-from nanospec.model import BUCKETS, ModelArgs
+from nanospec.model import ModelArgs
+from nanospec.tuning.planner import SIZES, own_sizes
+from nanospec.tuning.products import BUCKETS
 from nanospec.tree import Tree, layout
 
 
@@ -107,11 +109,15 @@ def test_the_plan_is_redone_only_when_the_sequence_moves(monkeypatch):
 
 def test_its_own_planner_drafts_every_step_even_where_drafting_cannot_pay():
     """The paper's ProPD never takes an AR step (issue 34): with rows so dear that the core planner
-    plans AR, its default sizes still draft, each filling fast mode's row buckets at B = 1, 2, 4, 8."""
+    plans AR, its sizes still draft: the core's by default, and those a CPU's layer hands it
+    (tuning.planner.own_sizes), each filling fast mode's row buckets at B = 1, 2, 4, 8."""
     args = ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=13, hidden_dim=24)
     model = random_model(args, 0)
     d = ProPD(Heads(16, 13, 3).init_from(model.lm_head), medusa_tree(ACC, 6), ACC, dynamic=True,
               cost=FixedCost(1e-3, 1.0))
+    assert 0 not in d.planner.sizes
+    own_sizes(d)
+    assert 0 not in d.planner.sizes and d.planner.sizes == [s for s in SIZES if s]
     assert all(B * (s + 1) in BUCKETS for s in d.planner.sizes for B in (1, 2, 4, 8) if B * (s + 1) <= 64)
     outs = generate(model, [[1, 2, 3], [4, 5]], d, max_new_tokens=24, eos_id=-1)
     assert d.planner.used[0] == 0 and sum(d.planner.used.values()) == max(o.steps for o in outs)

@@ -125,8 +125,8 @@ class BiTA(Ranked):
             return Out(f.logits(h, N), drafts=drafts, depths=(M - depth).clamp(min=0))
         return Out(f.logits(h, N), drafts=masks)
 
-    def propose(self, masks, mm):
-        return mm(self.lm_head, masks)  # (B, M, V): mask i predicts the token i+1 after the next one
+    def propose(self, masks):
+        return self.lm_head(masks)  # (B, M, V): mask i predicts the token i+1 after the next one
 
 
 # --- weights on disk ---------------------------------------------------------------------------

@@ -134,8 +134,8 @@ class HiddenTransfer(Ranked):
         pseudo = h[:, n:n * (1 + k)].view(len(h), n, k, -1)  # normed; decoded only for the last accepted node
         return Out(f.logits(h, nodes.N), drafts=pseudo)
 
-    def propose(self, pseudo, mm):
-        return mm(self.lm_head, pseudo)  # (B, k, V): pseudo state i predicts the depth-i draft
+    def propose(self, pseudo):
+        return self.lm_head(pseudo)  # (B, k, V): pseudo state i predicts the depth-i draft
 
 
 # --- weights on disk ---------------------------------------------------------------------------

@@ -67,11 +67,11 @@ class Heads(nn.Module):
                 p.weight.copy_(lm_head.weight)
         return self
 
-    def forward(self, h, mm=lambda layer, x: layer(x)):  # h (..., D) -> (K, ..., V)
+    def forward(self, h):  # h (..., D) -> (K, ..., V)
         x = [h + F.silu(r(h)) for r in self.res]
         if self.proj is None:
-            return mm(self.shared[0], torch.stack(x))  # one product for all heads
-        return torch.stack([mm(p, y) for p, y in zip(self.proj, x)])
+            return self.shared[0](torch.stack(x))  # one product for all heads
+        return torch.stack([p(y) for p, y in zip(self.proj, x)])
 
 
 class Medusa(Ranked):
@@ -87,8 +87,8 @@ class Medusa(Ranked):
         h = f.norm(f.layers(f.embed()))
         return Out(f.logits(h, nodes.N), drafts=h[:, :nodes.N, None])
 
-    def propose(self, h, mm):
-        return self.heads(h[:, 0], mm).transpose(0, 1)  # (B, K, V): head k guesses the token k+1 after the next one
+    def propose(self, h):
+        return self.heads(h[:, 0]).transpose(0, 1)  # (B, K, V): head k guesses the token k+1 after the next one
 
 
 # --- weights on disk ---------------------------------------------------------------------------

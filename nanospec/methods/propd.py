@@ -28,11 +28,9 @@ Choices where the paper is silent, and why:
 - Iteration time is wall time from one draft to the next (forward, verification, commit and
   drafting included), keyed by the tree's size before pruning: pruning shows up as cheaper
   large trees, which is how the two techniques combine (section 5.4.3).
-- Candidate sizes: the paper names none. These are the core planner's drafting sizes, 1-63, each
-  one under a fast-mode row bucket (model.BUCKETS): s + 1 rows a sequence fill it at B = 1, 2, 4
-  and 8. Default model, B = 1/2/4/8: 1.75-1.80/1.56-1.67/1.16-1.24/1.09-1.10x AR, against
-  1.62/1.41-1.51/1.06-1.15/0.96-1.00x for 1, 2, 4, 8, ... 64; SmolLM2, one run each, alike:
-  0.98/0.92/0.97/0.95x against 1.00/0.92/0.96/0.93x (RESULTS.md).
+- Candidate sizes: the paper names none. These are the core planner's drafting sizes (1, 3, 7, ..., 63:
+  with the root a power of two rows), or the sizes a device layer supplies (on a CPU, one under each
+  of fast mode's row buckets: tuning/planner.own_sizes; RESULTS.md, "Why the heuristics stay").
 - Until two sizes have been measured the planner explores: the static tree's size, then the
   smallest. Every generation's first step is a one-row AR step (no hidden state yet); it is not
   timed, since a single row takes a faster matrix-vector path on CPU and would bend the line.

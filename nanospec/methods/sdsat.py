@@ -153,8 +153,8 @@ class SDSAT(Ranked):
         host = torch.arange(n, device=h.device) == depth.argmax(-1, keepdim=True)  # (argmax: the first of ties)
         return Out(f.logits(h, nodes.N), drafts=adaptive.expand(-1, n, -1, -1), depths=torch.where(host, k, 0))
 
-    def propose(self, adaptive, mm):
-        return mm(self.lm_head, adaptive)
+    def propose(self, adaptive):
+        return self.lm_head(adaptive)
 
     def accepted(self, dec, tree, path):
         if len(tree) > 1:

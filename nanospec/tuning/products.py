@@ -1,5 +1,5 @@
-"""Fast mode's matrix products by row count (`--kernels tuned`, the default on a CPU): the table of
-model.Kernels, tuned here per machine and cached (the forms run in model.py).
+"""Fast mode's matrix products by row count (`--kernels tuned`, the default on a CPU): each product's
+fastest form on this machine, tuned once and cached, installed on the layers that run it (install).
 
 A forward of a few rows on a CPU is bound by reading the weights, yet eager `F.linear` handles
 a small row count almost row by row. The same product written weight-first, `(W @ x.T).T`, or
@@ -18,20 +18,72 @@ blocked layout: eager products repack the weight on every call, which at 8-64 ro
 the arithmetic (on this project's 2-core CPU: SmolLM2's products at 8 rows 42 -> 27 ms, at 32 rows
 91 -> 55 ms; RESULTS.md, "Packed weights").
 
-Exact mode never uses the table: there AR and every method share one kernel. Fast mode promises
-AR's tokens, not its bits (the benchmark counts mismatches), and AR runs the same table at one row.
+Installed, a layer runs its tuned form whenever it is called: the model's layers in fast mode, and a
+drafter's heads in any mode (a draft's product need not be AR's). Exact mode's model products call
+F.linear themselves (model.Context.mm), so AR and every method still share one kernel. Fast mode
+promises AR's tokens, not its bits (the benchmark counts mismatches), and AR runs the same table.
 """
+import functools
 import hashlib
 import json
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from ..io.files import atomic_write, cache_root, fingerprint, hardware
-from ..model import BUCKETS, FORMS, PREPARE, Kernels
+
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the row counts, each with its tuned forms
+FORMS = {"linear": lambda x, w, p: F.linear(x, w), "weight-first": lambda x, w, p: (w @ x.T).T,
+         "transposed": lambda x, w, p: x @ p}  # x @ w.T, each the fastest somewhere; p: the weight as PREPARE made it
+PREPARE = {"transposed": lambda w: w.t().contiguous()}  # forms run on a copy of the weight, made once
+if torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in
+                                                 ("_linear_pointwise", "_reorder_linear_weight")):  # oneDNN's packed weights
+    FORMS["packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+    PREPARE["packed"] = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 16)  # 16: the layout's row hint
 
 PAD_MARGIN = 0.1  # run a product on more rows only if that measured at least 10% faster
+
+
+class Kernels:
+    """The products' forms, {(out, in, rows bucket): (form, rows)}: each one's fastest here (tune)."""
+
+    def __init__(self, table: dict):
+        self.table, self.prepared = table, {}  # prepared: (id(weight), form) -> the weight as that form wants it
+
+    def linear(self, layer, x):
+        """layer(x) for a bias-free layer, in its shape's and row count's form."""
+        M, w = x.shape[:-1].numel(), layer.weight
+        b = next((b for b in BUCKETS if b >= M), None)
+        form, rows = self.table.get((*w.shape, b), ("linear", M)) if b else ("linear", M)
+        if form == "linear" and rows == M:
+            return F.linear(x, w)
+        if form in PREPARE and (id(w), form) not in self.prepared:
+            self.prepared[id(w), form] = PREPARE[form](w.detach())
+        x2 = x.reshape(M, -1) if rows == M else F.pad(x.reshape(M, -1), (0, 0, 0, rows - M))  # zero rows added
+        # row-major out, as F.linear's: later products on a weight-first result's layout run slower
+        y = FORMS[form](x2, w, self.prepared.get((id(w), form)))[:M].contiguous()
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def install(kernels: Kernels | None, *owners) -> None:
+    """Every bias-free nn.Linear of owners (a model; a drafter: its modules, e.g. its heads) runs
+    kernels.linear when called (None: F.linear again). The table stays reachable as layer.tuned."""
+    modules = [m for o in owners for m in ([o] if isinstance(o, torch.nn.Module) else
+                                            [v for v in vars(o).values() if isinstance(v, torch.nn.Module)])]
+    for module in modules:
+        for layer in module.modules():
+            if isinstance(layer, torch.nn.Linear) and layer.bias is None:
+                layer.__dict__.pop("forward", None)
+                layer.__dict__.pop("tuned", None)
+                if kernels is not None:
+                    layer.forward, layer.tuned = functools.partial(kernels.linear, layer), kernels
+
+
+def installed(model) -> Kernels | None:
+    """The table installed on the model's layers, if any."""
+    return model.lm_head.__dict__.get("tuned")
 
 
 def to_json(k: Kernels) -> str:

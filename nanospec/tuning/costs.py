@@ -1,0 +1,99 @@
+"""What a step costs on this machine, for the planner (planner.py): a forward's seconds by rows,
+measured once per machine, model, dtype and mode and cached (what a row costs here, not what a GPU
+intuition expects), plus what a whole step costs beyond its forward, learnt online (Measured).
+"""
+import bisect
+import collections
+import hashlib
+import itertools
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from ..engine import Decoding
+from ..io.files import atomic_write, cache_root, fingerprint, hardware
+from ..model import KVCache
+from ..sizes import MIN_BLOCK
+from ..tree import Tree
+from .products import BUCKETS, installed, to_json
+
+COST_ROWS = BUCKETS + (96, 128)  # every bucket of fast mode's products, and beyond them
+WINDOW = 16  # the steps of a kind whose median excess is taken
+COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached measures are then stale
+
+
+class Measured:
+    """A step's seconds: a forward's by rows (costs.measure) plus the step's excess over it, learnt
+    from the steps' own times. A count measured slower than a larger one takes its time (fast mode
+    then runs the product on more rows: products.py; else it is noise). Between measured counts a
+    forward is interpolated, or (padded: fast mode's tuned products, which run a row count at its
+    bucket's, products.BUCKETS) costs the next measured count, as 9 rows cost 12. The excess is
+    what a forward of the same rows leaves out (drafting, the draft heads' products, a method's own
+    rows, verification, the host's work) and what else the machine is doing. It is kept per batch
+    size and kind of step (AR's or a drafter's) as the median of the last WINDOW steps: a first
+    step's warm-up or a stall of several steps' length does not swing it. It grows with the batch
+    about as the sequences do (SmolLM2, SDSAT's drafting steps: 15-23 ms per sequence at B = 1-4)."""
+
+    def __init__(self, points: dict[int, float], padded: bool = False):
+        rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))
+        self.rows, self.secs = rows, tuple(itertools.accumulate(secs[::-1], min))[::-1]
+        self.padded = padded
+        self.seen, self.excess = {}, {}  # (batch, drafting) -> the last WINDOW steps' excesses; their median
+
+    def forward(self, rows: int) -> float:
+        if self.padded and rows <= min(BUCKETS[-1], self.rows[-1]):
+            return self.secs[bisect.bisect_left(self.rows, rows)]
+        i = min(max(bisect.bisect_left(self.rows, rows), 1), len(self.rows) - 1)
+        (r0, r1), (s0, s1) = self.rows[i - 1:i + 1], self.secs[i - 1:i + 1]
+        return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+
+    def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False) -> None:
+        """Learns from a whole step (ar: AR's; else a drafter's, even of one row per sequence)."""
+        seen = self.seen.setdefault((batch, not ar), collections.deque(maxlen=WINDOW))
+        seen.append(seconds - self.forward(rows))
+        self.excess[batch, not ar] = statistics.median(seen)  # once per step, not per estimate
+
+    def estimate(self, rows: int, batch: int = 1, bare: bool = False) -> float:
+        """A step of `rows` rows over `batch` sequences (bare: the forward alone). A batch size whose
+        steps of this kind are not seen yet takes the nearest seen size's excess per sequence (a batch
+        passes through new sizes as its prompts run out); none seen: 0."""
+        kind = rows > batch
+        seen = [b for b, k in self.excess if k == kind]
+        b = min(seen, key=lambda b: (abs(b - batch), -b), default=None)  # the nearest, the larger on a tie
+        excess = 0.0 if bare or b is None else self.excess[b, kind] * batch / b
+        return max(self.forward(rows) + excess, 1e-9)
+
+
+@torch.inference_mode()
+def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps: int = 5) -> Measured:
+    """Seconds per forward of n rows after `context` tokens, on this machine, model, dtype and mode:
+    measured once and cached under the cache root, keyed by all four. The row counts take turns,
+    reps rounds, and each keeps its fastest: a busy spell of a shared machine then slows one round
+    of every count, not every round of one."""
+    w = model.embed.weight
+    table = None if exact else installed(model)
+    forms = "" if table is None else "-" + hashlib.sha256(to_json(table).encode()).hexdigest()[:8]
+    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}-{COSTS_VERSION}"
+    path = cache_root() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    if path.is_file():
+        return Measured({int(r): t for r, t in json.loads(path.read_text())["seconds"].items()}, padded=bool(forms))
+    Q = max(MIN_BLOCK, *rows)
+    cache = KVCache.for_model(model, context + Q + 1)
+    dec = Decoding(model, cache, exact, Q, [0] * (context + 1))
+    dec.prefill(torch.randint(0, model.args.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist())
+    blocks = {n: Tree.chain(1, [1] * (n - 1)).block(dec.cur) for n in rows}
+    points = {}
+    for rep in range(reps + 1):  # the first round warms up
+        for n, block in blocks.items():
+            dec.sync()
+            t0 = time.perf_counter()
+            dec.run(block)
+            dec.sync()
+            if rep:
+                points[n] = min(points.get(n, math.inf), time.perf_counter() - t0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda p: p.write_text(json.dumps({"key": key, "seconds": points}, indent=1)))
+    return Measured(points, padded=bool(forms))

@@ -1,0 +1,117 @@
+"""The core planner (planner.py) with what a CPU's fast mode adds to it, each kept by a measured A/B
+(RESULTS.md, "Why the heuristics stay"):
+
+- Sizes one under fast mode's row buckets (products.BUCKETS): s + 1 rows a sequence, times a batch of
+  1, 2, 4 or 8, fill one, where a padded costs.Measured prices a count at its bucket's.
+- Replans once a kind of step (batch size, AR or drafting) has run SETTLE times: its cost is then known.
+- Probes: while AR is planned, drafting steps of the cheapest tree renew the acceptance estimates (AR
+  steps teach none): PROBE candidate lists per depth from the batch together (PROBE / B steps), their
+  expected loss at most SHARE of the time at AR since the last drafting step, waiting at most LONGEST
+  replans; their outcomes weigh as PROBE steps of history.
+- Unranked (nested) drafters, Lookahead's: drafted whole on every step, AR's too, and scored at every
+  budget, with the gains kept per context (Drafter.context: the trie's match length); alone, a budget
+  is priced at the nodes its drafts ran (a batch pads every sequence to its longest tree: s + 1).
+"""
+from collections import Counter
+
+from ..planner import Planner, best
+
+SIZES = (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63)  # one under each of fast mode's row buckets
+PROBE = 8      # candidate lists per depth a probe gathers (its batch's together): enough to estimate from
+SHARE = 0.02   # a probe's expected loss against AR, as a share of the time at AR before it
+SETTLE = 3     # steps of a kind (batch size, AR or drafting) before its cost is taken as known: then replan
+LONGEST = 32   # replans: the longest wait for a probe, so a cost inflated by a stall cannot lock AR in
+
+
+def own_sizes(drafter) -> None:
+    """A method's own planner (ProPD's, the paper's online one) drafts at this machine's sizes too (never 0)."""
+    if drafter.planner is not None:
+        drafter.planner.sizes = [s for s in SIZES if s]
+        drafter.plan(drafter.planner)  # its block fits the sizes
+
+
+class Tuned(Planner):
+    """The core planner, with probes, SETTLE replans and unranked drafters (see the module docstring)."""
+
+    def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
+        super().__init__(cost, sizes, replan, alpha)
+        self.known, self.kinds = 0, Counter()  # the clock at the last drafting step; steps per (batch, drafting)
+        self.gain, self.tries, self.nodes = {}, Counter(), {}  # unranked, per (context, size): drafts accepted, nodes run
+
+    def start(self, drafter, dec) -> None:
+        super().start(drafter, dec)
+        self.drafts, self.context = {}, {}  # per sequence: unranked drafts to score; its context
+        self.probe, self.probing, self.probed, self.fresh = None, 0, False, Counter()
+
+    def lengths(self, sure: bool = False) -> dict[int, float]:
+        """Unranked: by the gains each sequence's context got (untried: as good as its size)."""
+        if self.P:
+            return super().lengths(sure)
+        cs = list(self.context.values())
+        return {s: 1 + sum(s if sure else self.gain.get((c, s), s) for c in cs) / len(cs) for s in self.sizes}
+
+    def seconds(self, s: int, bare: bool = False) -> float:
+        """Alone, a nested draft shorter than s runs whole; a batch's rows are padded to its longest tree."""
+        n = self.nodes.get((*self.context.values(), s), s + 1) if self.batch == 1 else s + 1
+        return self.cost.estimate(self.batch * (self.drafter.size(n) if s else 1), self.batch, bare)
+
+    def budget(self, decs: list):
+        self.context = {id(d): self.drafter.context(d) for d in decs}
+        return super().budget(decs)
+
+    def choose(self) -> int:
+        self.probed = bool(self.probing)
+        if self.probing:
+            self.probing -= 1
+            self.at = self.at if self.probing else None  # then replan on the probe's outcomes
+            return self.probe
+        if self.P is None:  # unranked: planned every step (its drafts are scored every step)
+            self.at = None
+        planning = self.due()
+        size = super().choose()
+        if not (planning and self.at == self.clock) or size:
+            return size
+        if best(self.lengths(sure=bool(self.P)), lambda s: self.seconds(s, bare=True)):
+            # AR for want of acceptance (a ranked drafter's: an unranked one's drafts are scored every step)
+            # or for drafting's cost: a probe renews both. The cheapest tree teaches all
+            probe, span = min(s for s in self.sizes if s), -(-PROBE // self.batch)  # PROBE outcomes, the batch's
+            extra = span * (self.seconds(probe) / self.seconds(0) - self.lengths()[probe])
+            if self.clock - self.known >= min(max(self.replan, extra / SHARE), LONGEST * self.replan):
+                self.probing, self.probe, self.fresh = span, probe, Counter()
+                return self.choose()
+        return size
+
+    def observe(self, dec, size: int, rows: int, seconds: float, path=(0,), drafted=None, cands=None) -> None:
+        super().observe(dec, size, rows, seconds, path, drafted, cands)
+        if rows:
+            self.kinds[self.batch, bool(size)] += 1
+            if self.kinds[self.batch, bool(size)] == SETTLE:  # what this kind of step costs is now known: replan
+                self.at = None
+            if size:
+                self.known = self.clock
+        if self.P is not None:
+            return
+        seq = id(dec)  # unranked: drafted whole every step, AR's too; its first s nodes are budget s's
+        if drafted is not None:  # draft, scored at every s (per context) once the output is known
+            self.drafts.setdefault(seq, []).append((len(dec.out) - len(path), drafted, self.context.get(seq, 0)))
+        scored = [(d, d[1].follow(dec.out[d[0]:])) for d in self.drafts.get(seq, [])]
+        self.drafts[seq] = [d for d, got in scored if got is None]
+        for (_, tree, c), got in ((d, got) for d, got in scored if got):
+            for s in filter(None, self.sizes):
+                self.learn((c, s), sum(0 < i <= s for i in got), min(len(tree), s + 1))
+
+    def tag(self) -> bool:
+        return self.probed
+
+    def weight(self, depth: int, probed) -> float:
+        """A probe's outcomes weigh as PROBE steps of history."""
+        if not probed:
+            return self.alpha
+        self.fresh[depth] += 1
+        return max(1 / (self.fresh[depth] + PROBE), self.alpha)
+
+    def learn(self, key: tuple[int, int], accepted: int, nodes: int) -> None:
+        self.tries[key] += 1
+        w = max(1 / self.tries[key], 4 * self.alpha)  # the mean of the first steps, then an EMA
+        self.gain[key] = (1 - w) * self.gain.get(key, 0.0) + w * accepted
+        self.nodes[key] = (1 - w) * self.nodes.get(key, nodes) + w * nodes
