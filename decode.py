@@ -16,7 +16,7 @@ import torch
 
 from nanospec import ArgumentParser, NanospecError, cli
 from nanospec.io import chat
-from nanospec.tuning import products as kernels
+from nanospec.tuning import cuda as cuda_layer, products as kernels
 from nanospec.oracle import trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.io.checkpoint import DTYPES, load
@@ -88,6 +88,8 @@ def parse_args(argv=None):
 def setup(args):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")
+    if args.device == "cuda":  # exact mode's programs as CUDA graphs (NANOSPEC_CUDA_GRAPHS=0: eager)
+        cuda_layer.register()
     if not args.weights and not DEFAULT_WEIGHTS.is_dir():
         raise NanospecError(f"the default model ({DEFAULT_WEIGHTS}) is not in this checkout yet; "
                             "pass --weights DIR with an HF Llama checkpoint")

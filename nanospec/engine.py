@@ -2,9 +2,9 @@
 
 A method is a Drafter (drafter.py: the contract, one hook per step of the paper). The core does
 the rest: it trims a tree to the cache's room, pads exact-mode blocks, verifies on the device and
-takes the next candidates' top-k there (greedy), all as one program that is one CUDA graph in
-exact mode on a GPU, and reads back the accepted path and the candidates (pack, unpack): one
-host-device synchronisation per step.
+takes the next candidates' top-k there (greedy), all as one device program (which a device layer
+may capture: Programs; on a GPU one CUDA graph), and reads back the accepted path and the candidates
+(pack, unpack): one host-device synchronisation per step.
 
 In exact mode every forward runs exactly Q rows (padded) for each sequence on a cache of S slots,
 so AR and every method must use the same Q and S to compare bitwise: generate() takes both, and
@@ -20,15 +20,31 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import NanospecError
-from .tuning import cuda as graphs
-from . import sizes
+from . import NanospecError, sizes
 from .drafter import AR, Drafter, Forward, Nodes
 from .model import Block, KVCache
-from .sizes import cache_for, check_prompt, check_room, shapes
+from .sizes import check_prompt, check_room, shapes
 from .tree import Layout, Sampler, Tree, accept, layout, step_layout, verify
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
+
+
+class Programs:
+    """How a generation's device programs (a step's forward and verification, a prefill chunk) run, and
+    on which cache: as the Python they are, on a new cache each time. A device layer may run exact
+    mode's otherwise (tuning/cuda.py: CUDA graphs captured once per program and shape, bound to caches
+    it keeps): it registers in PROGRAMS by device type, and exact mode there uses it."""
+
+    def cache(self, model, n_slots: int, batch: int) -> KVCache:
+        return KVCache.for_model(model, n_slots, batch)
+
+    def run(self, cache: KVCache, key, fn, args, device):
+        """fn(*args) on the device; key names the program (with its args' shapes: what a capture is keyed by)."""
+        return fn(*(None if a is None else a.to(device) for a in args))
+
+
+EAGER = Programs()
+PROGRAMS: dict[str, Programs] = {}  # device type -> a device layer's Programs for exact mode
 
 
 class Decoding:
@@ -36,7 +52,8 @@ class Decoding:
     Decoding per sequence on one cache, each with its own cache row (seq) and cursor (cur)."""
 
     def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None,
-                 sampler: Sampler | None = None, seq: int = 0, block_batch: int | None = None):
+                 sampler: Sampler | None = None, seq: int = 0, block_batch: int | None = None,
+                 programs: Programs = EAGER):
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
         self.N = block_batch if exact else None  # exact forwards run N sequences' blocks (None: the live ones)
         self.reserved = reserved   # the drafter's own cache slots (e.g. BiTA's prompt keys)
@@ -52,8 +69,7 @@ class Decoding:
         self.cands = self.lists = None  # the next candidates its last accepted node drafted (step())
         self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
         self.cuda = self.device.type == "cuda"
-        # programs run through graphs.run only where it captures them (or simulates that, in tests)
-        self.graphed = graphs.SIMULATE or (exact and self.cuda and graphs.ENABLED)
+        self.programs = programs
 
     def block(self, tree: Tree, hosts=(), M: int = 0, reserved: bool = False, chained: bool = True, n=0) -> Block:
         """The tree's rows at the current position, on the device, then filler nodes up to n (token 0,
@@ -152,11 +168,8 @@ class Decoding:
         return idle(self.Q, self.cache.trash, self.cache.n_slots, self.device)
 
     def launch(self, key, fn, args):
-        """fn(*args) on the device: through a graph captured once per key and shapes (graphs.run)
-        where programs are graphed, else directly."""
-        if self.graphed:
-            return graphs.run(self.cache.graphs, key, fn, args, self.device)
-        return fn(*(None if a is None else a.to(self.device) for a in args))
+        """fn(*args) on the device, as the generation's Programs run it (a device layer's capture, or directly)."""
+        return self.programs.run(self.cache, key, fn, args, self.device)
 
     def prefill(self, tokens: list[int]) -> None:
         """Commit tokens in chunks (Q rows in exact mode: the same for every method)."""
@@ -354,7 +367,8 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     eos = model.args.eos_id if eos_id is None else eos_id
     rows = min(batch or len(prompts), len(prompts))
     N = sizes.block_batch(block_batch, rows, exact, model.embed.weight.device)
-    cache = cache_for(model, S, exact, N or rows)
+    programs = PROGRAMS.get(model.embed.weight.device.type, EAGER) if exact else EAGER
+    cache = programs.cache(model, S, N or rows)
     reserved = cache.reserve(drafter.reserved_slots)
     for p in prompts:
         check_room(len(p), cache.capacity)
@@ -367,7 +381,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         p, t = next(waiting, None), time.perf_counter()
         if p is None:
             return []
-        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq, block_batch=N,  # one sampling stream each
+        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq, block_batch=N, programs=programs,  # a stream each
                      sampler=Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1))
         d.prefill(p[:-1])
         drafter.start(d)

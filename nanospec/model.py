@@ -327,7 +327,6 @@ class KVCache:
         shape = (n_layers, batch, n_kv_heads, n_slots, head_dim)
         self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.n_slots, self.trash, self.n_reserved = n_slots, n_slots - 1, 0
-        self.graphs = {}  # CUDA graphs captured with this cache (graphs.py): bound to its buffers
 
     @classmethod
     def for_model(cls, model, n_slots, batch=1):
@@ -340,7 +339,7 @@ class KVCache:
         return self.n_slots - 1 - self.n_reserved
 
     def reset(self) -> None:
-        """Empty, for a new generation; captured graphs stay valid."""
+        """Empty, for a new generation (its buffers stay: what a captured program is bound to)."""
         self.k.zero_()
         self.v.zero_()
         self.n_reserved = 0

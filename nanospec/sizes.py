@@ -1,12 +1,9 @@
-"""The sizes a generation runs at: exact mode's block of Q rows and cache of S slots (runs compared
-bitwise share both), the cache itself (one per shape on a GPU, where CUDA graphs bind to it), and
-the checks that a prompt fits."""
+"""The sizes a generation runs at: exact mode's block of Q rows, its block batch and cache of S slots
+(runs compared bitwise share them), and the checks that a prompt fits."""
 
 import torch
 
 from . import NanospecError
-from .tuning import cuda as graphs
-from .model import KVCache
 
 # Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
 # on another path than the first ones (tests/test_model.py checks blocks of 16 and more).
@@ -48,21 +45,6 @@ def block_batch(n: int | None, rows: int, exact: bool, device) -> int | None:
     if n < rows:
         raise NanospecError(f"--block-batch {n} is smaller than the batch of {rows} sequences decoded at once")
     return n
-
-
-def cache_for(model, n_slots: int, exact: bool, batch: int = 1) -> KVCache:
-    """A generation's KV cache. Exact mode on a GPU reuses one per (S, batch, dtype) per model: the
-    CUDA graphs captured with a cache are bound to its buffers, so later generations replay them."""
-    w = model.embed.weight
-    if not (exact and w.is_cuda and graphs.ENABLED):
-        return KVCache.for_model(model, n_slots, batch)
-    pool = model.__dict__.setdefault("_exact_caches", {})
-    key = (n_slots, batch, w.dtype, w.device)
-    if key in pool:
-        pool[key].reset()
-    else:
-        pool[key] = KVCache.for_model(model, n_slots, batch)
-    return pool[key]
 
 
 def check_prompt(prompt, vocab_size: int) -> list[int]:

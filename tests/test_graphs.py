@@ -1,7 +1,7 @@
 """CUDA graphs, exact mode's fast path on a GPU: a replay gives the eager step's logits bitwise,
 graphs are captured once and reused, and a step's device program never syncs.
 
-Without a GPU the same properties are checked through graphs.SIMULATE: every exact-mode program
+Without a GPU the same properties are checked through graphs.Simulated: every exact-mode program
 is traced once into its tensor ops (host syncs refused) and replayed without its Python, as a
 captured graph would be. A method whose forward reads state its graph key does not name, or
 syncs, fails there."""
@@ -33,28 +33,32 @@ def run(model, prompt, drafter=None, n=24):
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_replay_equals_eager_bitwise(dtype, monkeypatch):
+    monkeypatch.setitem(engine.PROGRAMS, "cuda", graphs.Graphs())
     model = random_model(ARGS, 0, dtype, "cuda")
     prompt = list(range(1, 40))
     ar = run(model, prompt)
     adv = run(model, prompt, Adversary(ar.tokens, ARGS.vocab_size, seed=1, extra_rows=3))
-    monkeypatch.setattr(graphs, "ENABLED", False)
+    monkeypatch.delitem(engine.PROGRAMS, "cuda")
     eager = run(model, prompt)
     assert eager.tokens == ar.tokens == adv.tokens
     assert torch.equal(eager.logits, ar.logits) and torch.equal(adv.logits, ar.logits)
 
 
 @cuda
-def test_graphs_are_captured_once_per_shape():
+def test_graphs_are_captured_once_per_shape(monkeypatch):
+    captured = graphs.Graphs()
+    monkeypatch.setitem(engine.PROGRAMS, "cuda", captured)
     model = random_model(ARGS, 0, torch.float32, "cuda")
     run(model, list(range(1, 20)))
     (cache,) = model._exact_caches.values()
-    n = len(cache.graphs)
+    n = len(captured.captured[cache])
     run(model, list(range(3, 22)))  # another prompt of the same cache size
-    assert len(model._exact_caches) == 1 and len(cache.graphs) == n
+    assert len(model._exact_caches) == 1 and len(captured.captured[cache]) == n
 
 
 @cuda
 def test_exact_step_does_not_sync(monkeypatch):
+    monkeypatch.setitem(engine.PROGRAMS, "cuda", graphs.Graphs())
     model = random_model(ARGS, 0, torch.float32, "cuda")
     prompt = list(range(1, 20))
     ar = run(model, prompt)  # captures the graphs (capturing syncs)
@@ -74,7 +78,7 @@ def test_exact_step_does_not_sync(monkeypatch):
 
 @pytest.fixture
 def simulate(monkeypatch):
-    monkeypatch.setattr(graphs, "SIMULATE", True)
+    monkeypatch.setitem(engine.PROGRAMS, "cpu", graphs.Simulated())
 
 
 @pytest.mark.parametrize("name", ["medusa", "propd", "propd-dynamic", "bita-deep", "bita-straight",
@@ -94,14 +98,14 @@ def test_every_method_replays_as_a_graph(name, monkeypatch):
         d = Adversary(ar.tokens, EDGE_ARGS.vocab_size, seed=3, extra_rows=3, reserved=2)
     else:
         d = peek(drafter(name, model), ar.tokens, 0.9, seed=2)
-    monkeypatch.setattr(graphs, "SIMULATE", True)
-    keys = set()
-    real = graphs.run
+    sim, keys = graphs.Simulated(), set()
+    monkeypatch.setitem(engine.PROGRAMS, "cpu", sim)
+    real = sim.run
 
-    def spy(table, key, fn, args, device):
+    def spy(cache, key, fn, args, device):
         keys.add(key)
-        return real(table, key, fn, args, device)
-    monkeypatch.setattr(graphs, "run", spy)
+        return real(cache, key, fn, args, device)
+    monkeypatch.setattr(sim, "run", spy)
     out = generate(model, prompt, d, **kw)
     assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
     assert out.mean_accepted > 1.5
@@ -121,7 +125,7 @@ def test_sampled_steps_replay_as_graphs(name, monkeypatch):
               top_p=0.9, seed=3)
     ar = generate(model, prompt, **kw)
     d = Drafter() if name == "ar" else peek(drafter(name, model), ar.tokens, 0.9, seed=2)
-    monkeypatch.setattr(graphs, "SIMULATE", True)
+    monkeypatch.setitem(engine.PROGRAMS, "cpu", graphs.Simulated())
     out = generate(model, prompt, d, **kw)
     assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
 

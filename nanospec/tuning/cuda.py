@@ -11,11 +11,11 @@ same captured graph (same kernels, same shapes) as every method's, and a replay 
 exactly the kernels the eager capture chose (tests/test_graphs.py checks graph == eager).
 
 A graph is bound to the addresses of its static inputs, its outputs and the KV cache it
-writes, so graphs live on the cache they were captured with (KVCache.graphs), and the
-engine keeps one cache per (S, dtype) per model alive across generations (sizes.cache_for).
-Set NANOSPEC_CUDA_GRAPHS=0 to run exact mode eagerly on CUDA.
+writes, so graphs live with the cache they were captured with, and Graphs keeps one cache per
+(S, batch, dtype) per model alive across generations. register() makes it exact mode's Programs
+on CUDA (engine.PROGRAMS): decode.py and the CUDA test suite do, unless NANOSPEC_CUDA_GRAPHS=0.
 
-Without a GPU, SIMULATE (tests) stands in for capture on the CPU: each program is traced once
+Without a GPU, Simulated (tests) stands in for capture on the CPU: each program is traced once
 into its tensor ops (make_fx) and replayed without running its Python again. The trace refuses
 what a capture refuses: an op that makes the host read a device value (a sync), a host value
 copied in (`torch.tensor(...)`, a Python scalar written by index: make_fx's `lift_fresh`; Strict),
@@ -26,13 +26,16 @@ reading state its key does not name, fails there too.
 import os
 import sysconfig
 import traceback
+import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..engine import PROGRAMS, Programs
+from ..model import KVCache
+
 ENABLED = os.environ.get("NANOSPEC_CUDA_GRAPHS", "1") != "0"
-SIMULATE = False
 
 
 def _clone(out):
@@ -104,7 +107,7 @@ def refuse(what: str):
 
 
 class Traced:
-    """The CPU stand-in for a Graph (SIMULATE): fn traced once into its ops (Strict), then replayed."""
+    """The CPU stand-in for a Graph (Simulated): fn traced once into its ops (Strict), then replayed."""
 
     def __init__(self, fn, args, device):
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -125,11 +128,41 @@ class Traced:
         return _clone(self.gm(*self.args))
 
 
-def run(graphs: dict, key, fn, args, device):
-    """fn(*args) through a graph captured for `key` (and the args' shapes), kept in `graphs`: a CUDA
-    graph on a GPU, else (SIMULATE) its traced stand-in. Host tensors are copied straight into the
-    graph's inputs. The engine calls it only where programs are graphed (Decoding.graphed)."""
-    key = (key, *(None if a is None else (tuple(a.shape), a.dtype) for a in args))
-    if key not in graphs:
-        graphs[key] = (Graph if device.type == "cuda" and ENABLED else Traced)(fn, args, device)
-    return graphs[key](args)
+class Graphs(Programs):
+    """Exact mode's programs as CUDA graphs: each captured once per cache, key and shapes, then replayed.
+    Host tensors are copied straight into a graph's static inputs."""
+    capture = Graph
+
+    def __init__(self):
+        self.captured = weakref.WeakKeyDictionary()  # cache -> {(key, shapes): its Graph}
+
+    def cache(self, model, n_slots: int, batch: int) -> KVCache:
+        """One cache per (S, batch, dtype) per model, emptied for each generation: its graphs stay valid."""
+        w = model.embed.weight
+        pool = model.__dict__.setdefault("_exact_caches", {})
+        key = (n_slots, batch, w.dtype, w.device)
+        if key in pool:
+            pool[key].reset()
+        else:
+            pool[key] = KVCache.for_model(model, n_slots, batch)
+        return pool[key]
+
+    def run(self, cache, key, fn, args, device):
+        graphs = self.captured.setdefault(cache, {})
+        key = (key, *(None if a is None else (tuple(a.shape), a.dtype) for a in args))
+        if key not in graphs:
+            graphs[key] = self.capture(fn, args, device)
+        return graphs[key](args)
+
+
+class Simulated(Graphs):
+    """The CPU stand-in for Graphs (tests): every program traced once (Traced), then replayed."""
+    capture = Traced
+
+
+def register(enabled: bool = ENABLED) -> None:
+    """Exact mode on CUDA runs as CUDA graphs (engine.PROGRAMS), or eagerly if not enabled."""
+    if enabled:
+        PROGRAMS["cuda"] = Graphs()
+    else:
+        PROGRAMS.pop("cuda", None)
