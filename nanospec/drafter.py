@@ -14,12 +14,14 @@
 - accepted(dec, tree, path) is told what was accepted (Lookahead's trie, SDSAT's statistics).
 Plain AR is the base Drafter: a tree of the root alone.
 """
+import functools
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from .model import Block, Context
-from .tree import Tree
+from .tree import Tree, layout
 
 
 class Forward:
@@ -194,3 +196,20 @@ class Ranked(Drafter):
 
 
 AR = Drafter()  # the one AR drafter: every AR step (budget 0, no room to draft) reuses its step program
+
+
+@functools.lru_cache(maxsize=16)
+def idle(Q: int, trash: int, n_slots: int, device) -> tuple[Block, Nodes]:
+    """An idle sequence's block and nodes in exact mode's block batch, made once: Q padding rows (they
+    write and read the trash slot of their cache row) and a tree of no real node; read-only."""
+    z = torch.zeros(1, Q, dtype=torch.long, device=device)
+    slots = torch.full((Q,), trash, device=device)
+    extra = F.pad(slots.view(1, Q, 1), (0, n_slots - 1), value=-1)
+    nodes = Nodes(torch.full((Q,), -1, device=device), layout((-1,), device).pad(Q), ~ones(Q, device), 1)
+    return Block(z, z, slots, z, extra), nodes
+
+
+@functools.lru_cache(maxsize=256)
+def ones(n: int, device) -> torch.Tensor:
+    """n True flags on the device, made once (every real node of a fast-mode step); read-only."""
+    return torch.ones(n, dtype=torch.bool, device=device)

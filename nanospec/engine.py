@@ -1,19 +1,15 @@
-"""The decoding loop: prefill, then draft -> verify -> commit until a stop.
+"""The decoding loop: prefill, then steps (step: draft -> lay out -> forward -> verify -> commit) until a stop.
 
-A method is a Drafter (drafter.py: the contract, one hook per step of the paper). The core does
-the rest: it trims a tree to the cache's room, pads exact-mode blocks, verifies on the device and
-takes the next candidates' top-k there (greedy), all as one device program (which a device layer
-may capture: Programs; on a GPU one CUDA graph), and reads back the accepted path and the candidates
-(pack, unpack): one host-device synchronisation per step.
+A method is a Drafter (drafter.py: the contract, one hook per step of the paper). The core does the rest:
+it trims a tree to the cache's room, pads exact-mode blocks, verifies on the device and takes the next
+candidates' top-k there (greedy), all as one device program (a device layer may capture it: Programs),
+and reads back the accepted path and the candidates once (tree.pack): one host-device sync per step.
 
-In exact mode every forward runs exactly Q rows (padded) for each sequence on a cache of S slots,
-so AR and every method must use the same Q and S to compare bitwise: generate() takes both, and
-sizes.shapes() gives values that fit a set of drafters. With a block batch of N (the CUDA default,
-sizes.block_batch), every exact forward also runs N sequences' blocks, each at its cache row, idle
-ones padded: a product's total rows, on which a library may choose its kernel (cuBLAS does in fp32),
-never depend on how many sequences are live.
+In exact mode every forward runs exactly Q rows (padded) for each sequence on a cache of S slots, so runs
+compared bitwise share Q and S (sizes.shapes). With a block batch of N (sizes.block_batch), every exact
+forward runs N sequences' blocks, idle ones padded: a product's total rows, by which a library may pick
+its kernel (cuBLAS does in fp32), never depend on how many sequences are live.
 """
-import functools
 import time
 from dataclasses import dataclass, field
 
@@ -21,25 +17,23 @@ import torch
 import torch.nn.functional as F
 
 from . import NanospecError, sizes
-from .drafter import AR, Drafter, Forward, Nodes
+from .drafter import AR, Drafter, Forward, Nodes, idle, ones
 from .model import Block, KVCache
 from .sizes import check_prompt, check_room, shapes
-from .tree import Layout, Sampler, Tree, accept, layout, step_layout, verify
+from .tree import Layout, Sampler, Tree, accept, layout, pack, step_layout, unpack, verify as tree_verify
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 
 
 class Programs:
-    """How a generation's device programs (a step's forward and verification, a prefill chunk) run, and
-    on which cache: as the Python they are, on a new cache each time. A device layer may run exact
-    mode's otherwise (tuning/cuda.py: CUDA graphs captured once per program and shape, bound to caches
-    it keeps): it registers in PROGRAMS by device type, and exact mode there uses it."""
+    """How a generation's device programs (a step, a prefill chunk) run, and on which cache: as the Python
+    they are, on a new cache each time. A device layer registered in PROGRAMS runs exact mode's otherwise
+    on its device (tuning/cuda.py: CUDA graphs, bound to caches it keeps)."""
 
     def cache(self, model, n_slots: int, batch: int) -> KVCache:
         return KVCache.for_model(model, n_slots, batch)
 
-    def run(self, cache: KVCache, key, fn, args, device):
-        """fn(*args) on the device; key names the program (with its args' shapes: what a capture is keyed by)."""
+    def run(self, cache: KVCache, key, fn, args, device):  # key: the program's name (a capture's, with the shapes)
         return fn(*(None if a is None else a.to(device) for a in args))
 
 
@@ -68,8 +62,7 @@ class Decoding:
         self.forward_s = 0.0       # time in forwards (synchronised; in a batch, its share), for the benchmark's host time
         self.cands = self.lists = None  # the next candidates its last accepted node drafted (step())
         self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
-        self.cuda = self.device.type == "cuda"
-        self.programs = programs
+        self.cuda, self.programs = self.device.type == "cuda", programs
 
     def block(self, tree: Tree, hosts=(), M: int = 0, reserved: bool = False, chained: bool = True, n=0) -> Block:
         """The tree's rows at the current position, on the device, then filler nodes up to n (token 0,
@@ -83,8 +76,7 @@ class Decoding:
         cur = self.cur
         return Block(tokens.view(1, -1), b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
 
-    def tokens(self, tree: Tree) -> torch.Tensor:
-        """The tree's tokens on the device (drafted there already, or sent from the host list)."""
+    def tokens(self, tree: Tree) -> torch.Tensor:  # on the device (drafted there already, or sent from the host)
         t = tree.tokens
         return t if torch.is_tensor(t) and t.device == self.device else torch.as_tensor(t, device=self.device)
 
@@ -104,8 +96,7 @@ class Decoding:
         self.run(Block(z, torch.arange(P)[None], slots, z, extra[None]), embeds=embeds[None])
 
     @property
-    def room(self) -> int:
-        """Rows the next forward may write: slots cur..capacity-1."""
+    def room(self) -> int:  # rows the next forward may write: slots cur..capacity-1
         return self.cache.capacity - self.cur
 
     def fit(self, drafter: Drafter, tree: Tree) -> tuple[Drafter, Tree]:
@@ -142,8 +133,7 @@ class Decoding:
         return b
 
     def run(self, block: Block, embeds=None) -> torch.Tensor:
-        """A forward without verification (prefill, BiTA's shallow prompt rows): logits of the
-        block's rows. Exact mode pads to Q rows and replays a CUDA graph on a GPU."""
+        """A forward without verification (prefill, BiTA's shallow prompt rows): the block's rows' logits."""
         n = len(block)
         if int(block.slots.max()) >= self.cache.trash:  # the sequence's slots, then the drafter's reserved ones
             raise NanospecError(f"a step of {n} rows does not fit the cache at {self.cur} tokens")
@@ -158,8 +148,7 @@ class Decoding:
             return f.logits(f.norm(f.layers(x)), len(f.block))
         seqs, at = self.seqs, 0
         if self.N:  # N sequences' blocks, this one's at its cache row
-            block, _, seqs = stack([self], [block.to(self.device)], [self.idle()[1]])
-            at = self.seq
+            (block, _, seqs), at = stack([self], [block.to(self.device)], [self.idle()[1]]), self.seq
             embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, at, self.N - 1 - at))
         args = (embeds, seqs, block.tokens, block.pos, block.slots, block.prefix, block.extra)
         return self.launch(("run",), run, args)[at, :n]
@@ -167,8 +156,7 @@ class Decoding:
     def idle(self) -> tuple[Block, Nodes]:
         return idle(self.Q, self.cache.trash, self.cache.n_slots, self.device)
 
-    def launch(self, key, fn, args):
-        """fn(*args) on the device, as the generation's Programs run it (a device layer's capture, or directly)."""
+    def launch(self, key, fn, args):  # fn(*args) on the device, as the generation's Programs run it
         return self.programs.run(self.cache, key, fn, args, self.device)
 
     def prefill(self, tokens: list[int]) -> None:
@@ -200,13 +188,11 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
     if d.N:
         own, idle = dict(zip((x.seq for x in decs), zip(blocks, nodes))), d.idle()
         blocks, nodes = zip(*(own.get(r, idle) for r in range(d.N)))
-        decs = [d] * d.N  # for the cache rows below: 0..N-1, the cache's own order
     elif len(decs) == 1:
         x = nodes[0]
         return blocks[0], Nodes(x.tokens[None], x.lay.at(None), x.real[None], x.n), d.seqs
     T, N, E = max(map(len, blocks)), max(len(x.tokens) for x in nodes), max(b.extra.shape[-1] for b in blocks)
-    dev = d.device
-    rows = []
+    dev, rows = d.device, []
     for b in blocks:
         if len(b) < T:  # exact mode's blocks are Q rows already
             z = torch.zeros(1, T - len(b), dtype=torch.long, device=dev)
@@ -216,15 +202,16 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
     pad = lambda t, v: torch.stack([F.pad(x, (0, N - len(x)), value=v) for x in t])
     batch = Nodes(pad([x.tokens for x in nodes], -1), Layout.stack([x.lay for x in nodes], N),
                   pad([x.real for x in nodes], False), n)
-    seqs = list(range(d.N)) if d.N else [x.seq for x in decs]
+    seqs = list(range(d.N)) if d.N else [x.seq for x in decs]  # a block batch: every cache row, in order
     return block, batch, None if seqs == list(range(d.cache.k.shape[1])) else torch.tensor(seqs, device=dev)
 
 
-def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs, greedy: bool):
-    """A step's device program for a group of sequences (batch dim first): the method's forward,
-    then (greedy) each sequence's verification and next candidates' top-k, packed as rows of one
-    tensor. Exact mode: fixed shapes, one CUDA graph per method, shape key and group size."""
-    model, cache, exact = d.model, d.cache, d.exact
+def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs):
+    """A step's device program for a group of sequences (batch dim first), and its seconds: the method's
+    forward, then (greedy) each sequence's verification and next candidates' top-k, packed as rows of
+    one tensor. Exact mode: fixed shapes, one program per method, shape key and group size (one CUDA
+    graph each where a device layer captures them)."""
+    model, cache, exact, greedy = d.model, d.cache, d.exact, d.sampler.greedy
     R = max(drafter.topk, default=1)
 
     def run(tokens, pos, slots, prefix, extra, seqs, node_tokens, parent, depth, index, anc, real):
@@ -250,39 +237,62 @@ def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs, gre
     lay = nodes.lay
     args = (*(block.tokens, block.pos, block.slots, block.prefix, block.extra), seqs,
             nodes.tokens, lay.parent, lay.depth, lay.index, lay.anc, nodes.real)
-    key = ("step", id(drafter), drafter.shape_key(nodes) if exact else None, greedy)  # the graph keeps drafter alive
-    return d.launch(key, run, args)
-
-
-def step(decs: list[Decoding], drafter: Drafter, trees: list[Tree], record: bool):
-    """Verify each sequence's tree in one forward over the group (one drafter, one layout: smaller trees
-    get filler nodes up to the largest): greedy verification and the next candidates on the device,
-    one read-back (sampling verifies on the host). Per sequence: (the tree as verified, path, emitted
-    tokens, its logits if record); each Decoding's next candidates go to cands (D, R) and lists."""
-    d, n = decs[0], max(map(len, trees))
-    prepared = [x.prepare(drafter, t, n) for x, t in zip(decs, trees)]
-    block, nodes, seqs = stack(decs, [p[0] for p in prepared], [p[1] for p in prepared])
-    greedy = d.sampler.greedy
+    key = ("step", id(drafter), drafter.shape_key(nodes) if exact else None, greedy)  # a capture keeps drafter alive
     d.sync()
     t0 = time.perf_counter()
-    res = program(d, drafter, block, nodes, seqs, greedy)
+    res = d.launch(key, run, args)
     d.sync()
-    took, results = time.perf_counter() - t0, []
+    return res, time.perf_counter() - t0
+
+
+def step(live: list[Decoding], drafter: Drafter, record: bool):
+    """One step of every live sequence, in order: plan the budget, draft each tree, lay the trees out as
+    rows, run the forward and verify on the device (one program per group of one drafter and layout),
+    read the accepted paths back once, commit them. Returns the budget, per sequence (tree, path,
+    emitted tokens, their logits if record, the whole draft) and the step's rows."""
+    budget, template = drafter.planner.budget(live) if drafter.planner is not None else (None, None)
+    stepper = drafter if budget != 0 else AR  # budget 0: drafting does not pay, an AR step
+    wide = drafter.nested and budget is not None  # drafted whole, AR steps too: the planner scores every prefix
+    groups, drafted, results, rows = {}, {}, {}, 0
+    for d in live:  # draft
+        drafted[d] = (drafter if wide else stepper).draft(
+            d, d.cands, template or getattr(drafter, "template", None), None if wide else budget)
+        s, tree = d.fit(stepper, drafted[d].prefix(min(len(drafted[d]), budget + 1)) if wide else drafted[d])
+        key = (id(s), None if d.room >= s.max_rows else len(tree))  # near the cache's end: no filler
+        groups.setdefault(key, (s, []))[1].append((d, tree))
+    for s, members in groups.values():
+        decs, trees = [m[0] for m in members], [m[1] for m in members]
+        n = max(map(len, trees))  # lay out: one layout for the group, smaller trees get filler nodes
+        block, nodes, seqs = stack(decs, *zip(*(x.prepare(s, t, n) for x, t in zip(decs, trees))))
+        found = verify(decs, s, trees, program(decs[0], s, block, nodes, seqs), nodes, record)  # forward, verify
+        for d, tree, (path, emitted, logits) in zip(decs, trees, found):  # commit
+            d.commit(path, emitted)
+            drafter.accepted(d, tree, path)
+            results[d], rows = (tree, path, emitted, logits, drafted[d]), rows + s.size(len(tree))
+    return budget, results, rows
+
+
+def verify(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launched, nodes: Nodes, record: bool):
+    """A group's step program's results (launched: with its seconds) read back once: greedy, each sequence's
+    path and next candidates, verified on the device; sampling verifies on the host. Per sequence: (path,
+    emitted tokens, their logits if record); its next candidates go to cands (D, R) and lists."""
+    d, (res, took) = decs[0], launched
     at = [x.seq for x in decs] if d.N else list(range(len(decs)))  # each sequence's index in the batch
-    if greedy:
+    if d.sampler.greedy:
         packed, logits = res
         head = packed.tolist()  # the step's one read-back
     else:  # sampling verifies on the host: the logits are read back anyway
         logits, drafts, depths, alive = res
-        found = [verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
+        found = [tree_verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
                  for b, x, t in zip(at, decs, trees)]
         if drafts is not None:  # each path's end drafts: one product for the batch, as greedy's
             ends = torch.tensor([path[-1] for path, _ in found], device=drafts.device)
             top = drafter.propose(drafts[torch.tensor(at, device=ends.device), ends])
             top = top.topk(max(drafter.topk), dim=-1).indices  # (B, K, R)
-    for b, (x, tree) in enumerate(zip(decs, trees)):
+    results = []
+    for b, x in enumerate(decs):
         x.forward_s += took / len(decs)  # its share of the step's forward
-        if greedy:
+        if d.sampler.greedy:
             E = nodes.lay.anc.shape[-1]
             path, emitted, x.cands, x.lists = unpack(head[at[b]], packed[at[b]], E, max(drafter.topk, default=1))
         else:
@@ -290,26 +300,8 @@ def step(decs: list[Decoding], drafter: Drafter, trees: list[Tree], record: bool
             depth = 0 if drafts is None else int(depths[at[b], path[-1]]) if depths is not None else top.shape[1]
             if depth:
                 x.cands, x.lists = top[b, :depth], top[b, :depth].tolist()
-        results.append((tree, path, emitted, logits[at[b], path].float().cpu() if record else None))
+        results.append((path, emitted, logits[at[b], path].float().cpu() if record else None))
     return results
-
-
-def pack(path, emitted, depth=None, cands=None) -> torch.Tensor:
-    """A greedy step's results as one tensor, for its one read-back: the accepted path (E,) and its tokens
-    (E,), both -1 padded, then, for a method that drafts, the depths drafted (1,) and the next candidates (K, R)."""
-    return torch.cat([path, emitted] + ([depth, cands.flatten()] if cands is not None else []))
-
-
-def unpack(head: list, packed: torch.Tensor, E: int, R: int):
-    """pack's results, read back once (head: packed as a host list): (path, emitted tokens, the candidates
-    of the depths drafted as (D, R) left on the device and as lists on the host, or None and None)."""
-    path = [i for i in head[:E] if i >= 0]
-    emitted = head[E:E + len(path)]
-    depth = head[2 * E] if len(head) > 2 * E else 0
-    if not depth:
-        return path, emitted, None, None
-    flat = head[2 * E + 1:]
-    return path, emitted, packed[2 * E + 1:].view(-1, R)[:depth], [flat[d * R:(d + 1) * R] for d in range(depth)]
 
 
 @dataclass
@@ -332,34 +324,15 @@ class Output:
         return len(self.tokens) / max(self.decode_s, 1e-9)
 
 
-@functools.lru_cache(maxsize=16)
-def idle(Q: int, trash: int, n_slots: int, device) -> tuple[Block, Nodes]:
-    """An idle sequence's block and nodes in exact mode's block batch, made once: Q padding rows (they
-    write and read the trash slot of their cache row) and a tree of no real node; read-only."""
-    z = torch.zeros(1, Q, dtype=torch.long, device=device)
-    slots = torch.full((Q,), trash, device=device)
-    extra = F.pad(slots.view(1, Q, 1), (0, n_slots - 1), value=-1)
-    nodes = Nodes(torch.full((Q,), -1, device=device), layout((-1,), device).pad(Q), ~ones(Q, device), 1)
-    return Block(z, z, slots, z, extra), nodes
-
-
-@functools.lru_cache(maxsize=256)
-def ones(n: int, device) -> torch.Tensor:
-    """n True flags on the device, made once (every real node of a fast-mode step); read-only."""
-    return torch.ones(n, dtype=torch.bool, device=device)
-
-
 @torch.inference_mode()
 def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=128, exact=False,
              Q=None, n_slots=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
              eos_id=None, record_logits=False, batch=None, block_batch=None):
-    """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of
-    prompts (lists of ids) is a batch: one Output each, every sequence as if decoded alone (its own
-    sampling stream from seed), each step one forward over every live sequence's rows (near the
-    cache's end, one per tree size: a smaller tree gets no filler nodes there). batch: the sequences
-    decoded at once (None: all); a stopped one's cache row takes the next prompt (continuous batching).
-    Q: the exact-mode block, n_slots: the cache size S (defaults: shapes([drafter], ...)); eos_id None: the model's,
-    -1: none. block_batch: exact mode runs every forward as that many sequences' blocks (default: sizes.block_batch)."""
+    """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of prompts is a
+    batch: one Output each, every sequence as if decoded alone (its own sampling stream from seed). batch: the
+    sequences decoded at once (None: all); a stopped one's cache row takes the next prompt (continuous batching).
+    Q, n_slots: exact mode's block and cache size S (default: sizes.shapes); block_batch: its sequences' blocks
+    per forward (default: sizes.block_batch); eos_id None: the model's, -1: none."""
     drafter = drafter or AR
     many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
     prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if many else [prompt])]
@@ -395,39 +368,22 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         planner.start(drafter, live[0])
     while live:
         ts = time.perf_counter()
-        budget, template = planner.budget(live) if planner is not None else (None, None)
-        step_drafter = drafter if budget != 0 else AR  # budget 0: drafting does not pay, an AR step
-        wide = drafter.nested and budget is not None  # drafted whole, AR steps too: the planner scores every prefix
-        groups, drafted, paths = {}, {}, {}
-        for d in live:
-            drafted[d] = (drafter if wide else step_drafter).draft(
-                d, d.cands, template or getattr(drafter, "template", None), None if wide else budget)
-            tree = drafted[d].prefix(min(len(drafted[d]), budget + 1)) if wide else drafted[d]
-            s, tree = d.fit(step_drafter, tree)
-            key = (id(s), None if d.room >= s.max_rows else len(tree))  # near the cache's end: no filler
-            groups.setdefault(key, (s, []))[1].append((d, tree))
-        rows, done = 0, []
-        for s, members in groups.values():
-            for (d, _), (tree, path, toks, r) in zip(members, step([m[0] for m in members], s, [m[1] for m in members],
-                                                                   record_logits)):
-                rows += s.size(len(tree))
-                if record_logits:
-                    logits[d].append(r)
-                d.commit(path, toks)
-                paths[d] = path
-                drafter.accepted(d, tree, path)
-                outs[d].steps += 1
-                outs[d].accepted.append(len(toks))
-                stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \
-                    "cache_full" if d.room < 1 else None
-                if stop:
-                    outs[d].stop, outs[d].decode_s = stop, clock() - began[d]
-                    done.append(d)
-                    drafter.finish(d)
-        if planner is not None:
-            secs = time.perf_counter() - ts
-            for i, d in enumerate(live):  # the step's rows and time once; each sequence's outcome
-                planner.observe(d, budget, rows if i == 0 else 0, secs, paths[d], drafted[d], d.lists)
+        budget, results, rows = step(live, drafter, record_logits)
+        secs, done = time.perf_counter() - ts, []
+        for i, d in enumerate(live):
+            tree, path, toks, r, drafted = results[d]
+            if planner is not None:  # the step's rows and time once; each sequence's outcome
+                planner.observe(d, budget, rows if i == 0 else 0, secs, path, drafted, d.lists)
+            if record_logits:
+                logits[d].append(r)
+            outs[d].steps += 1
+            outs[d].accepted.append(len(toks))
+            stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \
+                "cache_full" if d.room < 1 else None
+            if stop:
+                outs[d].stop, outs[d].decode_s = stop, clock() - began[d]
+                done.append(d)
+                drafter.finish(d)
         # a stopped sequence's refill takes its place: cache-row order, so a full batch reads the cache in place
         live = [n for d in live for n in (admit(d.seq) if d in done else [d])]
     for d, r in outs.items():

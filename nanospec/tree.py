@@ -217,6 +217,24 @@ def accept(tokens, lay: Layout, logits, alive=None):
     return path, torch.where(path >= 0, target[path.clamp(min=0)], -1)
 
 
+def pack(path, emitted, depth=None, cands=None) -> torch.Tensor:
+    """A greedy step's results as one tensor, for its one read-back: the accepted path (E,) and its tokens
+    (E,), both -1 padded, then, for a method that drafts, the depths drafted (1,) and the next candidates (K, R)."""
+    return torch.cat([path, emitted] + ([depth, cands.flatten()] if cands is not None else []))
+
+
+def unpack(head: list, packed: torch.Tensor, E: int, R: int):
+    """pack's results, read back once (head: packed as a host list): (path, emitted tokens, the candidates
+    of the depths drafted as (D, R) left on the device and as lists on the host, or None and None)."""
+    path = [i for i in head[:E] if i >= 0]
+    emitted = head[E:E + len(path)]
+    depth = head[2 * E] if len(head) > 2 * E else 0
+    if not depth:
+        return path, emitted, None, None
+    flat = head[2 * E + 1:]
+    return path, emitted, packed[2 * E + 1:].view(-1, R)[:depth], [flat[d * R:(d + 1) * R] for d in range(depth)]
+
+
 class Sampler:
     """Greedy (temperature 0) or seeded sampling with one uniform per output position.
 

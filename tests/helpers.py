@@ -12,7 +12,7 @@ from nanospec import cli
 from nanospec.engine import Decoding, Drafter, generate, program, shapes, stack
 from nanospec.model import Block, KVCache, Llama, ModelArgs
 from nanospec.tuning.costs import Measured
-from nanospec.tree import Tree
+from nanospec.tree import Sampler, Tree
 
 
 def random_model(args: ModelArgs, seed=0, dtype=torch.float32, device="cpu") -> Llama:
@@ -99,12 +99,13 @@ def one_forward(model, drafter, tree, prompt, exact, plain=False):
     """The drafter's verification forward over one tree after prompt, unverified: (logits of the
     tree's nodes, drafts per node). plain=True: the tree's rows alone, through AR's forward."""
     cache = KVCache.for_model(model, 128)
-    dec = Decoding(model, cache, exact, 112, prompt, cache.reserve(drafter.reserved_slots))
+    dec = Decoding(model, cache, exact, 112, prompt, cache.reserve(drafter.reserved_slots),
+                   sampler=Sampler(temperature=1.0))  # the sampled program: the logits and drafts, unverified
     dec.prefill(prompt[:-1])
     drafter.start(dec)
     d = Drafter() if plain else drafter
     block, nodes, seqs = stack([dec], *([x] for x in dec.prepare(d, tree, len(tree))))
-    logits, drafts, _, _ = program(dec, d, block, nodes, seqs, greedy=False)
+    (logits, drafts, _, _), _ = program(dec, d, block, nodes, seqs)
     return logits[0, :len(tree)], None if drafts is None else drafts[0, :len(tree)]
 
 

@@ -153,7 +153,7 @@ def test_trees_of_different_sizes_share_one_forward(monkeypatch, device, name):
     prompts = [[7], [1, 2, 3, 4] * 7, [9, 8, 7, 6], [11, 12] * 3, [4, 4, 7]]
     d = drafter(name, model)
     check_batch(model, prompts, d, 24, peeking=(0.7,), rows=3)
-    rounds, fit, step = [], engine.Decoding.fit, engine.step  # per round of the loop: [tree sizes, forwards]
+    rounds, fit, program = [], engine.Decoding.fit, engine.program  # per round of the loop: [tree sizes, forwards]
 
     def fitted(dec, s, tree):
         if not rounds or rounds[-1][1]:
@@ -161,11 +161,11 @@ def test_trees_of_different_sizes_share_one_forward(monkeypatch, device, name):
         rounds[-1][0].append(len(tree))
         return fit(dec, s, tree)
 
-    def stepped(*a):
+    def programmed(*a):
         rounds[-1][1] += 1
-        return step(*a)
+        return program(*a)
     monkeypatch.setattr(engine.Decoding, "fit", fitted)
-    monkeypatch.setattr(engine, "step", stepped)
+    monkeypatch.setattr(engine, "program", programmed)
     generate(model, prompts, d, max_new_tokens=24, eos_id=EOS, batch=3)
     assert any(len(set(sizes)) > 1 for sizes, _ in rounds), "no step met trees of different sizes"
     assert all(forwards == 1 for _, forwards in rounds), "a step ran more than one forward"
