@@ -15,20 +15,21 @@ from pathlib import Path
 import torch
 
 from nanospec import ArgumentParser, NanospecError, cli
-from nanospec.io import chat
-from nanospec.tuning import cuda as cuda_layer, products as kernels
-from nanospec.oracle import trace
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
+from nanospec.engine import AR, check_prompt, check_room, generate, shapes
+from nanospec.io import chat
 from nanospec.io.checkpoint import DTYPES, load
 from nanospec.io.files import fingerprint
-from nanospec.tuning.costs import measure as measure_costs
-from nanospec.engine import AR, check_prompt, check_room, generate, shapes
-from nanospec.sizes import block_batch
-from nanospec.oracle.peers import transformers_peers
-from nanospec.tuning.planner import Tuned, own_sizes
-from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, model_dir, split_specs
 from nanospec.io.sources import base_of, resolve
 from nanospec.io.tokenizer import load_tokenizer
+from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, model_dir, split_specs
+from nanospec.oracle import trace
+from nanospec.oracle.peers import transformers_peers
+from nanospec.sizes import block_batch
+from nanospec.tuning import cuda as cuda_layer
+from nanospec.tuning import products as kernels
+from nanospec.tuning.costs import measure as measure_costs
+from nanospec.tuning.planner import Tuned, own_sizes
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "pylm"
 
@@ -145,7 +146,8 @@ def read_text(path) -> str:
     try:
         return Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise NanospecError(f"cannot read the prompt file {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+        why = e.strerror if isinstance(e, OSError) else e
+        raise NanospecError(f"cannot read the prompt file {path}: {why}") from None
 
 
 def encode(args, tok, text):
@@ -248,7 +250,8 @@ def decode_batch(args, model, tok, drafter, texts, prompts, B, info, exact, samp
     refs = [generate(model, p, AR, **kw) for p in prompts] if args.check else [None] * len(prompts)
     if len(prompts) > 1:
         new = sum(len(o.tokens) for o in outs)
-        print(f"[{args.method}] {len(prompts)} prompts, {min(B, len(prompts))} at a time: {new} tokens in {seconds:.2f}s "
+        print(f"[{args.method}] {len(prompts)} prompts, {min(B, len(prompts))} at a time: {new} tokens in "
+              f"{seconds:.2f}s "
               f"({new / seconds:.1f} tok/s together)", file=sys.stderr)
     status = 0
     for i, (text, prompt, out, ref) in enumerate(zip(texts, prompts, outs, refs)):
@@ -274,8 +277,10 @@ def report_one(args, tok, text, prompt, out, ref, S, info, exact, meta, entries)
     if args.check:
         identical = same_as_ar(out, ref, exact)
         what = "tokens and logits (bitwise)" if exact else "tokens"
-        speed = f"; AR {ref.tokens_per_s:.1f} tok/s, so {out.tokens_per_s / ref.tokens_per_s:.2f}x" if args.method != "ar" else ""
-        print(f"check vs AR ({what}): {'identical' if identical else 'DIFFERENT: ' + first_difference(out, ref)}{speed}",
+        speed = f"; AR {ref.tokens_per_s:.1f} tok/s, so {out.tokens_per_s / ref.tokens_per_s:.2f}x" \
+            if args.method != "ar" else ""
+        verdict = "identical" if identical else "DIFFERENT: " + first_difference(out, ref)
+        print(f"check vs AR ({what}): {verdict}{speed}",
               file=sys.stderr)
     if args.json:
         print(json.dumps({"method": args.method, **info, "prompt": text if args.prompt_ids is None else None,

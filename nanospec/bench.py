@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from . import NanospecError
-from . import engine
+from . import NanospecError, engine
 from .engine import Decoding, Drafter, Output, generate, shapes
 
 
@@ -120,7 +119,8 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         for peer, o in zip(peers, peer_outs):  # another engine: its own EOS rule, so its output is cut as ours
             ts = time.perf_counter()
             tokens = peer.generate(p, max_new_tokens, eos)
-            o.append(Output(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens, "", decode_s=time.perf_counter() - ts))
+            tokens = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+            o.append(Output(tokens, "", decode_s=time.perf_counter() - ts))
         done = time.perf_counter() - t0
         print(f"[bench] prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{d.name} {o[-1].mean_accepted:.2f}" for d, o in zip(drafters, outs)) + " tokens/step, "

@@ -23,7 +23,8 @@ class CostModel:
 
     def fit(self, batch: int = 1) -> tuple[float, float] | None:
         """(b0, b1), or None with fewer than two row counts measured."""
-        pts = [(r, t, math.exp(-self.lam * (self.step - self.seen[b, r]))) for (b, r), t in self.perf.items() if b == batch]
+        pts = [(r, t, math.exp(-self.lam * (self.step - self.seen[b, r])))
+               for (b, r), t in self.perf.items() if b == batch]
         if len({r for r, _, _ in pts}) < 2:
             return None
         W = sum(w for *_, w in pts)

@@ -20,7 +20,8 @@ from . import NanospecError, sizes
 from .drafter import AR, Drafter, Forward, Nodes, idle, ones
 from .model import Block, KVCache
 from .sizes import check_prompt, check_room, shapes
-from .tree import Layout, Sampler, Tree, accept, layout, pack, step_layout, unpack, verify as tree_verify
+from .tree import Layout, Sampler, Tree, accept, layout, pack, step_layout, unpack
+from .tree import verify as tree_verify
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 
@@ -59,7 +60,7 @@ class Decoding:
         self.out: list[int] = []   # tokens emitted so far
         self.last = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
         self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
-        self.forward_s = 0.0       # time in forwards (synchronised; in a batch, its share), for the benchmark's host time
+        self.forward_s = 0.0       # time in forwards (synchronised; in a batch, its share), for the benchmark
         self.cands = self.lists = None  # the next candidates its last accepted node drafted (step())
         self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
         self.cuda, self.programs = self.device.type == "cuda", programs
@@ -72,9 +73,8 @@ class Decoding:
         parents = tree.parents + (0,) * (n - len(tree))
         b, seq = step_layout(parents, tuple(hosts), M, self.reserved_slots if reserved else (), chained,
                              self.cache.capacity, self.device)
-        tokens = F.pad(self.tokens(tree), (0, len(b) - len(tree)))
-        cur = self.cur
-        return Block(tokens.view(1, -1), b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
+        tokens, cur = F.pad(self.tokens(tree), (0, len(b) - len(tree))).view(1, -1), self.cur
+        return Block(tokens, b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
 
     def tokens(self, tree: Tree) -> torch.Tensor:  # on the device (drafted there already, or sent from the host)
         t = tree.tokens
@@ -197,7 +197,8 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
         if len(b) < T:  # exact mode's blocks are Q rows already
             z = torch.zeros(1, T - len(b), dtype=torch.long, device=dev)
             b = Block.cat(b, Block(z, z, torch.full((T - len(b),), d.cache.trash, device=dev), z + 1, z[..., None] - 1))
-        rows.append(Block(b.tokens, b.pos, b.slots[None], b.prefix, F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)))
+        extra = F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)
+        rows.append(Block(b.tokens, b.pos, b.slots[None], b.prefix, extra))
     block = Block(*(torch.cat([getattr(b, f) for b in rows]) for f in ("tokens", "pos", "slots", "prefix", "extra")))
     pad = lambda t, v: torch.stack([F.pad(x, (0, N - len(x)), value=v) for x in t])
     batch = Nodes(pad([x.tokens for x in nodes], -1), Layout.stack([x.lay for x in nodes], N),

@@ -151,7 +151,7 @@ def aligned(x):
 def rowwise(fn, x):
     """fn(x) for an elementwise fn, with every element on the same kernel path wherever its row is.
     CPU kernels finish each thread's contiguous run of SIMD chunks with a scalar loop, which for silu
-    disagrees in the last bit on ~4% of inputs. Rows padded to 64 elements, in calls small enough for
+    disagrees in the last bit on a few inputs in a hundred. Rows padded to 64 elements, in calls small enough for
     one thread (PyTorch's grain is 32768 elements), take the SIMD path only."""
     if x.device.type != "cpu":  # GPU kernels apply the same scalar code to every element
         return fn(x)
@@ -169,7 +169,8 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     if kind != "llama3":
         return inv / sc["factor"] if kind == "linear" else inv
     # llama3: frequency-dependent scaling, as in Llama 3.1
-    factor, lo, hi, old = (sc[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
+    factor, lo, hi, old = (sc[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                           "original_max_position_embeddings"))
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > old / lo, inv / factor, inv)
     smooth = (old / wavelen - lo) / (hi - lo)

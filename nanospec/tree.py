@@ -181,7 +181,8 @@ class Template:
     def tree(self, root: int, cands: torch.Tensor) -> Tree:
         """The tree for candidates cands (D, R): ranked tokens per depth, on any device."""
         t = self.cut(len(cands))
-        tokens = torch.cat([cands.new_tensor([root]), cands.flatten()]).index_select(0, t.gather(cands.shape[1], cands.device))
+        where = t.gather(cands.shape[1], cands.device)
+        tokens = torch.cat([cands.new_tensor([root]), cands.flatten()]).index_select(0, where)
         return Tree(tokens, t.parents)
 
     @functools.lru_cache(maxsize=8)

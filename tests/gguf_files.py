@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as T, GGUFWriter, quants
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter, quants
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from helpers import random_model
@@ -145,6 +146,7 @@ def ascii_model(tmp: Path, seed: int = 0) -> Path:
     EOS) are zeroed in the tied embedding, so their logits are 0 where the others spread by
     several units. Servers that return token texts can then be mapped back to ids."""
     import shutil
+
     from nanospec.io.checkpoint import load, save
     from nanospec.io.convert import convert
     from nanospec.io.tokenizer_json import JsonTokenizer

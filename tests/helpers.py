@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nanospec import cli
 from nanospec.engine import Decoding, Drafter, generate, program, shapes, stack
 from nanospec.model import Block, KVCache, Llama, ModelArgs
-from nanospec.tuning.costs import Measured
 from nanospec.tree import Sampler, Tree
+from nanospec.tuning.costs import Measured
 
 
 def random_model(args: ModelArgs, seed=0, dtype=torch.float32, device="cpu") -> Llama:

@@ -6,10 +6,12 @@ predecessor's key) are caught. With fewer cache rows than prompts, a stopped seq
 next prompt (continuous batching), and the same holds."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import peek, random_model
-from nanospec import engine, model as model_mod
+from nanospec import engine
+from nanospec import model as model_mod
 from nanospec.engine import generate, shapes
 from nanospec.methods.lookahead import Lookahead
 from test_edges import ARGS, METHODS, drafter
@@ -57,7 +59,8 @@ prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1
 def test_each_sequence_of_a_batch_decodes_as_alone(device, name, prompts, n, seed, dtype, exact, sampled, rows):
     """Greedy, or sampled: each sequence draws from its own stream, the one it draws from alone; all
     prompts at once, or `rows` at a time, each stopped one's row refilled with the next prompt."""
-    model = random_model(ARGS, seed=seed, dtype=dtype if exact else torch.float32, device=device)  # fast bf16: near-ties
+    # fast bf16: near-ties
+    model = random_model(ARGS, seed=seed, dtype=dtype if exact else torch.float32, device=device)
     d = batch_drafter(name, model)
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else None
     check_batch(model, prompts, d, n, exact, peeking=(0.9,), seed=seed, sampling=sampling, rows=rows)

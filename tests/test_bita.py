@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import check_exact, model_args, one_forward, random_model
 from nanospec import NanospecError
@@ -61,7 +62,8 @@ def test_training_forward_matches_decoding(prompting):
     model = random_model(TINY, 2)
     tune = random_tuning(TINY, 2, 3, 4, prompting, torch.float32, "cpu", scale=0.5)
     seq = [1, 5, 7, 9, 3, 4, 8, 2, 6, 11, 12, 30, 31]
-    tokens, kind, pos, vis, lab = pack([seq], [4], 3, 4, tune.P, prompting == "shallow", torch.Generator().manual_seed(0))
+    tokens, kind, pos, vis, lab = pack([seq], [4], 3, 4, tune.P, prompting == "shallow",
+                                       torch.Generator().manual_seed(0))
     packed = sar_logits(model, tune, tokens, kind, pos, vis)[0].view(4, 3, -1)
     splits = (pos[0, kind[0] >= 1].view(4, 3)[:, 0] - 1).tolist()
     for g, k in enumerate(splits):

@@ -1,6 +1,7 @@
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nanospec.model import KVCache
 

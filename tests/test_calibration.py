@@ -8,7 +8,8 @@ import torch
 
 from helpers import call, run_cli
 from nanospec import NanospecError
-from nanospec.oracle import calibration as cal, compare, trace
+from nanospec.oracle import calibration as cal
+from nanospec.oracle import compare, trace
 
 POS = [{"top_ids": [3, 1], "top_logits": [10.0, 9.0]}, {"top_ids": [0, 2], "top_logits": [2.0, 1.5]}]
 
@@ -50,7 +51,8 @@ def test_file_round_trip_and_bad_files(tmp_path):
     assert cal.widest(c, ["single kv=f16", "batched kv=f16"])["ulps"] == 3000.0
     with pytest.raises(NanospecError, match="has no setting 'self kv=f16'"):
         cal.widest(c, ["self kv=f16"])
-    for text in ["{", json.dumps({"format": "x"}), json.dumps({"format": cal.FORMAT, "settings": {"a": {"units": "q"}}})]:
+    for text in ["{", json.dumps({"format": "x"}),
+                 json.dumps({"format": cal.FORMAT, "settings": {"a": {"units": "q"}}})]:
         f.write_text(text)
         with pytest.raises(NanospecError, match="is not a nanospec-calibration/1 file"):
             cal.read(f)

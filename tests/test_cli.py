@@ -63,18 +63,18 @@ def test_bench_json(weights, tmp_path):
 
 
 def test_prompts_decode_in_batches_and_bench_by_batch_size(weights, tmp_path):
-    """--batch 2 decodes the prompts two at a time (a stopped one's row takes the next), each as alone (--check: AR alone, bitwise in
-    exact mode); --bench --batch 1,2 reports each size against AR at that size (a batch size's runs twice, in
-    order and in reverse)."""
+    """--batch 2 decodes the prompts two at a time (a stopped one's row takes the next), each as alone (--check: AR
+    alone, bitwise in exact mode); --bench --batch 1,2 reports each size against AR at that size (a batch size's runs
+    twice, in order and in reverse)."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n", "class A:"]) + "\n")
-    code, out, err = call(decode.main, "--weights", weights, "--prompts", prompts, "--batch", 2, "--method", "lookahead",
-                          "--mode", "exact", "--max-new-tokens", 10, "--check", "--json")
+    code, out, err = call(decode.main, "--weights", weights, "--prompts", prompts, "--batch", 2, "--method",
+                          "lookahead", "--mode", "exact", "--max-new-tokens", 10, "--check", "--json")
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert code == 0 and len(rows) == 3 and all(r["identical_to_ar"] for r in rows), err
     assert "3 prompts, 2 at a time" in err
-    res = last_json(call(decode.main, "--weights", weights, "--bench", "--prompts", prompts, "--methods", "ar,lookahead",
-                         "--max-new-tokens", 8, "--batch", "1,2", "--json"))["results"]
+    res = last_json(call(decode.main, "--weights", weights, "--bench", "--prompts", prompts, "--methods",
+                         "ar,lookahead", "--max-new-tokens", 8, "--batch", "1,2", "--json"))["results"]
     assert [(r["method"], r["batch"]) for r in res] == [("ar", 1), ("lookahead", 1), ("ar", 2), ("lookahead", 2)]
     assert all(r["mismatches"] == 0 and r["speedup"] > 0 for r in res)
     assert [r["new_tokens"] for r in res[2:]] == [2 * r["new_tokens"] for r in res[:2]]  # batches run twice, ABBA
@@ -89,7 +89,8 @@ def test_bench_times_the_peers_in_the_same_run(weights, tmp_path):
     out = last_json(call(decode.main, "--weights", weights, "--bench", "--prompts", prompts, "--methods",
                          "ar,lookahead", "--max-new-tokens", 8, "--peers", "transformers", "--json"))
     rows = {r["method"]: r for r in out["results"]}
-    assert list(rows) == ["ar", "lookahead", "transformers greedy", "transformers prompt_lookup", "transformers assisted"]
+    assert list(rows) == ["ar", "lookahead", "transformers greedy", "transformers prompt_lookup",
+                          "transformers assisted"]
     for name in ("transformers greedy", "transformers prompt_lookup", "transformers assisted"):
         r = rows[name]
         assert r["prompts"] == 2 and 0 < r["new_tokens"] <= 16 and r["tokens_per_s"] > 0 and r["speedup"] > 0
@@ -113,7 +114,8 @@ def test_the_script_itself_reports_bad_input_in_one_line(weights):
     res = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--weights", str(weights), "--method", "nope"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
-        "error: unknown method 'nope'; choose from: ar, lookahead, medusa, propd, bita, hidden_transfer, sdsat, sdsat_full"]
+        "error: unknown method 'nope'; choose from: ar, lookahead, medusa, propd, bita, hidden_transfer, sdsat, "
+        "sdsat_full"]
 
 
 # --- bad input: one `error:` line on stderr, exit code 2, for each case ---------------------------------
@@ -160,7 +162,8 @@ def bad_prompts(tmp_path):
     (["--batch", "1,2"], "--batch takes one size when decoding"),
     (["--bench", "--batch", "2", "--peers", "transformers"], "use it with --batch 1"),
     (["--max-new-tokens", "many"], "invalid int value"),
-    (["--device", "cuda"], "no CUDA device") if not torch.cuda.is_available() else (["--device", "tpu"], "invalid choice"),
+    (["--device", "cuda"], "no CUDA device") if not torch.cuda.is_available()
+    else (["--device", "tpu"], "invalid choice"),
 ])
 def test_bad_input_gives_one_error_line(weights, bad_prompts, args, message):
     args = [str(a).replace("{tmp}", str(bad_prompts)) for a in args]

@@ -11,10 +11,10 @@ import torch
 import decode
 from helpers import call, random_model
 from nanospec import NanospecError
-from nanospec.oracle import compare, trace
-from nanospec.io.checkpoint import save
 from nanospec.engine import generate
+from nanospec.io.checkpoint import save
 from nanospec.model import ModelArgs
+from nanospec.oracle import compare, trace
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, hidden_dim=40)
@@ -67,7 +67,8 @@ def test_verdicts(other, dtype, verdict):
         assert REF["output_ids"][i] == r["reference_token"] and other[i] == r["other_token"] != r["reference_token"]
         top = REF["positions"][i]["top_logits"]
         assert r["margin"] == top[0] - top[1]
-        assert r["tolerance"] == compare.ULPS[r["dtype"]] * compare.EPS[r["dtype"]] * max(1.0, abs(top[0]), abs(top[-1]))
+        assert r["tolerance"] == (compare.ULPS[r["dtype"]] * compare.EPS[r["dtype"]]
+                                  * max(1.0, abs(top[0]), abs(top[-1])))
 
 
 def test_tolerance_follows_the_coarser_dtype_and_the_scale():
@@ -181,8 +182,8 @@ def test_transformers_batch_question(weights, tmp_path, monkeypatch):
     assert code == 0, out + err
     runs = json.loads(out.splitlines()[-1])["runs"]
     assert [(r["setting"], r["dtype"], r["against"]) for r in runs] == [
-        (s, d, a) for d in ("float32", "bfloat16") for s, a in (("greedy", "reference"), ("greedy batch 2", "reference"),
-                                                                ("greedy batch 2", "alone"))]
+        (s, d, a) for d in ("float32", "bfloat16")
+        for s, a in (("greedy", "reference"), ("greedy batch 2", "reference"), ("greedy batch 2", "alone"))]
     assert all(r["summary"]["prompts"] == 4 and r["summary"]["divergence"] == 0 for r in runs)
     assert "transformers greedy batch 2 float32 cpu vs each prompt alone: 4 prompts" in out
     padded = hf.left_padded

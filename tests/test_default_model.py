@@ -9,10 +9,10 @@ import torch
 
 from helpers import Adversary, check_exact, full_logits, pruned_rows
 from nanospec.bench import load_prompts
-from nanospec.io.checkpoint import load
 from nanospec.engine import generate, shapes
-from nanospec.methods import load_drafter
+from nanospec.io.checkpoint import load
 from nanospec.io.tokenizer import Tokenizer
+from nanospec.methods import load_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 W = ROOT / "weights" / "pylm"

@@ -7,11 +7,11 @@ import pytest
 
 import decode
 from helpers import Corrupt, call, random_model
-from nanospec.oracle import compare, trace
 from nanospec.bench import bench, same_as_ar
 from nanospec.engine import generate
 from nanospec.methods import METHODS
 from nanospec.model import ModelArgs
+from nanospec.oracle import compare, trace
 
 ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, hidden_dim=40)
 

@@ -4,7 +4,8 @@ mode (bitwise AR) and fast mode (AR's tokens), with drafts that do get accepted;
 small for the new tokens, where every method must stop where AR stops, with AR's bits."""
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import helpers
 from helpers import FixedCost, check_exact, peek, random_model
@@ -13,10 +14,10 @@ from nanospec.methods.bita import BiTA, Tuning
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
 from nanospec.methods.lookahead import Lookahead
 from nanospec.methods.medusa import Heads, Medusa
-from nanospec.tree import choose_tree
 from nanospec.methods.propd import EarlyHead, ProPD
 from nanospec.methods.sdsat import SDSAT, Delta
 from nanospec.model import ModelArgs
+from nanospec.tree import choose_tree
 
 ARGS = ModelArgs(dim=30, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=6, vocab_size=53, hidden_dim=37)
 ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
@@ -30,8 +31,8 @@ def drafter(name, model):
     heads = lambda: noisy(Heads(a.dim, a.vocab_size, 3).init_from(model.lm_head), 1, 0.1)
     return {
         "medusa": lambda: Medusa(heads(), choose_tree(ACC, 12)),
-        "propd": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC, noisy(EarlyHead(a.dim, a.vocab_size, 4, 1e-5), 2, 1.0),
-                               layer=1, k=3, dynamic=False),
+        "propd": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC,
+                               noisy(EarlyHead(a.dim, a.vocab_size, 4, 1e-5), 2, 1.0), layer=1, k=3, dynamic=False),
         "propd-dynamic": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC, None, dynamic=True, sizes=(1, 4, 12),
                                        replan=4, cost=FixedCost(1e-2, 1e-5)),
         "bita-deep": lambda: BiTA(noisy(Tuning(a, 3, 4, "deep"), 3, 1.0), model.lm_head, "efficient", 2),

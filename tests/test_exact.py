@@ -1,7 +1,8 @@
 """The contract: every accepted position's logits bitwise equal AR's in exact mode; tokens equal in both modes."""
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import Adversary, model_args, random_model
 from nanospec.engine import generate, shapes

@@ -11,8 +11,8 @@ import torch
 from gguf_files import K_QUANTS, ROOT, transformers_model, write_gguf
 from helpers import decode_main, full_logits, run_cli
 from nanospec import NanospecError
-from nanospec.io.checkpoint import load
 from nanospec.engine import generate
+from nanospec.io.checkpoint import load
 from nanospec.io.sources import resolve
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"] + K_QUANTS
@@ -108,7 +108,8 @@ def test_damaged_file_is_refused(tmp_path, cache, damage):
 
 
 def test_unknown_pre_tokenizer_and_missing_merges_are_refused(tmp_path, cache):
-    assert "pre-tokenizer 'mystery'" in bad(tmp_path, cache, "--weights", write_gguf(tmp_path / "a.gguf", pre="mystery"))
+    assert "pre-tokenizer 'mystery'" in bad(tmp_path, cache, "--weights",
+                                            write_gguf(tmp_path / "a.gguf", pre="mystery"))
     assert "tokenizer.ggml.merges" in bad(tmp_path, cache, "--weights", write_gguf(tmp_path / "b.gguf", merges=False))
 
 

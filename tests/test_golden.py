@@ -16,8 +16,8 @@ vs fast mode: 7.6e-6; the F16 GGUF: 7e-6), and no position's top two logits lie 
 each other on these prompts (the generator prints each prompt's smallest gap), so the argmaxes
 hold on any machine. The faults this guards against (RoPE rotated the wrong way, the GGUF
 loader's K rows un-permuted wrongly, RMSNorm's eps ignored) move these values 10x to 5000x past
-ATOL (RESULTS.md). The Q8_0 GGUF (weights rounded: logits move by up to 0.09) is checked with 0.2 and the argmax only up to
-that tolerance: it catches the RoPE and K-row faults, not eps.
+ATOL (RESULTS.md). The Q8_0 GGUF (weights rounded: logits move by up to 0.09) is checked with 0.2 and the argmax
+only up to that tolerance: it catches the RoPE and K-row faults, not eps.
 
 The stored values come from the fp32 model in exact mode (nanospec.io.checkpoint.load(W), then
 helpers.full_logits(model, ids, exact=True)). To regenerate them on purpose (a new default model,

@@ -5,7 +5,8 @@ is decoded alone as a chain, up to rounding (Hidden Transfer's maps multiply all
 once, a product whose shape is the tree's): a group row that also sees a sibling branch, another
 host's node or another group moves its states far past rounding."""
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import noisy, one_forward, path_to, random_model
 from nanospec.methods.bita import BiTA, Tuning
@@ -20,7 +21,8 @@ ARGS = ModelArgs(dim=24, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=37, hid
 def group_drafter(name, model):
     a = model.args
     return {
-        "hidden_transfer": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 1, 0.3), [(0,), (0, 0)], model.lm_head),
+        "hidden_transfer": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 1, 0.3), [(0,), (0, 0)],
+                                                  model.lm_head),
         "hidden_transfer-unchained": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 1, 0.3), [(0,), (0, 0)],
                                                             model.lm_head, chained=False),
         "bita-deep": lambda: BiTA(noisy(Tuning(a, 3, 4, "deep"), 2, 1.0), model.lm_head, "efficient", 2),

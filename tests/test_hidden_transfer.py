@@ -4,12 +4,12 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import check_exact, descend, model_args, one_forward, random_model
 from nanospec import NanospecError
-from nanospec.methods.hidden_transfer import (HiddenTransfer, Transfer, batches, kl_loss, pack,
-                                              pseudo_states)
+from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer, batches, kl_loss, pack, pseudo_states
 from nanospec.model import ModelArgs
 from nanospec.tree import Template, Tree, choose_tree
 
@@ -40,7 +40,8 @@ def test_hidden_transfer_equals_ar(device, dtype, args, n_layers, seed, plen, da
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     out = check_exact(model, prompt, d, 20, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
-    assert out.mean_accepted >= 1.5  # the pseudo states' candidates carry the truth: the layer loop runs on accepted drafts
+    # the pseudo states' candidates carry the truth: the layer loop runs on accepted drafts
+    assert out.mean_accepted >= 1.5
 
 
 def test_real_rows_never_see_pseudo_rows():

@@ -7,7 +7,8 @@ the CUDA default) keeps them AR's alone, for every method, in fp32 and bf16, whe
 sits in the block."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import RowCountProducts, call, decode_main, random_model
 from nanospec import NanospecError

@@ -1,9 +1,10 @@
-"""Fast mode's tuned products (tuning/products.py: Kernels, tuned by tune, installed on layers): every form, padded or not,
-computes the linear layer, a table survives its cache file, and tune() fills every (shape, bucket)
+"""Fast mode's tuned products (tuning/products.py: Kernels, tuned by tune, installed on layers): every form, padded or
+not, computes the linear layer, a table survives its cache file, and tune() fills every (shape, bucket)
 with a valid choice."""
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import Adversary, full_logits, random_model
 from nanospec.model import ModelArgs

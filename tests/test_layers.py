@@ -13,9 +13,9 @@ LAYERS = [
     {"io.checkpoint", "io.tokenizer", "io.chat", "io.gguf_export", "io.convert",  # weights and text in and out
      "io.sources", "io.fetch", "oracle.calibration", "oracle.trace", "oracle.verdict"},
     {"drafter", "sizes", "engine"},                                             # the contract and the loop
-    {"costs", "tuning.costs", "tuning.planner", "tuning.cuda", "training.data", "training.loop", "training.pretrain", "methods", "methods.lookahead",
-     "methods.medusa", "methods.propd", "methods.bita", "methods.hidden_transfer", "methods.sdsat",
-     "methods.sdsat_full"},                                                     # drafters and their trainers
+    {"costs", "tuning.costs", "tuning.planner", "tuning.cuda", "training.data", "training.loop", "training.pretrain",
+     "methods", "methods.lookahead", "methods.medusa", "methods.propd", "methods.bita", "methods.hidden_transfer",
+     "methods.sdsat", "methods.sdsat_full"},                                    # drafters and their trainers
     {"bench", "oracle.peers", "methods.analysis", "oracle.engines", "oracle.engines.hf", "oracle.engines.llamacpp",
      "oracle.engines.openai", "oracle.compare"},                               # command lines and the oracle
 ]

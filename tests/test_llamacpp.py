@@ -13,8 +13,9 @@ import pytest
 
 from gguf_files import ascii_model
 from helpers import call, run_cli
-from nanospec.oracle import calibration as cal, compare
 from nanospec.io.gguf_export import export
+from nanospec.oracle import calibration as cal
+from nanospec.oracle import compare
 
 
 def test_missing_llama_cpp_python_is_one_line(monkeypatch):
@@ -48,7 +49,8 @@ def test_every_setting_with_its_measured_calibration(tiny, tmp_path, monkeypatch
     assert all(r["summary"]["divergence"] == 0 and r["calibrated"] for r in runs if "results" in r)
     assert all(r["tokens_per_s"] > 0 for r in runs if r.get("against") == "reference")
     c = cal.read(tmp_path / "c.json")
-    assert sorted(c["settings"]) == sorted(f"{n} kv={kv}" for n in ("single", "batched", "self") for kv in ("f16", "f32"))
+    assert sorted(c["settings"]) == sorted(f"{n} kv={kv}" for n in ("single", "batched", "self")
+                                           for kv in ("f16", "f32"))
     assert c["engine"] == "llama.cpp" and all(e["units"] == "float32" for e in c["settings"].values())
     assert "calibration: llama.cpp single kv=f16: top-2 gaps move by at most" in out
     saved = sorted(p.name for p in (tmp_path / "s").iterdir())

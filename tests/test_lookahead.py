@@ -3,7 +3,8 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import model_args, random_model
 from nanospec import NanospecError

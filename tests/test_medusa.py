@@ -2,16 +2,17 @@
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import check_exact, model_args, random_model
 from nanospec import NanospecError
+from nanospec.engine import generate
 from nanospec.io.checkpoint import save, save_drafter
 from nanospec.io.files import fingerprint
-from nanospec.engine import generate
 from nanospec.methods.medusa import Heads, Medusa, load_medusa, loss_fn, samples
-from nanospec.tree import choose_tree
 from nanospec.model import ModelArgs
+from nanospec.tree import choose_tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, hidden_dim=48)
@@ -58,7 +59,8 @@ def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, siz
 
 def test_a_few_training_steps_reduce_the_loss():
     model = random_model(TINY)
-    data = list(zip([[1, 2, 3], [4, 5], [6]] * 4, [o.tokens for o in generate(model, [[1, 2, 3], [4, 5], [6]] * 4, max_new_tokens=16, eos_id=-1)]))
+    data = list(zip([[1, 2, 3], [4, 5], [6]] * 4,
+                    [o.tokens for o in generate(model, [[1, 2, 3], [4, 5], [6]] * 4, max_new_tokens=16, eos_id=-1)]))
     h, y = samples(model, data, 3)
     heads = Heads(32, 50, 3).init_from(model.lm_head)
     opt = torch.optim.Adam(heads.parameters(), lr=1e-2)

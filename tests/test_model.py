@@ -3,12 +3,13 @@ import json
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import full_logits, model_args, random_model
 from nanospec import NanospecError
-from nanospec.io.checkpoint import from_hf_config, load, load_args, save, to_hf_config
 from nanospec.engine import generate
+from nanospec.io.checkpoint import from_hf_config, load, load_args, save, to_hf_config
 from nanospec.model import Block, KVCache, ModelArgs
 from nanospec.tree import Tree
 

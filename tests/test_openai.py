@@ -9,10 +9,10 @@ import pytest
 
 from gguf_files import ascii_model
 from helpers import call, run_cli
-from nanospec.oracle import compare
 from nanospec.io.checkpoint import load
-from nanospec.oracle.engines.openai import Pieces, parse
 from nanospec.io.tokenizer import load_tokenizer
+from nanospec.oracle import compare
+from nanospec.oracle.engines.openai import Pieces, parse
 from openai_stub import Stub
 
 

@@ -8,19 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import FixedCost, check_exact, random_model
+from nanospec.costs import CostModel
 from nanospec.engine import generate
 from nanospec.methods.lookahead import Lookahead
 from nanospec.methods.medusa import Heads, Medusa
 from nanospec.model import ModelArgs
-from nanospec.tuning.products import BUCKETS
-from nanospec.costs import CostModel
-from nanospec.tuning.costs import Measured
 from nanospec.planner import best, expected_lengths, tree_lengths
-from nanospec.tuning.planner import LONGEST, PROBE, SETTLE, SHARE, Tuned
 from nanospec.tree import choose_tree, product_paths
+from nanospec.tuning.costs import Measured
+from nanospec.tuning.planner import LONGEST, PROBE, SETTLE, SHARE, Tuned
+from nanospec.tuning.products import BUCKETS
 
 ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=41, hidden_dim=40)
 ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
@@ -288,7 +289,8 @@ def test_probes_cost_at_most_a_share_of_the_time_at_ar(row_cost):
     d = Medusa(heads, choose_tree(ACC, 6), [[0.9] * 3] * 3).plan(planner)
     log = []  # (the step's size, the size planned for the replan period, its rows)
     observe = planner.observe
-    planner.observe = lambda dec, size, rows, *a, **k: log.append((size, planner.size, rows)) or observe(dec, size, rows, *a, **k)
+    planner.observe = lambda dec, size, rows, *a, **k: (log.append((size, planner.size, rows))
+                                                        or observe(dec, size, rows, *a, **k))
     for prompt in ([3, 4, 5], [6, 7], [8]):
         generate(model, prompt, d, max_new_tokens=200, eos_id=-1)
     ar = [rows for size, _, rows in log if size == 0]
@@ -335,7 +337,8 @@ def test_a_probe_gathers_probe_candidate_lists_across_the_batch(B):
     planner = Tuned(FixedCost(0.01, 0.0002), sizes=(0, 1, 2, 4), replan=8)
     sizes = drive(planner, [[0.2, 0.0, 0.0]] * 2, 1200 // B, lambda step, i: False, B=B)
     runs = [len(r) for r in "".join("d" if s else "." for s in sizes).split(".") if r]
-    assert len(runs) >= 4 and set(runs[1:-1]) == {-(-PROBE // B)}  # the first: drafting at the prior; the last: cut short
+    # the first: drafting at the prior; the last: cut short
+    assert len(runs) >= 4 and set(runs[1:-1]) == {-(-PROBE // B)}
 
 
 def test_a_probe_weighs_beside_the_history():
@@ -428,7 +431,8 @@ def test_a_nested_budget_is_priced_at_the_nodes_its_drafts_run():
     drafts run, it pays, and the planner drafts."""
     from nanospec.tree import Tree
     late = [s for _, s in nested_run(Tuned(FixedCost(0.01, 0.004)), lambda i: 0,
-                                     lambda i, seq: Tree.chain(seq[0], seq[1:4] if i % 4 == 0 else []), steps=400)][200:]
+                                     lambda i, seq: Tree.chain(seq[0], seq[1:4] if i % 4 == 0 else []),
+                                     steps=400)][200:]
     assert sum(s >= 3 for s in late) > 0.8 * 200
 
 
@@ -466,10 +470,12 @@ def test_a_trie_match_plans_its_own_budget():
 def test_a_nested_draft_is_scored_on_ar_steps_too():
     """An AR step runs the root alone, but a nested drafter still drafts whole and the planner scores
     the draft once the output is known: after a stretch where drafts failed (AR planned), drafts that
-    turn right are taken up as soon as the output shows it (16 AR steps), with no probe (a probe runs the smallest budget, 1)."""
+    turn right are taken up as soon as the output shows it (16 AR steps), with no probe (a probe runs the smallest
+    budget, 1)."""
     from nanospec.tree import Tree
     p = Tuned(FixedCost(0.01, 0.002))
-    p.gain, p.nodes, p.tries = {(0, s): 0.0 for s in p.sizes}, {(0, s): 1.0 for s in p.sizes}, Counter({(0, s): 99 for s in p.sizes})
+    p.gain, p.nodes, p.tries = ({(0, s): 0.0 for s in p.sizes}, {(0, s): 1.0 for s in p.sizes},
+                                Counter({(0, s): 99 for s in p.sizes}))
     sizes = [s for _, s in nested_run(p, lambda i: 0, lambda i, seq: Tree.chain(seq[0], seq[1:]), steps=30)]
     assert sizes[0] == 0 and 1 not in sizes and min(sizes[-4:]) >= 16
 

@@ -8,8 +8,8 @@ import torch
 
 import train
 from helpers import call
-from nanospec.training import pretrain
 from nanospec.io.checkpoint import load
+from nanospec.training import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--method", "base", "--tokenizer", str(ROOT / "weights" / "pylm" / "tokenizer.model"),

@@ -4,22 +4,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import FixedCost, check_exact, model_args, pruned_rows, random_model
-from nanospec import NanospecError
+from nanospec import NanospecError, planner
+from nanospec.engine import Nodes, generate
 from nanospec.io.checkpoint import load
-from nanospec.engine import generate
-from nanospec import planner
 from nanospec.methods.medusa import Heads
-from nanospec.tree import choose_tree as medusa_tree
-from nanospec.engine import Nodes
-from nanospec.methods.propd import EarlyHead, ProPD, pruned, load_propd, samples, train_early
+from nanospec.methods.propd import EarlyHead, ProPD, load_propd, pruned, samples, train_early
 from nanospec.model import ModelArgs
+from nanospec.tree import Tree, layout
+from nanospec.tree import choose_tree as medusa_tree
 from nanospec.tuning.planner import SIZES, own_sizes
 from nanospec.tuning.products import BUCKETS
-from nanospec.tree import Tree, layout
-
 
 # --- early pruning and the drafter ---------------------------------------------------------------
 

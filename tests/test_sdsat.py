@@ -3,7 +3,8 @@ against AR of the base model, the two-step loop, section 2.2's windows, and trai
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import check_exact, descend, model_args, noisy, peek, random_model
 from nanospec import NanospecError

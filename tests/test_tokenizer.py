@@ -1,7 +1,8 @@
 """The shipped tokenizer: lossless on any text, byte fallback, special and reserved ids."""
 from pathlib import Path
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nanospec.io.tokenizer import N_RESERVED, Tokenizer
 

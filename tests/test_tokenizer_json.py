@@ -4,7 +4,8 @@ import json
 import random
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from gguf_files import ROOT, SPECIALS, write_gguf

@@ -8,9 +8,8 @@ from safetensors.torch import load_file
 
 import train
 from helpers import call, check_exact, random_model
-from nanospec.methods import analysis
 from nanospec.io.checkpoint import load, save
-from nanospec.methods import load_drafter, model_dir
+from nanospec.methods import analysis, load_drafter, model_dir
 from nanospec.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,6 @@
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import from_branches, path_to
 from nanospec.model import Llama, ModelArgs

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import NanospecError
-from .files import atomic_write, fingerprint, hash_tensors
 from ..model import Llama, ModelArgs, rope_inv_freq
+from .files import atomic_write, fingerprint, hash_tensors
 
 HF_NAMES = [  # (HF, ours); lm_head, mlp.*_proj and self_attn.*_proj keep their leaf names
     ("model.embed_tokens.", "embed."), ("model.norm.", "norm."), ("model.layers.", "layers."),
@@ -77,7 +77,8 @@ def to_hf_config(args: ModelArgs) -> dict:
         "head_dim": args.hd, "rms_norm_eps": args.norm_eps, "hidden_act": "silu",
         "rope_theta": args.rope_theta, "rope_scaling": None if rope["rope_type"] == "default" else rope,
         "rope_parameters": {"rope_theta": args.rope_theta, **rope},
-        "tie_word_embeddings": args.tie_embeddings, "max_position_embeddings": args.max_seq_len, "bos_token_id": args.bos_id,
+        "tie_word_embeddings": args.tie_embeddings, "max_position_embeddings": args.max_seq_len,
+        "bos_token_id": args.bos_id,
         "eos_token_id": args.eos_id, "pad_token_id": args.pad_id,
         "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
     }

@@ -26,10 +26,10 @@ import torch
 from safetensors.torch import save_file
 
 from .. import ArgumentParser, NanospecError, cli
+from ..model import ModelArgs
 from . import gguf_tokenizer
 from .checkpoint import to_hf_config
 from .gguf_export import LAYER_NAMES, TOP_NAMES, export
-from ..model import ModelArgs
 
 SUPPORTED = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 

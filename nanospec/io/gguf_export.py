@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from .. import NanospecError
+from ..model import ModelArgs
 from .checkpoint import load_args, load_tensors, to_hf_name
 from .files import atomic_write
-from ..model import ModelArgs
 
 LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -90,6 +90,7 @@ def write_config(w, src: Path, args: ModelArgs, layers: int, name: str) -> None:
 def bpe_pre_name(pre_tokenizer: dict) -> str:
     """The llama.cpp `pre` name whose split a tokenizer.json's pre-tokenizer performs."""
     from tokenizers import Tokenizer, models
+
     from .gguf_tokenizer import PRE
 
     def essential(node):  # the fields that change the split (ByteLevel also serializes trim_offsets)
@@ -193,7 +194,8 @@ def export(src, out, layers: int | None = None) -> Path:
 
     def write(tmp: Path):
         w = gguf.GGUFWriter(str(tmp), "llama")
-        write_config(w, src, args, layers, src.name if layers == args.n_layers else f"{src.name} (first {layers} layers)")
+        name = src.name if layers == args.n_layers else f"{src.name} (first {layers} layers)"
+        write_config(w, src, args, layers, name)
         if (src / "tokenizer.json").is_file():
             write_bpe(w, src, args)
         elif (src / "tokenizer.model").is_file():

@@ -79,7 +79,8 @@ def model_dir(specs: list[str], weights):
     names = {parse_spec(s)[0] for s in specs} - {"ar"}
     dirs = {OWN_MODEL[n](weights) if n in OWN_MODEL else weights for n in names} or {weights}
     if len(dirs) > 1:
-        raise NanospecError(f"{', '.join(sorted(names))} decode different models ({', '.join(map(str, sorted(dirs)))}); "
+        raise NanospecError(f"{', '.join(sorted(names))} decode different models "
+                            f"({', '.join(map(str, sorted(dirs)))}); "
                             "benchmark them in separate runs")
     return dirs.pop()
 

@@ -16,14 +16,15 @@ import torch.nn.functional as F
 from .. import ArgumentParser, cli
 from ..bench import bench, load_prompts
 from ..io.checkpoint import load
-from ..training.data import distill_args
-from . import load_drafter
-from . import propd
-from .hidden_transfer import accuracy, load_transfer, ordered, pseudo_states
-from .medusa import accuracy as medusa_accuracy, load_heads, samples as medusa_samples
 from ..io.sources import base_of, resolve
 from ..io.tokenizer import load_tokenizer
+from ..training.data import distill_args
 from ..training.loop import distilled
+from . import load_drafter, propd
+from .hidden_transfer import accuracy, load_transfer, ordered, pseudo_states
+from .medusa import accuracy as medusa_accuracy
+from .medusa import load_heads
+from .medusa import samples as medusa_samples
 
 DEFAULT = Path(__file__).resolve().parents[1] / "weights" / "pylm"
 
@@ -97,7 +98,8 @@ def propd_grid(args):
     print("| layer | top-k | rows pruned | tokens/step | vs Medusa | speedup |\n|---|---|---|---|---|---|")
     for spec, r in zip(specs[1:], results[1:]):
         opts = dict(kv.split("=") for kv in spec.split(":")[1].split(","))
-        print(f"| {opts['layer']} | {opts['k']} | {r['notes'].split('(')[1].split(')')[0]} | {r['mean_accepted']:.3f} | "
+        pruned = r['notes'].split('(')[1].split(')')[0]
+        print(f"| {opts['layer']} | {opts['k']} | {pruned} | {r['mean_accepted']:.3f} | "
               f"{100 * (r['mean_accepted'] / base - 1):+.1f}% | {r['speedup']:.3f}x |")
 
 

@@ -22,8 +22,8 @@ Choices where the paper is silent, and why:
   p+2+i, as in decoding's "the model outputs y_N and M future predictions y_N+1..y_N+M".
   Training labels follow the same rule (eq. 1 with that offset).
 - Deep prompt keys carry no rotary position (prefix tuning stores rotated keys; these are
-  learned directly). Rotating them as if at positions 0..P-1 trained to the same loss
-  (200-step runs: 9.31 vs 9.30), so the simpler form stays. Shallow prompt rows sit at positions 0..P-1 and see each other causally.
+  learned directly). Rotating them as if at positions 0..P-1 trained to the same loss (RESULTS.md,
+  "BiTA"), so the simpler form stays. Shallow prompt rows sit at 0..P-1 and see each other causally.
 - Straightforward decoding: after c accepted drafts, the root group's masks c.. give the next
   drafts (the first c are "discarded"); with c = M there are none (the paper's "even zero").
 - Training packs `groups` mask groups per sequence at random split points of the answer (the
@@ -44,11 +44,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
+from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
-from ..drafter import Forward, Out, Ranked
-from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
+from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..tree import Template, product_paths
 
 PROMPTING = ("deep", "shallow", "none")

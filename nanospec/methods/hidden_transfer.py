@@ -26,11 +26,10 @@ Choices where the paper is silent, and why:
   itself: Figure 7's ablation). Under `paper` and `masked` the steps never see each other, so
   training them together in one forward is training them separately: the gradient of W_i
   comes from step i alone, AdamW is per parameter and the gradient is clipped per W_i.
-- Layers (5, 6, 7) of the default model's 8, from the sweep of Figures 5-6 (80-step runs,
-  README): step 1 alone at layers 1-6 is flat from 2 to 5 (held-out top-1 0.71-0.73) and lower
-  at 1 and 6; step 2 over t_1 = 4 is flat from 5 to 7; (5, 6, 7) matches (4, 5, 6) and costs
-  least, since a pseudo row runs only the layers from its own. lr 3e-3 (1e-3 learns slower in
-  80 steps; 1e-2 is no better).
+- Layers (5, 6, 7) of the default model's 8, from the sweep of Figures 5-6 (RESULTS.md, "Hidden
+  Transfer"): step 1 alone is flat from layer 2 to 5 and lower at 1 and 6; step 2 over t_1 = 4 is
+  flat from 5 to 7; (5, 6, 7) matches (4, 5, 6) and costs least, since a pseudo row runs only the
+  layers from its own. lr 3e-3 (1e-3 learns slower in 80 steps; 1e-2 is no better).
 - The tree is chosen from Hidden Transfer's own held-out accuracies (saved by the trainer),
   as Medusa's is from its heads'; `tree_size=N` picks another size. (The paper compares the
   two at Medusa's tree; a drafter here never reads another method's weights.)
@@ -49,11 +48,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
+from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
-from ..drafter import Forward, Out, Ranked
-from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, Progress, update
+from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..tree import Template, choose_tree
 
 ATTENTION = ("paper", "chain", "masked")
@@ -140,7 +139,8 @@ class HiddenTransfer(Ranked):
 
 # --- weights on disk ---------------------------------------------------------------------------
 def load_transfer(model, weights):
-    return load_trained(model, Path(weights) / "hidden_transfer.safetensors", "python train.py --method hidden_transfer",
+    return load_trained(model, Path(weights) / "hidden_transfer.safetensors",
+                        "python train.py --method hidden_transfer",
                         lambda meta: Transfer(model.args.dim, meta["layers"]).check(model.args.n_layers))
 
 

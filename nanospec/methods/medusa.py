@@ -20,10 +20,9 @@ Choices where the papers are silent, and why:
   accuracies whose parent is already in the tree (Medusa's sparse trees), up to tree_size nodes.
 - Vocabulary projection: each head's own (the paper's; the default model's shipped heads) or,
   with --shared-head, the model's frozen lm_head shared by all heads (EAGLE's choice), which the
-  SmolLM2 heads use: an own projection there is 28M parameters (113 MB) per head. On the default
-  model, same data and schedule, sharing cost little: held-out top-1 0.844 / 0.798 / 0.762 for
-  t+2..t+4 against 0.869 / 0.826 / 0.782, and 3.38 against 3.45 tokens/step on the 24-node tree
-  (20 held-out prompts x 128 tokens, --budget static), for a 0.4 MB file instead of 13 MB.
+  SmolLM2 heads use: an own projection there is 28M parameters per head. On the default model,
+  same data and schedule, sharing costs a little accuracy and acceptance for a file 30 times
+  smaller (RESULTS.md, "Medusa").
 - The first step of a generation has no hidden state yet for the prompt's last token, so it
   drafts nothing (one AR step).
 
@@ -39,11 +38,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..drafter import Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
-from ..drafter import Out, Ranked
-from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, Progress, update
+from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import Template, choose_tree
 
 
@@ -95,7 +94,8 @@ class Medusa(Ranked):
 def load_heads(model, weights):
     a = model.args
     return load_trained(model, Path(weights) / "medusa.safetensors", "python train.py --method medusa",
-                        lambda meta: Heads(a.dim, a.vocab_size, meta["heads"], model.lm_head if meta.get("shared") else None))
+                        lambda meta: Heads(a.dim, a.vocab_size, meta["heads"],
+                                           model.lm_head if meta.get("shared") else None))
 
 
 def load_medusa(model, weights, tree_size=0) -> Medusa:
@@ -161,7 +161,8 @@ def train(args):
         lr = cosine_lr(step, steps, args.lr, warmup=min(50, steps // 10 + 1))
         epoch, i = divmod(step * args.batch_size, len(h_tr))
         if epoch not in order:
-            order = {epoch: torch.randperm(len(h_tr), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))}
+            g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
+            order = {epoch: torch.randperm(len(h_tr), generator=g)}
         idx = order[epoch][i:i + args.batch_size]
         loss = loss_fn(heads(h_tr[idx]), y_tr[idx])
         update(opt, loss, lr)
@@ -172,7 +173,8 @@ def train(args):
     for k, a in enumerate(acc, 1):
         print(f"head {k} (token t+{k + 1}): held-out top-1 {a[0]:.3f}, top-5 {sum(a[:5]):.3f}")
     tree = choose_tree(acc, args.tree_size)
-    meta = {"base_fingerprint": fingerprint(model), "heads": args.heads, "shared": args.shared_head, "acc": acc, "tree": tree,
+    meta = {"base_fingerprint": fingerprint(model), "heads": args.heads, "shared": args.shared_head, "acc": acc,
+            "tree": tree,
             "trained": {"positions": len(h_tr), "steps": steps, "seconds": round(prog.elapsed)}}
     save_drafter(out / "medusa.safetensors", heads, meta)
     print(f"wrote {out / 'medusa.safetensors'}: {args.heads} heads, tree of {len(tree)} nodes")

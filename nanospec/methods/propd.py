@@ -42,12 +42,10 @@ Choices where the paper is silent, and why:
 - The early head scores every row (each row's guesses for its children) rather than only the rows
   that have children: fixed shapes, no host sync.
 - k: the paper's is where acceptance stays close to Medusa's (layer 4, top-50, Table 2). Here it
-  is the smallest k whose held-out hit rate (the trainer's, for the head's layer) keeps KEEP = 97%
-  of the right tokens: top-10 after layer 2 of weights/pylm (98.1%). Where no measured k does, the
-  pruning costs more acceptance than its rows save, and it is off (the report says so): SmolLM2's
-  head after layer 8, trained on CPU, keeps 67% at top-10 and 82% at top-100, and on its 20
-  held-out prompts ProPD ran at 0.99x AR with top-10, 1.01x with top-100 and 1.06x unpruned
-  (Medusa 1.07x), in one run. `k=N` prunes at top-N regardless.
+  is the smallest k whose held-out hit rate (the trainer's, for the head's layer) keeps KEEP of the
+  right tokens: top-10 after layer 2 of weights/pylm. Where no measured k does, pruning costs more
+  acceptance than its rows save, and it is off (the report says so), as for SmolLM2's CPU-trained
+  head (RESULTS.md, "Why the heuristics stay"). `k=N` prunes at top-N regardless.
 
 What runs where: the forward with its pruning, verification and the heads' candidates are one
 device program (a CUDA graph in exact mode on a GPU); planning and the acceptance statistics
@@ -60,13 +58,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..io.checkpoint import load_drafter_file, save_drafter
 from ..costs import CostModel
-from ..io.files import fingerprint
 from ..drafter import Out
+from ..io.checkpoint import load_drafter_file, save_drafter
+from ..io.files import fingerprint
 from ..model import RMSNorm
-from ..planner import SIZES as CORE_SIZES, Planner
-from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, Progress, update
+from ..planner import SIZES as CORE_SIZES
+from ..planner import Planner
+from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import choose_tree
 from .medusa import Medusa, load_heads
 

@@ -25,12 +25,11 @@ little and the AR reference becomes the fine-tuned model. Here the model is unto
   read the standard rows' keys and values unchanged; standard rows never see adaptive rows.
 - So every standard token's output is the base model's own, bitwise in exact mode: SDSAT's AR
   reference is the base model, and the method ships as a small drafter file (sdsat.safetensors).
-The paper's full fine-tune stays as sdsat_full.py: on the default model, with the same data and
-schedule, it drafts 2.88 tokens per forward to this update's 2.20 (RESULTS.md), since it also
-teaches the standard tokens' keys and values what the adaptive tokens need, which an update that
-leaves them untouched cannot. Training has only adaptive rows to learn: the standard rows' keys
-and values come from a no-grad forward of the frozen model, and only adaptive rows run backward.
-Eq. 9's plain term is then a constant, and eq. 8's and 9's mixed terms are the adaptive rows' loss.
+The paper's full fine-tune stays as sdsat_full.py: with the same data it drafts more per forward
+(RESULTS.md, "SDSAT without touching the model"), since it also teaches the standard tokens' keys
+and values what the adaptive tokens need. Training has only adaptive rows to learn: the standard
+rows' keys and values come from a no-grad forward of the frozen model, and only adaptive rows run
+backward; eq. 9's plain term is a constant, eq. 8's and 9's mixed terms the adaptive rows' loss.
 
 Choices where the paper is silent, and why:
 - Masking (section 2.2): each position starts a window with probability 0.1 (position 0 never),
@@ -44,7 +43,7 @@ Choices where the paper is silent, and why:
   every other drafter here trains on), as windows of --seq-len tokens of their concatenation.
 
 What runs where: each forward of a loop, with its verification and the lm_head's top-k over the
-adaptive rows, is one device program (a CUDA graph per tree size in exact mode on a GPU).
+adaptive rows, is one device program (per tree size in exact mode).
 """
 import functools
 from pathlib import Path
@@ -55,12 +54,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..io.checkpoint import load_trained, save_drafter
-from ..training.data import distill_args
 from ..drafter import Forward, Out, Ranked
+from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
-from ..training.pretrain import windows
+from ..training.data import distill_args
 from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
+from ..training.pretrain import windows
 from ..tree import Template
 
 TRAIN = "python train.py --method sdsat"

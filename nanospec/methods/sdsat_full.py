@@ -8,10 +8,9 @@ model, where SmolLM2's update needs the room): `python train.py --method sdsat_f
 in about 17 minutes on 2 CPU cores.
 
 Kept beside sdsat.py's update, which leaves the base model's tokens bitwise untouched, because
-on the default model, with the same data and schedule (400 steps of 8 x 512 tokens, the model's
-own continuations), the fine-tune drafts more: 2.88 tokens per forward against the update's 2.20
-(RESULTS.md, "SDSAT without touching the model"). Fine-tuning lets the standard tokens' keys and
-values carry what the adaptive tokens need; the update cannot change them.
+with the same data and schedule the fine-tune drafts more per forward (RESULTS.md, "SDSAT without
+touching the model"): it lets the standard tokens' keys and values carry what the adaptive tokens
+need, which the update cannot change.
 
 Choices where the paper is silent, and why:
 - Adaptive token ids are the tokenizer's reserved ids (4..35 on the default model):
@@ -35,12 +34,13 @@ import torch
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..io.checkpoint import load as load_model, save
-from ..training.data import distill, distill_args, token_stream
+from ..io.checkpoint import load as load_model
+from ..io.checkpoint import save
 from ..io.files import atomic_write, fingerprint, hardware
-from ..training.pretrain import eval_loss, val_windows, windows
 from ..io.tokenizer import load_tokenizer
+from ..training.data import distill, distill_args, token_stream
 from ..training.loop import Progress, adamw, causal, cosine_lr, update
+from ..training.pretrain import eval_loss, val_windows, windows
 from .sdsat import SDSAT
 
 

@@ -147,7 +147,8 @@ def main(argv=None) -> int:
         raise NanospecError("--calibrate measures a calibration; --calibration uses one: give one of them")
     if args.batch < 1 or args.concurrency < 1:
         raise NanospecError("--batch and --concurrency must be at least 1")
-    if args.batch > 1 and args.engine not in ("transformers", "llama.cpp") or args.concurrency > 1 and args.engine != "openai":
+    if args.batch > 1 and args.engine not in ("transformers", "llama.cpp") \
+            or args.concurrency > 1 and args.engine != "openai":
         raise NanospecError("--batch runs with --engine transformers or llama.cpp, --concurrency with --engine openai")
     if args.max_new_tokens < 1:
         raise NanospecError("--max-new-tokens must be at least 1")

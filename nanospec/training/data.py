@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from .. import ArgumentParser, NanospecError, cli
-from ..io.files import atomic_write
 from ..engine import generate
+from ..io.files import atomic_write
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 VAL_PERCENT = 5
@@ -143,11 +143,13 @@ def distill_args(p):
     """Self-distillation data options, shared by the trainers that use `distill`."""
     p.add_argument("--distill-prompts", type=int, default=2000, help="training-split prompts to continue")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
-    p.add_argument("--train-seqs", type=int, help="train on N of the training sequences, spread evenly (held-out unchanged)")
+    p.add_argument("--train-seqs", type=int,
+                   help="train on N of the training sequences, spread evenly (held-out unchanged)")
     p.add_argument("--save-every", type=int, help="steps between resumable checkpoints in --cache (--resume)")
 
 
-def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64, chat=None) -> list[tuple[list[int], list[int]]]:
+def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64,
+            chat=None) -> list[tuple[list[int], list[int]]]:
     """Self-distillation data: (prompt, the model's greedy continuation) for n training-split
     function prompts; with a chat encoder (chat_encoder), every other one is a chat request to
     implement the function instead, and its reply is cut after the end of the turn. Generated
@@ -190,8 +192,8 @@ def main(argv=None):
         prompts = eval_prompts(args.n)
         if args.chat:  # the first half as code, the second as chat requests (rendered: any engine can take them)
             from ..io.chat import render, template
-            from ..io.tokenizer import load_tokenizer
             from ..io.sources import base_of
+            from ..io.tokenizer import load_tokenizer
             base = base_of(args.chat)
             tmpl, config = template(base), load_tokenizer(base).config
             half = len(prompts) // 2

@@ -7,10 +7,10 @@ import torch
 
 from ..io.checkpoint import load
 from ..io.files import atomic_write
-from .data import chat_encoder, distill
-from ..model import Block, Llama
 from ..io.sources import base_of
 from ..io.tokenizer import load_tokenizer
+from ..model import Block, Llama
+from .data import chat_encoder, distill
 
 
 def cosine_lr(step: int, steps: int, peak: float, warmup: int, floor: float = 0.1) -> float:

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from .. import NanospecError
 from ..io.checkpoint import load, save
 from ..io.files import atomic_write, hardware
-from .data import STDLIB, documents, split_bytes, token_stream
-from ..model import Llama, ModelArgs
 from ..io.tokenizer import Tokenizer, train_tokenizer
+from ..model import Llama, ModelArgs
+from .data import STDLIB, documents, split_bytes, token_stream
 from .loop import Progress, adamw, causal, cosine_lr, load_state, save_state, update
 
 

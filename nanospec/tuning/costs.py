@@ -35,7 +35,7 @@ class Measured:
     rows, verification, the host's work) and what else the machine is doing. It is kept per batch
     size and kind of step (AR's or a drafter's) as the median of the last WINDOW steps: a first
     step's warm-up or a stall of several steps' length does not swing it. It grows with the batch
-    about as the sequences do (SmolLM2, SDSAT's drafting steps: 15-23 ms per sequence at B = 1-4)."""
+    about as the sequences do (RESULTS.md, "Why the heuristics stay")."""
 
     def __init__(self, points: dict[int, float], padded: bool = False):
         rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))
@@ -83,7 +83,8 @@ def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps
     Q = max(MIN_BLOCK, *rows)
     cache = KVCache.for_model(model, context + Q + 1)
     dec = Decoding(model, cache, exact, Q, [0] * (context + 1))
-    dec.prefill(torch.randint(0, model.args.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist())
+    g = torch.Generator().manual_seed(0)
+    dec.prefill(torch.randint(0, model.args.vocab_size, (context,), generator=g).tolist())
     blocks = {n: Tree.chain(1, [1] * (n - 1)).block(dec.cur) for n in rows}
     points = {}
     for rep in range(reps + 1):  # the first round warms up

@@ -36,7 +36,7 @@ class Tuned(Planner):
     def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         super().__init__(cost, sizes, replan, alpha)
         self.known, self.kinds = 0, Counter()  # the clock at the last drafting step; steps per (batch, drafting)
-        self.gain, self.tries, self.nodes = {}, Counter(), {}  # unranked, per (context, size): drafts accepted, nodes run
+        self.gain, self.tries, self.nodes = {}, Counter(), {}  # unranked, per (context, size): accepted, nodes run
 
     def start(self, drafter, dec) -> None:
         super().start(drafter, dec)

@@ -15,8 +15,7 @@ edge, and the planner gets the rows it pays for (costs.measure sees the padded f
 
 A fourth form, where PyTorch has oneDNN, runs against a copy of the weight packed once in oneDNN's
 blocked layout: eager products repack the weight on every call, which at 8-64 rows costs as much as
-the arithmetic (on this project's 2-core CPU: SmolLM2's products at 8 rows 42 -> 27 ms, at 32 rows
-91 -> 55 ms; RESULTS.md, "Packed weights").
+the arithmetic (RESULTS.md, "Packed weights").
 
 Installed, a layer runs its tuned form whenever it is called: the model's layers in fast mode, and a
 drafter's heads in any mode (a draft's product need not be AR's). Exact mode's model products call
@@ -38,8 +37,8 @@ BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the row counts, each wit
 FORMS = {"linear": lambda x, w, p: F.linear(x, w), "weight-first": lambda x, w, p: (w @ x.T).T,
          "transposed": lambda x, w, p: x @ p}  # x @ w.T, each the fastest somewhere; p: the weight as PREPARE made it
 PREPARE = {"transposed": lambda w: w.t().contiguous()}  # forms run on a copy of the weight, made once
-if torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in
-                                                 ("_linear_pointwise", "_reorder_linear_weight")):  # oneDNN's packed weights
+ONEDNN = ("_linear_pointwise", "_reorder_linear_weight")
+if torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in ONEDNN):  # packed weights
     FORMS["packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
     PREPARE["packed"] = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 16)  # 16: the layout's row hint
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from ... import NanospecError
-from .. import trace as traces
 from ...bench import load_prompts
-from ...io.files import fingerprint
 from ...engine import generate
+from ...io.files import fingerprint
 from ...io.sources import base_of
 from ...io.tokenizer import load_tokenizer
+from .. import trace as traces
 
 MODULES = {"transformers": "hf", "llama.cpp": "llamacpp", "openai": "openai"}
 TOP_K = 8  # top-k kept per position, as in traces

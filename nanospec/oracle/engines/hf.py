@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from ... import NanospecError
-from .. import calibration as cal
 from ...io.checkpoint import DTYPES, load, load_args
 from ...io.files import fingerprint
-from ..verdict import coarser, compare
 from ...io.sources import base_of, resolve
-from . import progress, prompt_texts, references, reference, save, tokenizer, top
+from .. import calibration as cal
+from ..verdict import coarser, compare
+from . import progress, prompt_texts, reference, references, save, tokenizer, top
 
 SETTINGS = {"greedy": "plain greedy", "prompt_lookup": "prompt lookup (prompt_lookup_num_tokens=10)",
             "assisted": "assisted generation (assistant_model)"}
@@ -107,7 +107,8 @@ def run(args) -> list[dict]:
             raise NanospecError(f"unknown setting {s!r} for transformers: one of {', '.join(SETTINGS)}")
     if args.assistant:
         args.assistant = resolve(args.assistant, log=sys.stderr)
-    if args.assistant and "assisted" in settings and load_args(args.assistant).vocab_size != load_args(base_of(weights)).vocab_size:
+    if args.assistant and "assisted" in settings \
+            and load_args(args.assistant).vocab_size != load_args(base_of(weights)).vocab_size:
         raise NanospecError(f"the assistant at {args.assistant} has another vocabulary than {weights}: "
                             "assisted generation needs the same tokenizer")
     tok = tokenizer(weights)
@@ -122,7 +123,8 @@ def run(args) -> list[dict]:
             raise NanospecError(f"{args.calibration} calibrates other weights (fingerprint {calib['model']})")
         hf = transformers.LlamaForCausalLM.from_pretrained(base_of(weights), dtype=DTYPES[name]).to(args.device).eval()
         if args.calibrate:  # transformers in this dtype against nanospec in it, and against fp32 nanospec
-            for ref_model in [model] + ([load(base_of(weights), torch.float32, args.device)] if name != "float32" else []):
+            fp32 = [load(base_of(weights), torch.float32, args.device)] if name != "float32" else []
+            for ref_model in [model] + fp32:
                 ref_dtype = str(ref_model.embed.weight.dtype).removeprefix("torch.")
                 units = coarser(name, ref_dtype)
                 ref = reference(ref_model, prompts, args.max_new_tokens)
@@ -130,8 +132,8 @@ def run(args) -> list[dict]:
                     e = calibrate(ref, hf, units, batch)
                     key = (name if ref_dtype == name else f"{name} vs {ref_dtype} reference") + batch_key(batch)
                     found[key] = e
-                    runs.append({"engine": "transformers", "setting": "calibration", "dtype": name, "device": args.device,
-                                 "reference_dtype": ref_dtype, "batch": batch, **e})
+                    runs.append({"engine": "transformers", "setting": "calibration", "dtype": name,
+                                 "device": args.device, "reference_dtype": ref_dtype, "batch": batch, **e})
                     print(f"calibration: transformers {key} vs nanospec exact AR {ref_dtype}: top-2 gaps move by at "
                           f"most {e['max']} (p99.9 {e['p99.9']}, median {e['median']}) x eps({units}) x logit scale "
                           f"over {e['positions']} positions ({e['flips']} flips left out); the float rule's tolerance "
@@ -142,7 +144,8 @@ def run(args) -> list[dict]:
         if "assisted" in settings:
             src = Path(args.assistant) if args.assistant else base_of(weights)
             kw = {} if args.assistant else {"num_hidden_layers": args.assistant_layers}
-            assistant = transformers.LlamaForCausalLM.from_pretrained(src, dtype=DTYPES[name], **kw).to(args.device).eval()
+            assistant = transformers.LlamaForCausalLM.from_pretrained(src, dtype=DTYPES[name], **kw)
+            assistant = assistant.to(args.device).eval()
         save(args, f"nanospec-ar-{name}", refs)
         tol = tolerance_of(calib, name)
         greedy = None
@@ -164,7 +167,8 @@ def run(args) -> list[dict]:
             common, tol = {"engine": "transformers", "setting": f"greedy batch {args.batch}", "dtype": name,
                            "device": args.device}, tolerance_of(calib, name + batch_key(args.batch)) or tol
             if refs is not None:
-                runs.append({**common, "against": "reference", **tol, "results": verdicts(refs, others, tol, args.ulps)})
+                runs.append({**common, "against": "reference", **tol,
+                             "results": verdicts(refs, others, tol, args.ulps)})
             runs.append({**common, "against": "alone", **tol, "results": verdicts(greedy, others, tol, args.ulps)})
     if args.calibrate and args.save_calibration:
         cal.write(args.save_calibration, found, engine="transformers", engine_version=transformers.__version__,

@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 from ... import NanospecError
-from .. import calibration as cal
 from ...io.checkpoint import load
 from ...io.files import fingerprint
-from ..verdict import compare
 from ...io.sources import as_gguf, base_of, resolve
+from .. import calibration as cal
+from ..verdict import compare
 from . import progress, prompt_texts, references, save, tokenizer, tokens_per_s, top
 
 INSTALL = ('pip install "nanospec[llamacpp]" (llama-cpp-python: it builds llama.cpp from source, some minutes; '
@@ -262,7 +262,8 @@ def run(args) -> list[dict]:
             if s == "greedy":
                 llm = single
             else:
-                draft = (llama_cpp.llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens=10) if s == "prompt_lookup"
+                lookup = llama_cpp.llama_speculative.LlamaPromptLookupDecoding
+                draft = (lookup(num_pred_tokens=10) if s == "prompt_lookup"
                          else make_draft(open_llama(draft_gguf, n_ctx, kv, threads), args.draft_tokens))
                 llm = open_llama(gguf, n_ctx, kv, threads, draft=draft)
             outs = decode(llm, prompts, args.max_new_tokens, model.args.eos_id, f"{s} kv={kv}", s != "greedy")

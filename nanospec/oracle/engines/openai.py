@@ -13,8 +13,8 @@ the prompt's text instead, for servers that take no ids (llama-cpp-python's), an
 with `echo` that the server's prompt tokens are nanospec's ids. The output ids are read from, in
 this order: choices[0].token_ids (SGLang), logprobs.content[i].id (llama-server), tokens written
 "token_id:N" (vLLM), else each token's text through the weights' tokenizer (a text that names no
-token, or several, is an error that names the position). finish_reason "stop" means the server stopped at its EOS (no stop strings
-are sent): the EOS id is appended where the server left it out.
+token, or several, is an error that names the position). finish_reason "stop" means the server stopped at its EOS
+(no stop strings are sent): the EOS id is appended where the server left it out.
 
 The top log-probabilities are the server's own rows: between two tokens of one row, the
 difference of log-probabilities is the difference of logits (the row's log-sum-exp cancels).
@@ -32,10 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ... import NanospecError
-from .. import calibration as cal
 from ...io.checkpoint import load
-from ..verdict import compare
 from ...io.sources import base_of, resolve
+from .. import calibration as cal
+from ..verdict import compare
 from . import progress, prompt_texts, references, save, tokenizer
 
 TOP_LOGPROBS = 5  # OpenAI's own API allows at most 5
@@ -190,13 +190,15 @@ def run(args) -> list[dict]:
         return {"engine": "openai", **kw, **tol,
                 "results": compare(ref, outs, args.dtype, args.ulps or tol.get("ulps"), units=tol.get("units"))}
 
-    urls = [("server", args.url.rstrip("/"))] + ([("greedy server", args.greedy_url.rstrip("/"))] if args.greedy_url else [])
+    urls = [("server", args.url.rstrip("/"))]
+    urls += [("greedy server", args.greedy_url.rstrip("/"))] if args.greedy_url else []
     got = {}
     for name, url in urls:  # the servers first: a server that fails, fails before the reference's work
         got[name] = outputs(f"{url}/completions", args, texts, prompts, pieces, model.args.eos_id, name)
         save(args, f"openai-{name.replace(' ', '-')}", got[name])
     if args.concurrency > 1:  # after the lone runs, so that no other request overlaps them
-        got["batched"] = concurrent(f"{args.url.rstrip('/')}/completions", args, texts, prompts, pieces, model.args.eos_id)
+        url = f"{args.url.rstrip('/')}/completions"
+        got["batched"] = concurrent(url, args, texts, prompts, pieces, model.args.eos_id)
         save(args, f"openai-concurrency{args.concurrency}", got["batched"])
     refs = references(args, model, prompts)
     save(args, "nanospec-ar-float32", refs)
