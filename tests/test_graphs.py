@@ -47,14 +47,13 @@ def test_replay_equals_eager_bitwise(dtype, monkeypatch):
 
 @cuda
 def test_graphs_are_captured_once_per_shape(monkeypatch):
-    captured = graphs.Graphs()
-    monkeypatch.setitem(engine.PROGRAMS, "cuda", captured)
+    monkeypatch.setitem(engine.PROGRAMS, "cuda", graphs.Graphs())
     model = random_model(ARGS, 0, torch.float32, "cuda")
     run(model, list(range(1, 20)))
     (cache,) = model._exact_caches.values()
-    n = len(captured.captured[cache])
+    n = len(cache._graphs)
     run(model, list(range(3, 22)))  # another prompt of the same cache size
-    assert len(model._exact_caches) == 1 and len(captured.captured[cache]) == n
+    assert len(model._exact_caches) == 1 and len(cache._graphs) == n
 
 
 @cuda

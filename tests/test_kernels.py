@@ -105,3 +105,22 @@ def test_the_packed_form_is_offered_where_onednn_is():
     with torch.inference_mode():
         y = Kernels({(33, 24, 8): ("packed", 8)}).linear(layer, torch.randn(8, 24))
     assert y.shape == (8, 33) and torch.equal(layer.weight, before)
+
+
+def test_a_drafter_copied_with_installed_forms_runs_them():
+    """The bench copies drafters for each run: a copy's layers keep running the installed forms, packed
+    weights included (an opaque oneDNN tensor cannot be copied), and decode AR's tokens."""
+    import copy
+
+    from nanospec.engine import generate
+    from nanospec.methods.medusa import Heads, Medusa
+    model = random_model(TINY, seed=3)
+    form = "packed" if "packed" in FORMS else "transposed"
+    V = (TINY.vocab_size, TINY.dim)
+    table = Kernels({(*V, b): (form, b) for b in BUCKETS})
+    medusa = Medusa(Heads(TINY.dim, TINY.vocab_size, 2).init_from(model.lm_head), [(0,), (0, 0)])
+    install(table, model, medusa)
+    ref = generate(model, [1, 2, 3], max_new_tokens=8, eos_id=-1).tokens
+    twin = copy.deepcopy(medusa)
+    assert twin.heads.proj[0].tuned is table and twin.heads.proj[0] is not medusa.heads.proj[0]
+    assert generate(model, [1, 2, 3], twin, max_new_tokens=8, eos_id=-1).tokens == ref

@@ -26,7 +26,6 @@ reading state its key does not name, fails there too.
 import os
 import sysconfig
 import traceback
-import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -130,11 +129,9 @@ class Traced:
 
 class Graphs(Programs):
     """Exact mode's programs as CUDA graphs: each captured once per cache, key and shapes, then replayed.
-    Host tensors are copied straight into a graph's static inputs."""
+    Host tensors are copied straight into a graph's static inputs. A cache keeps its graphs
+    (cache._graphs), so they live as long as the cache, which lives as long as its model."""
     capture = Graph
-
-    def __init__(self):
-        self.captured = weakref.WeakKeyDictionary()  # cache -> {(key, shapes): its Graph}
 
     def cache(self, model, n_slots: int, batch: int) -> KVCache:
         """One cache per (S, batch, dtype) per model, emptied for each generation: its graphs stay valid."""
@@ -148,7 +145,7 @@ class Graphs(Programs):
         return pool[key]
 
     def run(self, cache, key, fn, args, device):
-        graphs = self.captured.setdefault(cache, {})
+        graphs = cache.__dict__.setdefault("_graphs", {})  # {(key, shapes): its Graph}
         key = (key, *(None if a is None else (tuple(a.shape), a.dtype) for a in args))
         if key not in graphs:
             graphs[key] = self.capture(fn, args, device)

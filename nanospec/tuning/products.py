@@ -51,6 +51,9 @@ class Kernels:
     def __init__(self, table: dict):
         self.table, self.prepared = table, {}  # prepared: (id(weight), form) -> the weight as that form wants it
 
+    def __deepcopy__(self, memo):  # a copied layer (a drafter copied for another run) shares the table
+        return self
+
     def linear(self, layer, x):
         """layer(x) for a bias-free layer, in its shape's and row count's form."""
         M, w = x.shape[:-1].numel(), layer.weight
