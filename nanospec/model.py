@@ -109,8 +109,8 @@ class Context:
 
     def mm(self, layer, x):
         """A bias-free layer's product: in exact mode F.linear, AR's one kernel, whatever form a device layer
-        installed on the layer; in fast mode the layer as it runs."""
-        y = F.linear(x, layer.weight) if self.exact else layer(x)
+        installed on the layer; in fast mode the layer's forward as it runs (called directly: no hooks)."""
+        y = F.linear(x, layer.weight) if self.exact else layer.forward(x)
         return y if self.delta is None else self.delta(layer, x, y)
 
     def map(self, fn, x):
