@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from nanospec import ArgumentParser, NanospecError, cli
+from nanospec.io.sources import resolve
+from nanospec.methods import bita, hidden_transfer, medusa, propd, sdsat, sdsat_full
 from nanospec.training import pretrain
 from nanospec.training.data import distill_args
-from nanospec.methods import bita, hidden_transfer, medusa, propd, sdsat, sdsat_full
-from nanospec.io.sources import resolve
 
 ROOT = Path(__file__).parent
 
