@@ -26,9 +26,11 @@ from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, 
 from nanospec.oracle import trace
 from nanospec.oracle.peers import transformers_peers
 from nanospec.sizes import block_batch
+from nanospec.tuning import compiled
 from nanospec.tuning import cuda as cuda_layer
 from nanospec.tuning import products as kernels
 from nanospec.tuning.costs import measure as measure_costs
+from nanospec.tuning.cuda import ops_per_layer
 from nanospec.tuning.planner import Tuned, own_sizes
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "pylm"
@@ -55,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--block-batch", type=int, help="exact mode: every forward runs this many sequences' blocks of Q "
                    "rows, idle ones padded, so a product's total rows never depend on the batch (default: a "
                    "multiple of 8 on cuda, where cuBLAS picks its fp32 kernel by them; none on cpu)")
+    p.add_argument("--compile", action="store_true", help="exact mode: each layer one torch.compile'd callable, AR's "
+                   "and every method's (a new shape compiles once; opt-in: not yet verified on a GPU)")
     p.add_argument("--max-len", type=int, help="KV cache slots (S); default fits prompt + new tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -130,9 +134,10 @@ def tune(args, model, exact: bool, drafters) -> None:
     fastest form by row count on the model's and drafters' layers; --planner measured hands every
     drafter without a planner of its own the core planner with a CPU's additions, on this machine's
     measured row costs (a drafter it can plan: ranked, or nested), and a method's own planner gets
-    the sizes that fill the row buckets. Exact mode keeps one kernel and static trees: its block is fixed."""
+    the sizes that fill the row buckets. Exact mode keeps one kernel and static trees: its block is fixed;
+    --compile makes that kernel one compiled layer (tuning/compiled.py)."""
     if exact:
-        return
+        return compiled.install(model) if args.compile else None
     if args.kernels == "tuned" and args.device == "cpu":
         kernels.install(kernels.tuned(model), model, *drafters)
     for d in drafters:
@@ -178,6 +183,8 @@ def main(argv=None):
     if args.block_batch is not None:  # before any weights are loaded (the batch it must hold: generate checks)
         block_batch(args.block_batch, 1, (args.mode or ("exact" if args.device == "cuda" else "fast")) == "exact",
                     args.device)
+    if args.compile and (args.mode or ("exact" if args.device == "cuda" else "fast")) != "exact":
+        raise NanospecError("--compile compiles exact mode's fixed shapes: add --mode exact")
     weights, model, dtype, tok, own_model = setup(args)
     args.mode = args.mode or ("exact" if args.device == "cuda" else "fast")
     exact = args.mode == "exact"
@@ -192,6 +199,8 @@ def main(argv=None):
         drafters = [load_drafter(m, model, weights) for m in methods]
         if own_model:
             note_own_model(weights)
+        print("[bench] counting each method's exact step ops (a trace, before any tuning)", file=sys.stderr, flush=True)
+        ops = [ops_per_layer(model, d) for d in drafters]
         tune(args, model, exact, drafters)
         peers = transformers_peers(weights, dtype, args.device) if args.peers else ()
         results = []
@@ -199,8 +208,10 @@ def main(argv=None):
             fresh = copy.deepcopy(drafters) if len(batches) > 1 else drafters
             results += bench(model, prompts, fresh, exact=exact, max_new_tokens=args.max_new_tokens, eos_id=args.eos_id,
                              sampling=sampling, profile=args.profile, peers=peers, batch=B,
-                             block_batch=args.block_batch)
+                             block_batch=args.block_batch, ops=ops)
             print(table([r for r in results if r["batch"] == B]), flush=True)
+        if args.compile:
+            info["compile_s"] = report_compiles()
         if args.json:
             print(json.dumps({**info, "max_new_tokens": args.max_new_tokens, "results": results}))
         return 0
@@ -225,7 +236,16 @@ def main(argv=None):
     if args.trace:
         trace.write(args.trace, entries)
         print(f"wrote {args.trace}: {len(entries)} prompt(s), format {trace.FORMAT}", file=sys.stderr)
+    if args.compile:
+        report_compiles()
     return status
+
+
+def report_compiles() -> list[float]:
+    """--compile's cost: seconds of each call that compiled a new shape (printed; returned for the JSON)."""
+    secs = [round(s, 2) for s in compiled.compiles]
+    print(f"[compile] {len(secs)} new shapes compiled, {sum(secs):.1f} s in all: {secs}", file=sys.stderr)
+    return secs
 
 
 def parse_batches(text: str) -> list[int]:

@@ -59,11 +59,12 @@ def first_difference(out, ref) -> str:
 
 def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=False,
           max_new_tokens=128, eos_id=None, sampling=None, profile=False, peers=(), batch=1,
-          block_batch=None) -> list[dict]:
+          block_batch=None, ops=None) -> list[dict]:
     """Run every drafter over every prompt (batch at a time: twice, in order and in reverse, each run's
     outputs counted; the budgets reported are the first run's); one result dict per drafter. Per step:
     step_ms (wall time), forward_ms (the step's device program, synchronised on a GPU) and host_ms,
-    the rest: drafting, tree building, read-back, commit. profile: print each method's top host-side costs."""
+    the rest: drafting, tree building, read-back, commit. profile: print each method's top host-side costs.
+    ops: per drafter, its exact step's non-view ops per layer (tuning.cuda.ops_per_layer), reported beside."""
     sampling = sampling or {}
     everyone = [Drafter()] + drafters
 
@@ -134,7 +135,7 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     print("[bench] " + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in speeds.items()) +
           f" over {len(prompts)} prompts; speedups are against {baseline}", file=sys.stderr, flush=True)
     results = []
-    for d, runs in zip(drafters, outs):
+    for i, (d, runs) in enumerate(zip(drafters, outs)):
         new = sum(len(o.tokens) for o in runs)
         steps = sum(o.steps for o in runs)
         tps = new / sum(o.decode_s for o in runs)
@@ -146,6 +147,7 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         results.append(dict(method=d.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=steps,
                             mean_accepted=round(new / steps, 3), step_ms=round(step_ms, 3), forward_ms=round(fwd_ms, 3),
                             host_ms=round(step_ms - fwd_ms, 3), kernel_ms=None if kernel is None else round(kernel, 3),
+                            ops_per_layer=None if ops is None else round(ops[i], 1),
                             tokens_per_s=round(tps, 2),
                             speedup=round(tps / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
                             mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(runs, ref)),
@@ -155,7 +157,8 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         tps = new / sum(o.decode_s for o in runs)
         results.append(dict(method=peer.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=None,
                             mean_accepted=None,
-                            step_ms=None, forward_ms=None, host_ms=None, kernel_ms=None, tokens_per_s=round(tps, 2),
+                            step_ms=None, forward_ms=None, host_ms=None, kernel_ms=None, ops_per_layer=None,
+                            tokens_per_s=round(tps, 2),
                             speedup=round(tps / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
                             mismatches=sum(o.tokens != r.tokens for o, r in zip(runs, ref)), notes=""))
     return results
@@ -232,8 +235,8 @@ def host_profile(run, drafter, prompt, top: int = 12) -> str:
 
 def table(results: list[dict]) -> str:
     cols = ["method", "batch", "prompts", "new_tokens", "steps", "mean_accepted", "step_ms", "forward_ms", "host_ms",
-            "kernel_ms", "tokens_per_s", "speedup", "mismatches"]
-    rows = [cols] + [["-" if r[c] is None else str(r[c]) for c in cols] for r in results]
+            "kernel_ms", "ops_per_layer", "tokens_per_s", "speedup", "mismatches"]
+    rows = [cols] + [["-" if r.get(c) is None else str(r[c]) for c in cols] for r in results]
     w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     notes = [f"{r['method']}: {r['notes']}" for r in results if r.get("notes")]
     return "\n".join(["  ".join(v.rjust(w[i]) for i, v in enumerate(r)) for r in rows] + notes)

@@ -1,14 +1,13 @@
 """The decoding loop: prefill, then steps (step: draft -> lay out -> forward -> verify -> commit) until a stop.
 
-A method is a Drafter (drafter.py: the contract, one hook per step of the paper). The core does the rest:
-it trims a tree to the cache's room, pads exact-mode blocks, verifies on the device and takes the next
-candidates' top-k there (greedy), all as one device program (a device layer may capture it: Programs),
-and reads back the accepted path and the candidates once (tree.pack): one host-device sync per step.
+A method is a Drafter (drafter.py: the contract, one hook per step of the paper). The core does the rest: it trims
+a tree to the cache's room, pads exact-mode blocks, verifies on the device and takes the next candidates' top-k
+there (greedy), all as one device program (a device layer may capture it: Programs), and reads back the accepted
+path and the candidates once (tree.pack): one host-device sync per step.
 
-In exact mode every forward runs exactly Q rows (padded) for each sequence on a cache of S slots, so runs
-compared bitwise share Q and S (sizes.shapes). With a block batch of N (sizes.block_batch), every exact
-forward runs N sequences' blocks, idle ones padded: a product's total rows, by which a library may pick
-its kernel (cuBLAS does in fp32), never depend on how many sequences are live.
+In exact mode every forward runs Q rows per sequence on a cache of S slots: runs compared bitwise share Q and S
+(sizes.shapes). With a block batch of N (sizes.block_batch), every exact forward runs N sequences' blocks, idle ones
+padded, so a product's total rows (a library may pick its kernel by them) never change.
 """
 import time
 from dataclasses import dataclass, field
@@ -17,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from . import NanospecError, sizes
+from .cache import KVCache
 from .drafter import AR, Drafter, Forward, Nodes, idle, ones
-from .model import Block, KVCache
+from .model import Block
 from .sizes import check_prompt, check_room, shapes
 from .tree import Layout, Sampler, Tree, accept, layout, pack, step_layout, unpack
 from .tree import verify as tree_verify
@@ -40,6 +40,7 @@ class Programs:
 
 EAGER = Programs()
 PROGRAMS: dict[str, Programs] = {}  # device type -> a device layer's Programs for exact mode
+COMPILE = None  # compile=True: fn(model) compiling exact mode's layer (tuning/compiled.py registers it)
 
 
 class Decoding:
@@ -105,9 +106,7 @@ class Decoding:
         m = len(tree)
         while m > 1 and drafter.size(m) > self.room:
             m -= 1
-        if drafter.size(m) > self.room:
-            return AR, tree.prefix(1)
-        return drafter, tree.prefix(m)
+        return (AR, tree.prefix(1)) if drafter.size(m) > self.room else (drafter, tree.prefix(m))
 
     def prepare(self, drafter: Drafter, tree: Tree, largest: int) -> tuple[Block, Nodes]:
         """A step's rows and nodes on the device, laid out for its group's largest tree; exact mode pads both to Q."""
@@ -153,7 +152,7 @@ class Decoding:
         args = (embeds, seqs, block.tokens, block.pos, block.slots, block.prefix, block.extra)
         return self.launch(("run",), run, args)[at, :n]
 
-    def idle(self) -> tuple[Block, Nodes]:
+    def idle(self) -> tuple[Block, Nodes]:  # a padding sequence's block and nodes (drafter.idle)
         return idle(self.Q, self.cache.trash, self.cache.n_slots, self.device)
 
     def launch(self, key, fn, args):  # fn(*args) on the device, as the generation's Programs run it
@@ -226,15 +225,14 @@ def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs):
             out.depths = F.pad(out.depths, (0, N - out.depths.shape[1]))
         if not greedy:
             return out.logits, out.drafts, out.depths, out.alive
-        paths = [accept(node_tokens[b], lay.at(b), out.logits[b], None if out.alive is None else out.alive[b])
-                 for b in range(len(out.logits))]
+        path, emitted = accept(node_tokens, lay, out.logits, out.alive)  # (B, E) each
         if out.drafts is None:
-            return torch.stack([pack(path, emitted) for path, emitted in paths]), out.logits
-        last = torch.stack([path.max() for path, _ in paths])  # each path's deepest node (indices grow along a path)
+            return pack(path, emitted), out.logits
+        last = path.max(-1).values  # each path's deepest node (indices grow along a path)
         b = torch.arange(len(last), device=last.device)
         cands = drafter.propose(out.drafts[b, last]).topk(R, dim=-1).indices  # (B, K, R): one product for all
         depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])
-        return torch.stack([pack(p, e, depth[i:i + 1], cands[i]) for i, (p, e) in enumerate(paths)]), out.logits
+        return pack(path, emitted, depth, cands), out.logits
     lay = nodes.lay
     args = (*(block.tokens, block.pos, block.slots, block.prefix, block.extra), seqs,
             nodes.tokens, lay.parent, lay.depth, lay.index, lay.anc, nodes.real)
@@ -328,13 +326,17 @@ class Output:
 @torch.inference_mode()
 def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=128, exact=False,
              Q=None, n_slots=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-             eos_id=None, record_logits=False, batch=None, block_batch=None):
+             eos_id=None, record_logits=False, batch=None, block_batch=None, compile=False):
     """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of prompts is a
     batch: one Output each, every sequence as if decoded alone (its own sampling stream from seed). batch: the
     sequences decoded at once (None: all); a stopped one's cache row takes the next prompt (continuous batching).
     Q, n_slots: exact mode's block and cache size S (default: sizes.shapes); block_batch: its sequences' blocks
-    per forward (default: sizes.block_batch); eos_id None: the model's, -1: none."""
+    per forward (default: sizes.block_batch); eos_id None: the model's, -1: none. compile: see tuning/compiled.py."""
     drafter = drafter or AR
+    if compile:
+        if not exact or COMPILE is None:
+            raise NanospecError("compile=True needs exact=True, and nanospec.tuning.compiled imported (it registers)")
+        COMPILE(model)
     many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
     prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if many else [prompt])]
     Q, S = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots)
@@ -344,8 +346,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     programs = PROGRAMS.get(model.embed.weight.device.type, EAGER) if exact else EAGER
     cache = programs.cache(model, S, N or rows)
     reserved = cache.reserve(drafter.reserved_slots)
-    for p in prompts:
-        check_room(len(p), cache.capacity)
+    check_room(max(map(len, prompts)), cache.capacity)
     waiting, outs, logits, began, prefill_s = iter(prompts), {}, {}, {}, 0.0
     clock = lambda: time.perf_counter() - prefill_s  # decoding time: prefills, even of refilled rows, left out
 
@@ -375,8 +376,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
             tree, path, toks, r, drafted = results[d]
             if planner is not None:  # the step's rows and time once; each sequence's outcome
                 planner.observe(d, budget, rows if i == 0 else 0, secs, path, drafted, d.lists)
-            if record_logits:
-                logits[d].append(r)
+            logits[d].append(r)  # None unless record_logits
             outs[d].steps += 1
             outs[d].accepted.append(len(toks))
             stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \

@@ -19,6 +19,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Fast mode's SDPA backends, explicit: on CUDA PyTorch may pick cuDNN, which replans per key length.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Exact mode's CPU layout (aligned rows, rowwise elementwise ops, keys padded to 32 slots) applies on a CPU;
+# tuning.cuda.ops_per_layer turns it off to count the program a GPU runs.
+CPU_LAYOUT = True
+
+
+def cpu_layout(x) -> bool:
+    return CPU_LAYOUT and x.device.type == "cpu"
 
 
 @dataclass
@@ -93,11 +100,13 @@ class Block:
 class Context:
     """Per-forward attention inputs derived once from a Block and shared by all layers."""
     cos: torch.Tensor
-    sin: torch.Tensor
+    sin: torch.Tensor                  # signed: -sin on the first half of a head (see apply_rope)
     slots: torch.Tensor
     exact: bool
-    idx: torch.Tensor | None = None    # exact: (B, T, Sp) canonical slot order per row
-    valid: torch.Tensor | None = None  # exact: (B, T, Sp) which of those are visible
+    idx: torch.Tensor | None = None    # exact: (B, T, Sp) canonical slot order per row (hidden ones: slot 0)
+    bias: torch.Tensor | None = None   # exact: (B*T*Hkv, 1, Sp) the scores' mask, 0 where visible, else -inf
+    b: torch.Tensor | None = None      # exact: (B, 1, 1, 1) the cache rows, and (1, 1, Hkv, 1) the key heads,
+    h: torch.Tensor | None = None      # as the keys' gather indices
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
     seqs: torch.Tensor | None = None   # (B,) the cache rows of the block's sequences; None: 0..B-1
@@ -107,11 +116,18 @@ class Context:
         """Matmul input: in exact mode, each row laid out 64-byte aligned (see `aligned`)."""
         return aligned(x) if self.exact else x
 
-    def mm(self, layer, x):
-        """A bias-free layer's product: in exact mode F.linear, AR's one kernel, whatever form a device layer
-        installed on the layer; in fast mode the layer's forward as it runs (called directly: no hooks)."""
-        y = F.linear(x, layer.weight) if self.exact else layer.forward(x)
-        return y if self.delta is None else self.delta(layer, x, y)
+    def mm(self, layer, x, add=None):
+        """A bias-free layer's product, plus add (a residual) if given. Exact mode: one kernel on the rows folded
+        into one matrix, F.linear, or addmm with add in its epilogue (AR's kernel, whatever form a device layer
+        installed on the layer). Fast mode: the layer's forward as it runs (called directly: no hooks)."""
+        if not self.exact:
+            y = layer.forward(x)
+        elif add is None:
+            y = F.linear(x.flatten(0, -2), layer.weight).view(*x.shape[:-1], -1)
+        else:
+            y = torch.addmm(add.flatten(0, -2), x.flatten(0, -2), layer.weight.t()).view(add.shape)
+        y = y if self.delta is None else self.delta(layer, x, y)
+        return y + add if add is not None and not self.exact else y
 
     def map(self, fn, x):
         """An elementwise fn; in exact mode each row's result is independent of its index (see `rowwise`)."""
@@ -120,8 +136,8 @@ class Context:
     def select(self, rows: torch.Tensor) -> "Context":
         """The context of a subset of rows (e.g. survivors of pruning), sliced rather than rebuilt."""
         pick = lambda t: None if t is None else t[:, rows]
-        return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact,
-                       pick(self.idx), pick(self.valid), pick(self.mask), self.L, self.seqs)
+        return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact, pick(self.idx),
+                       None, self.b, self.h, pick(self.mask), self.L, self.seqs)  # fast mode: no bias
 
     def write(self, kc, vc, k, v):
         """Store the rows' keys and values (B, T, Hkv, D) in their sequences' cache rows; returns (kc, vc)."""
@@ -137,7 +153,7 @@ class Context:
 
 def aligned_pad(x) -> int:
     """Elements to add to x's last dim for 64-byte aligned rows on a CPU (0 elsewhere: see `aligned`)."""
-    return -x.shape[-1] % (64 // x.element_size()) if x.device.type == "cpu" else 0
+    return -x.shape[-1] % (64 // x.element_size()) if cpu_layout(x) else 0
 
 
 def aligned(x):
@@ -153,7 +169,7 @@ def rowwise(fn, x):
     CPU kernels finish each thread's contiguous run of SIMD chunks with a scalar loop, which for silu
     disagrees in the last bit on a few inputs in a hundred. Rows padded to 64 elements, in calls small enough for
     one thread (PyTorch's grain is 32768 elements), take the SIMD path only."""
-    if x.device.type != "cpu":  # GPU kernels apply the same scalar code to every element
+    if not cpu_layout(x):  # GPU kernels apply the same scalar code to every element
         return fn(x)
     D = x.shape[-1]
     Dp = D - D % -64
@@ -179,9 +195,11 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x, cos, sin):  # x (B, T, H, D); cos, sin (B, T, 1, D)
+def apply_rope(x, cos, sin):
+    """x (B, T, ..., D) rotated; cos, sin (B, T, 1, 1, D), sin signed (-sin, sin): HF's x * cos + cat(-x2, x1) * sin
+    bit for bit (a negation is exact), in four ops."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -196,66 +214,84 @@ class RMSNorm(nn.Module):
 
 
 def attend_exact(q, kc, vc, ctx):
-    """q (B, T, H, D); kc, vc (B, Hkv, S, D). Each row reduces over its own keys in canonical order."""
-    (B, T, H, D), Hkv = q.shape, kc.shape[1]
-    b = (torch.arange(B, device=q.device) if ctx.seqs is None else ctx.seqs)[:, None, None, None]
-    h = torch.arange(Hkv, device=q.device)[None, None, :, None]
-    k, v = (c[b, h, ctx.idx[:, :, None, :]] for c in (kc, vc))  # (B, T, Hkv, Sp, D): row t's visible keys in order
-    q = aligned(q.reshape(B, T, Hkv, H // Hkv, D))  # query head h uses key head h // G
-    att = q @ k.transpose(-1, -2) * D ** -0.5  # (B, T, Hkv, G, Sp)
-    att = att.masked_fill(~ctx.valid[:, :, None, None, :], float("-inf"))
+    """q (B, T, Hkv, G, D), query head h * G + g using key head h; kc, vc (B, Hkv, S, D). Each row reduces over
+    its own keys in canonical order: one batched product per row and key head, scaled and masked in its epilogue."""
+    (B, T, Hkv, G, D), Sp = q.shape, ctx.idx.shape[-1]
+    k, v = (c[ctx.b, ctx.h, ctx.idx[:, :, None, :]] for c in (kc, vc))  # (B, T, Hkv, Sp, D): row t's keys in order
+    q = aligned(q).reshape(-1, G, D)
+    att = torch.baddbmm(ctx.bias, q, k.reshape(-1, Sp, D).transpose(1, 2), alpha=D ** -0.5)  # (B*T*Hkv, G, Sp)
     att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
     if pad := aligned_pad(v):  # CPU: zero columns give each row's output block an aligned start too
         v = F.pad(v, (0, pad))
-    return (att @ v)[..., :D].reshape(B, T, H, D)
+    return torch.bmm(att, v.reshape(-1, Sp, D + pad))[..., :D].reshape(B, T, Hkv * G * D)
 
 
 def attend_fast(q, kc, vc, ctx):
     """SDPA over cache slots 0..L-1; query heads folded into rows so GQA needs no key copy."""
-    (B, T, H, D), Hkv = q.shape, kc.shape[1]
-    G = H // Hkv
+    B, T, Hkv, G, D = q.shape
     seqs = slice(None) if ctx.seqs is None else ctx.seqs
     k, v = kc[seqs, :, :ctx.L], vc[seqs, :, :ctx.L]  # (B, Hkv, L, D)
-    q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    q = q.permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
     mask = ctx.mask
     if mask is not None:
         mask = mask[:, None, None].expand(B, 1, G, T, ctx.L).reshape(B, 1, G * T, ctx.L)
     with sdpa_kernel(SDPA_BACKENDS):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, Hkv, G*T, D)
-    return y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    return y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G * D)
+
+
+def fuse(module, name: str, dim: int, parts: dict[str, int], groups: int = 1) -> None:
+    """module.<name>: one bias-free product for the projections `parts` (name: output size), their weights' rows
+    concatenated in `groups` interleaved groups (each part's rows split in as many): one kernel, not len(parts).
+    Checkpoints keep the parts, as HF names them: the state dict splits on save and joins on load."""
+    setattr(module, name, nn.Linear(dim, sum(parts.values()), bias=False))
+    getattr(module, name).groups = groups
+    sizes = [n // groups for n in parts.values()]
+
+    def split(mod, state, prefix, meta):
+        w = state.pop(prefix + name + ".weight")
+        w = w.view(groups, -1, w.shape[-1]).split(sizes, 1)
+        state.update({prefix + p + ".weight": t.reshape(-1, t.shape[-1]) for p, t in zip(parts, w)})
+
+    def join(state, prefix, *_):
+        keys = [prefix + p + ".weight" for p in parts]
+        if all(k in state for k in keys):
+            w = [state.pop(k) for k in keys]
+            state[prefix + name + ".weight"] = torch.cat([t.view(groups, -1, t.shape[-1]) for t in w], 1).flatten(0, 1)
+    module._register_state_dict_hook(split)
+    module._register_load_state_dict_pre_hook(join)
 
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = args.n_heads, args.kv_heads, args.hd
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.hd, bias=False)
-        self.k_proj = nn.Linear(args.dim, args.kv_heads * args.hd, bias=False)
-        self.v_proj = nn.Linear(args.dim, args.kv_heads * args.hd, bias=False)
-        self.o_proj = nn.Linear(args.n_heads * args.hd, args.dim, bias=False)
+        H, Hkv = args.n_heads * args.hd, args.kv_heads * args.hd
+        # per key head: its G query heads, its key, its value (q and k then rotate at once; q needs no copy)
+        fuse(self, "qkv", args.dim, {"q_proj": H, "k_proj": Hkv, "v_proj": Hkv}, groups=args.kv_heads)
+        self.o_proj = nn.Linear(H, args.dim, bias=False)
 
-    def forward(self, x, ctx: Context, kc, vc):
+    def forward(self, x, ctx: Context, kc, vc, residual):
         B, T, _ = x.shape
-        x = ctx.rows(x)
-        q = apply_rope(ctx.mm(self.q_proj, x).view(B, T, self.n_heads, self.hd), ctx.cos, ctx.sin)
-        k = apply_rope(ctx.mm(self.k_proj, x).view(B, T, self.n_kv, self.hd), ctx.cos, ctx.sin)
-        v = ctx.mm(self.v_proj, x).view(B, T, self.n_kv, self.hd)
+        G = self.n_heads // self.n_kv
+        qkv = ctx.mm(self.qkv, ctx.rows(x)).view(B, T, self.n_kv, G + 2, self.hd)
+        qk = apply_rope(qkv[:, :, :, :G + 1], ctx.cos, ctx.sin)  # (B, T, Hkv, G + 1, D)
+        q, k, v = qk[:, :, :, :G], qk[:, :, :, G], qkv[:, :, :, G + 1]
         # no cache (training): the rows' own keys are slots 0..T-1
         kc, vc = (k.transpose(1, 2), v.transpose(1, 2)) if kc is None else ctx.write(kc, vc, k, v)
         y = (attend_exact if ctx.exact else attend_fast)(q, kc, vc, ctx)
-        return ctx.mm(self.o_proj, ctx.rows(y.reshape(B, T, self.n_heads * self.hd)))
+        return ctx.mm(self.o_proj, ctx.rows(y), residual)
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        fuse(self, "gate_up", args.dim, {"gate_proj": args.hidden_dim, "up_proj": args.hidden_dim})
         self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
 
-    def forward(self, x, ctx: Context):
-        x = ctx.rows(x)
-        return ctx.mm(self.down_proj, ctx.rows(ctx.map(F.silu, ctx.mm(self.gate_proj, x)) * ctx.mm(self.up_proj, x)))
+    def forward(self, x, ctx: Context, residual):
+        gate, up = ctx.mm(self.gate_up, ctx.rows(x)).chunk(2, dim=-1)
+        return ctx.mm(self.down_proj, ctx.rows(ctx.map(F.silu, gate) * up), residual)
 
 
 class Layer(nn.Module):
@@ -267,8 +303,8 @@ class Layer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x, ctx, kc, vc):
-        x = x + self.attn(self.attn_norm(x), ctx, kc, vc)
-        return x + self.mlp(self.mlp_norm(x), ctx)
+        x = self.attn(self.attn_norm(x), ctx, kc, vc, residual=x)
+        return self.mlp(self.mlp_norm(x), ctx, residual=x)
 
 
 class Llama(nn.Module):
@@ -281,27 +317,40 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.init_rope()
+
+    def init_rope(self, device=None):
+        """RoPE's constants in fp32, whatever the weights: both halves' frequencies, sin's signs (apply_rope)."""
+        inv = rope_inv_freq(self.args).to(device)
+        self.register_buffer("freqs", torch.cat((inv, inv)), persistent=False)
+        self.register_buffer("signs", torch.cat((-torch.ones_like(inv), torch.ones_like(inv))), persistent=False)
+
+    def _apply(self, fn, *args, **kwargs):  # model.to(dtype, device): the RoPE constants move, and stay fp32
+        super()._apply(fn, *args, **kwargs)
+        self.init_rope(self.embed.weight.device)
+        return self
 
     def rope(self, pos: torch.Tensor, exact: bool = False):
-        """cos, sin (B, T, 1, D) for positions (B, T)."""
-        freqs = pos[..., None].float() * self.inv_freq  # (B, T, D/2), fp32 like HF
-        emb = torch.cat((freqs, freqs), -1)[:, :, None]
-        dt = self.embed.weight.dtype
+        """cos and signed sin (B, T, 1, 1, D) for positions (B, T) (see apply_rope)."""
+        freqs, dt = pos[..., None, None, None] * self.freqs, self.embed.weight.dtype  # fp32 like HF (int * float)
         f = rowwise if exact else lambda fn, x: fn(x)
-        return f(torch.cos, emb).to(dt), f(torch.sin, emb).to(dt)
+        return f(torch.cos, freqs).to(dt), (f(torch.sin, freqs) * self.signs).to(dt)
 
     def context(self, block: Block, n_slots: int, exact: bool, seqs=None) -> Context:
         ctx = Context(*self.rope(block.pos, exact), block.slots, exact, seqs=seqs)
         prefix, extra = block.prefix[..., None], block.extra
         if exact:
-            # on a CPU each row's keys padded to a multiple of 32, so every row's slice starts 64-byte
-            # aligned: CPU BLAS's alignment-dependent paths would make a row's result depend on its index
-            Sp = -(-n_slots // 32) * 32 if extra.device.type == "cpu" else n_slots
+            # on a CPU each row's keys padded to 32 slots, every row's slice 64-byte aligned (see `aligned`)
+            Sp = -(-n_slots // 32) * 32 if cpu_layout(extra) else n_slots
             j = torch.arange(Sp, device=extra.device)
             ext = F.pad(extra, (0, Sp - extra.shape[-1]), value=-1)  # (B, T, Sp)
             idx = torch.where(j < prefix, j, ext.gather(-1, (j - prefix).clamp(min=0)))
-            ctx.valid, ctx.idx = idx >= 0, idx.clamp(min=0)
+            (B, T, _), Hkv, dev = idx.shape, self.args.kv_heads, idx.device
+            ctx.idx = idx.clamp(min=0)
+            visible = idx[:, :, None, None].expand(B, T, Hkv, 1, Sp) >= 0  # one per key head: baddbmm's batch
+            ctx.bias = visible.to(self.embed.weight.dtype).log().view(B * T * Hkv, 1, Sp)  # log 1 = 0, log 0 = -inf
+            ctx.b = (torch.arange(B, device=dev) if seqs is None else seqs)[:, None, None, None]
+            ctx.h = torch.arange(Hkv, device=dev)[None, None, :, None]
         else:
             ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)
             # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
@@ -318,51 +367,3 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, *(cache.layer(i) if cache else (None, None)))
         return ctx.mm(self.lm_head, ctx.rows(self.norm(x)))
-
-
-class KVCache:
-    """A static KV cache, S slots per sequence and layer: 0..capacity-1 hold the sequence (committed tokens, then a
-    step's scratch rows), then a method's reserved slots (BiTA's prompt keys), last the trash slot padding rows use."""
-
-    def __init__(self, n_layers, batch, n_slots, n_kv_heads, head_dim, dtype, device):
-        shape = (n_layers, batch, n_kv_heads, n_slots, head_dim)
-        self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
-        self.n_slots, self.trash, self.n_reserved = n_slots, n_slots - 1, 0
-
-    @classmethod
-    def for_model(cls, model, n_slots, batch=1):
-        a, w = model.args, model.embed.weight
-        return cls(a.n_layers, batch, n_slots, a.kv_heads, a.hd, w.dtype, w.device)
-
-    @property
-    def capacity(self) -> int:
-        """Slots available to the sequence and the scratch rows of a step."""
-        return self.n_slots - 1 - self.n_reserved
-
-    def reset(self) -> None:
-        """Empty, for a new generation (its buffers stay: what a captured program is bound to)."""
-        self.k.zero_()
-        self.v.zero_()
-        self.n_reserved = 0
-
-    def layer(self, i):
-        return self.k[i], self.v[i]  # each (B, Hkv, S, D), views: writes land in the cache
-
-    def reserve(self, n: int) -> torch.Tensor:
-        """Claim n slots for method-owned keys, just below the trash slot."""
-        if n > self.capacity - 1:
-            raise ValueError(f"cannot reserve {n} of {self.n_slots} cache slots")
-        self.n_reserved += n
-        return torch.arange(self.capacity, self.capacity + n)  # host tensor, like the blocks that use it
-
-    def compact(self, src: list[int], dst_start: int, seq: int = 0) -> None:
-        """Rollback/commit of sequence seq: move the entries at slots src to dst_start, dst_start+1, ...
-        in order (the accepted path, scattered over scratch slots, after the prefix); every other slot stays."""
-        # entries already in place (the root, and a path along the tree's first nodes) stay
-        k = next((i for i, s in enumerate(src) if s != dst_start + i), len(src))
-        if k == len(src):  # decided on the host: no device sync
-            return
-        idx = torch.tensor(src[k:], device=self.k.device)
-        lo, hi = dst_start + k, dst_start + len(src)
-        for c in (self.k[:, seq], self.v[:, seq]):  # (layers, Hkv, S, D) views
-            c[:, :, lo:hi] = c.index_select(2, idx)  # index_select copies first, so overlap is safe

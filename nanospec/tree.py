@@ -204,24 +204,26 @@ def product_paths(widths: list[int]) -> list[tuple[int, ...]]:
 # --- verification ----------------------------------------------------------------------------------
 
 def accept(tokens, lay: Layout, logits, alive=None):
-    """Greedy verification on the device: the longest path AR agrees with. A node is accepted when
-    its token is its parent's argmax and its parent is accepted; the deepest accepted node wins (the
-    first, among unmerged duplicate branches). Returns (path (E,) node indices, root first, -1
-    padded; emitted (E,) the tokens that path emits: its drafts, then the target at its end)."""
-    target = logits.argmax(-1)  # (N,)
-    ok = (tokens == target[lay.parent]) | (lay.parent < 0)  # the root is accepted: no write of a host value
+    """Greedy verification on the device, every tree of a batch (B, N) at once: the longest path AR agrees with.
+    A node is accepted when its token is its parent's argmax and its parent is accepted; the deepest accepted
+    node wins (the first, among unmerged duplicate branches). Returns (path (B, E) node indices, root first,
+    -1 padded; emitted (B, E) the tokens that path emits: its drafts, then the target at its end)."""
+    target = logits.argmax(-1)  # (B, N)
+    ok = (tokens == target.gather(1, lay.parent.clamp(min=0))) | (lay.parent < 0)  # the root is accepted
     if alive is not None:
         ok = ok & alive
-    good = (ok[lay.anc.clamp(min=0)] | (lay.anc < 0)).all(-1) & (tokens >= 0)  # padding nodes hold token -1
-    last = torch.argmax(good * (lay.depth + 1)).view(1)  # a tensor index, not an int: no host sync
-    path = lay.anc[last][0]
-    return path, torch.where(path >= 0, target[path.clamp(min=0)], -1)
+    anc = lay.anc  # (B, N, E)
+    good = (ok.gather(1, anc.clamp(min=0).flatten(1)).view(anc.shape) | (anc < 0)).all(-1) & (tokens >= 0)
+    last = torch.argmax(good * (lay.depth + 1), -1)  # (B,) padding nodes hold token -1; no host sync
+    path = anc.gather(1, last[:, None, None].expand(-1, 1, anc.shape[-1]))[:, 0]
+    return path, torch.where(path >= 0, target.gather(1, path.clamp(min=0)), -1)
 
 
 def pack(path, emitted, depth=None, cands=None) -> torch.Tensor:
-    """A greedy step's results as one tensor, for its one read-back: the accepted path (E,) and its tokens
-    (E,), both -1 padded, then, for a method that drafts, the depths drafted (1,) and the next candidates (K, R)."""
-    return torch.cat([path, emitted] + ([depth, cands.flatten()] if cands is not None else []))
+    """A greedy step's results as one tensor (B, X), for its one read-back: per sequence, the accepted path (E,)
+    and its tokens (E,), both -1 padded, then, for a method that drafts, the depths drafted (1,) and the next
+    candidates (K, R)."""
+    return torch.cat([path, emitted] + ([depth[:, None], cands.flatten(1)] if cands is not None else []), -1)
 
 
 def unpack(head: list, packed: torch.Tensor, E: int, R: int):

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanospec import cli
+from nanospec.cache import KVCache
 from nanospec.engine import Decoding, Drafter, generate, program, shapes, stack
-from nanospec.model import Block, KVCache, Llama, ModelArgs
+from nanospec.model import Block, Llama, ModelArgs
 from nanospec.tree import Sampler, Tree
 from nanospec.tuning.costs import Measured
 
@@ -308,22 +309,30 @@ def decode_main(argv):
 
 
 class RowCountProducts(TorchDispatchMode):
-    """The matrix products (F.linear, @, bmm, mm) as a library that picks its kernel by a product's
-    total rows computes them, as cuBLAS does in fp32: the inner dimension summed in
+    """The matrix products (F.linear, @, bmm, mm, and addmm/baddbmm's epilogue) as a library that picks its
+    kernel by a product's total rows computes them, as cuBLAS does in fp32: the inner dimension summed in
     max(1, 256 // rows) parts (split-K, more parts for fewer rows), each part rounded to the output's
     dtype. A row's bits depend on its own inputs and on the product's total rows, never on the other
     rows' values: what exact mode's block batch must make constant."""
     aten = torch.ops.aten
     PRODUCTS = {aten.linear.default, aten.matmul.default, aten.bmm.default, aten.mm.default}
+    EPILOGUES = {aten.addmm.default, aten.baddbmm.default}  # input + alpha * (a @ b)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.EPILOGUES and set(kwargs) <= {"alpha"} and args[1].dim() >= 2:
+            return args[0] + kwargs.get("alpha", 1) * self.split_k(args[1], args[2])
         if func not in self.PRODUCTS or kwargs or args[0].dim() < 2 or args[1].dim() < 2:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         x, y = args[0], args[1]
         if func is self.aten.linear.default:
             y = y.transpose(-1, -2)
+        out = self.split_k(x, y)
+        return out if len(args) < 3 or args[2] is None else out + args[2]
+
+    @staticmethod
+    def split_k(x, y):
         K = x.shape[-1]
         parts = max(1, min(K, 256 // (x.numel() // max(K, 1))))
         edges = [K * i // parts for i in range(parts + 1)]
-        out = sum(torch.matmul(x[..., a:b], y[..., a:b, :]) for a, b in zip(edges, edges[1:]))
-        return out if len(args) < 3 or args[2] is None else out + args[2]
+        return sum(torch.matmul(x[..., a:b], y[..., a:b, :]) for a, b in zip(edges, edges[1:]))

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanospec.model import KVCache
+from nanospec.cache import KVCache
 
 
 @given(st.data())

@@ -212,8 +212,8 @@ def test_a_host_constant_planted_in_any_step_program_is_refused(name, simulate):
 
 
 @pytest.mark.parametrize("module, name, fixed, bug", [
-    (engine, "accept", "ok = (tokens == target[lay.parent]) | (lay.parent < 0)",
-     "ok = tokens == target[lay.parent]; ok[0] = True"),
+    (engine, "accept", "ok = (tokens == target.gather(1, lay.parent.clamp(min=0))) | (lay.parent < 0)",
+     "ok = tokens == target.gather(1, lay.parent.clamp(min=0)); ok[:, 0] = True"),
     (hidden_transfer, "transfer", "active = torch.ones(x.shape[1], dtype=torch.bool, device=x.device).index_fill(0, "
      "torch.cat(rows), False)", "active = torch.ones(x.shape[1], dtype=torch.bool, device=x.device); "
      "active[torch.cat(rows)] = False")])

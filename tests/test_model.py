@@ -8,9 +8,10 @@ from hypothesis import strategies as st
 
 from helpers import full_logits, model_args, random_model
 from nanospec import NanospecError
+from nanospec.cache import KVCache
 from nanospec.engine import generate
 from nanospec.io.checkpoint import from_hf_config, load, load_args, save, to_hf_config
-from nanospec.model import Block, KVCache, ModelArgs
+from nanospec.model import Block, ModelArgs
 from nanospec.tree import Tree
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

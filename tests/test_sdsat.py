@@ -8,10 +8,11 @@ from hypothesis import strategies as st
 
 from helpers import check_exact, descend, model_args, noisy, peek, random_model
 from nanospec import NanospecError
+from nanospec.cache import KVCache
 from nanospec.drafter import Forward
 from nanospec.engine import Decoding, generate, stack
 from nanospec.methods.sdsat import SDSAT, Delta, adaptive_logits, adaptive_rows, starts
-from nanospec.model import Block, KVCache, ModelArgs
+from nanospec.model import Block, ModelArgs
 from nanospec.tree import Tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -44,7 +44,8 @@ def test_block_rows_see_exactly_prefix_ancestors_and_self(branches, cur):
         path = path_to(t, i)
         assert blk.pos[0, i] == cur + len(path) - 1
         canonical = list(range(cur)) + [cur + a for a in path]  # committed, ancestors by depth, self
-        assert exact.idx[0, i][exact.valid[0, i]].tolist() == canonical
+        visible = exact.bias.view(1, len(t), -1, exact.idx.shape[-1])[0, i, 0] == 0  # each key head's alike
+        assert exact.idx[0, i][visible].tolist() == canonical
         mask = fast.mask if fast.mask is not None else torch.ones(1, len(t), fast.L, dtype=torch.bool)
         assert mask[0, i].nonzero().flatten().tolist() == canonical
 
@@ -64,7 +65,8 @@ def test_greedy_verify_accepts_longest_path_ar_agrees_with(branches, seed):
     N = len(t) + 3
     lay = layout(t.parents).pad(N)
     tokens = torch.tensor(t.tokens + [-1] * 3)
-    dpath, demitted = accept(tokens, lay, torch.cat([logits, torch.randn(3, 5)]))
+    dpath, demitted = accept(tokens[None], lay.at(None), torch.cat([logits, torch.randn(3, 5)])[None])
+    dpath, demitted = dpath[0], demitted[0]
     assert [i for i in dpath.tolist() if i >= 0] == path and demitted.tolist()[:len(path)] == out
 
 
@@ -98,7 +100,7 @@ def test_parallel_branches_are_each_verified():
         logits[node, tok] = 1.0
     path, out = verify(t, logits, Sampler(), 0)
     assert path == [0, 4, 5] and out == [on, a, chair]
-    dpath, demitted = accept(torch.tensor(t.tokens), layout(t.parents), logits)
-    assert dpath.tolist() == [0, 4, 5, -1] and demitted.tolist() == [on, a, chair, -1]  # -1: padding
+    dpath, demitted = accept(torch.tensor(t.tokens)[None], layout(t.parents).at(None), logits[None])
+    assert dpath[0].tolist() == [0, 4, 5, -1] and demitted[0].tolist() == [on, a, chair, -1]  # -1: padding
     merged = from_branches(sits, [[on, my, knee], [on, a, table]])
     assert len(merged) == len(t) - 1

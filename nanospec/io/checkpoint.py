@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import NanospecError
-from ..model import Llama, ModelArgs, rope_inv_freq
+from ..model import Llama, ModelArgs
 from .files import atomic_write, fingerprint, hash_tensors
 
 HF_NAMES = [  # (HF, ours); lm_head, mlp.*_proj and self_attn.*_proj keep their leaf names
@@ -138,7 +138,7 @@ def load(path, dtype=torch.float32, device="cpu") -> Llama:
                             f"{' '.join(first[1:2] or first[:1]).strip()}") from None
     if args.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.inv_freq = rope_inv_freq(args).to(device)
+    model.init_rope(device)
     model.fingerprint = hash_tensors({k: stored.get(k, stored.get("embed.weight")) for k in model.state_dict()})
     return model.eval()
 

@@ -41,9 +41,6 @@ Choices where the paper is silent, and why:
   start at N(0, 0.02) and zero (the base model's own rows), A at N(0, 1/in).
 - Data: the base model's own greedy continuations of training prompts (the self-distillation data
   every other drafter here trains on), as windows of --seq-len tokens of their concatenation.
-
-What runs where: each forward of a loop, with its verification and the lm_head's top-k over the
-adaptive rows, is one device program (per tree size in exact mode).
 """
 import functools
 from pathlib import Path
@@ -63,42 +60,49 @@ from ..training.pretrain import windows
 from ..tree import Template
 
 TRAIN = "python train.py --method sdsat"
-PROJECTIONS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-               "mlp.down_proj")
+PROJECTIONS = {"attn.qkv": ("attn.q_proj", "attn.k_proj", "attn.v_proj"), "attn.o_proj": ("attn.o_proj",),
+               "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj": ("mlp.down_proj",)}
 
 
 class Delta(nn.Module):
     """The adaptive tokens' embeddings and a rank-r update W + B A of every projection of every
-    layer, applied to adaptive rows only. Bound to one model: its projections are found by weight."""
+    layer, applied to adaptive rows only. Bound to one model: its products are found by weight; a fused
+    product (q, k and v; gate and up) takes its parts' updates side by side (A stacked, B block-diagonal)."""
 
     def __init__(self, model, rank: int = 8, tokens: int = 1):
         super().__init__()
         self.embed = nn.Parameter(torch.randn(tokens, model.args.dim) * 0.02)
-        a, b, self.where = {}, {}, {}
-        for name in PROJECTIONS:
-            ws = [layer.get_submodule(name).weight for layer in model.layers]
-            (out, inp), key = ws[0].shape, name.replace(".", "_")
-            a[key] = nn.Parameter(torch.randn(len(ws), rank, inp) / inp ** 0.5)
-            b[key] = nn.Parameter(torch.zeros(len(ws), out, rank))
-            self.where.update({id(w): (key, i) for i, w in enumerate(ws)})
-        self.a, self.b = nn.ParameterDict(a), nn.ParameterDict(b)
+        n, layers = len(model.layers), model.layers
+        shapes = {k.removesuffix(".weight"): w.shape for k, w in layers[0].state_dict().items()}  # (out, in) per part
+        keys = {part: part.replace(".", "_") for parts in PROJECTIONS.values() for part in parts}
+        self.a = nn.ParameterDict({k: nn.Parameter(torch.randn(n, rank, shapes[p][1]) / shapes[p][1] ** 0.5)
+                                   for p, k in keys.items()})
+        self.b = nn.ParameterDict({k: nn.Parameter(torch.zeros(n, shapes[p][0], rank)) for p, k in keys.items()})
+        self.where = {id(layers[i].get_submodule(m).weight): ([keys[p] for p in parts], i,
+                                                              getattr(layers[i].get_submodule(m), "groups", 1))
+                      for m, parts in PROJECTIONS.items() for i in range(n)}
 
     def factors(self) -> dict:
-        """{id(a projection's weight): (A^T, B^T)}, views of the parameters (gradients flow)."""
-        return {w: (self.a[key][i].t(), self.b[key][i].t()) for w, (key, i) in self.where.items()}
+        """{id(a product's weight): (A^T, B^T)}, made of the parameters (gradients flow). B^T's columns follow the
+        fused product's: each part's in `groups` chunks, interleaved (model.fuse)."""
+        def b(keys, i, groups):
+            parts = torch.block_diag(*[self.b[k][i].t() for k in keys]).split([len(self.b[k][i]) for k in keys], 1)
+            return torch.cat([c for g in zip(*(p.chunk(groups, 1) for p in parts)) for c in g], 1)
+        return {w: (torch.cat([self.a[k][i].t() for k in keys], 1), b(keys, i, groups))
+                for w, (keys, i, groups) in self.where.items()}
 
     def on(self, rows, factors: dict | None = None):
         """The update as a forward's `delta` (model.Context.delta) on rows (slice, index; None: all) of
         every sequence; other products and rows keep theirs. factors: `factors()`, made once or now."""
         f = self.factors() if factors is None else factors
-
         def delta(layer, x, y):
             ab = f.get(id(layer.weight))
             if ab is None:
                 return y
             if rows is None:
                 return y + (x @ ab[0]) @ ab[1]
-            y[:, rows] += (x[:, rows] @ ab[0]) @ ab[1]
+            a, b = (t.expand(len(x), -1, -1) for t in ab)
+            y[:, rows] = torch.baddbmm(y[:, rows], torch.bmm(x[:, rows], a), b)  # added in the product's epilogue
             return y
         return delta
 
@@ -113,8 +117,7 @@ class SDSAT(Ranked):
             raise NanospecError(f"sdsat k={k}, width={width}: both must be at least 1")
         n = len(ids) if delta is None else len(delta.embed)
         if 1 < n < k:
-            raise NanospecError(f"sdsat k={k}: this drafter was trained with {n} diverse adaptive tokens; "
-                                f"use k <= {n}")
+            raise NanospecError(f"sdsat k={k}: this drafter was trained with {n} diverse adaptive tokens; use k <= {n}")
         self.delta, self.lm_head, self.k, self.width = delta, lm_head, k, width
         self.factors = None if delta is None else {w: (a.detach().contiguous(), b.detach().contiguous())
                                                    for w, (a, b) in delta.factors().items()}
@@ -172,8 +175,7 @@ class SDSAT(Ranked):
 
 @functools.lru_cache(maxsize=512)
 def chain_end(parents: tuple) -> int:
-    """The end of a tree's top-1 chain: the lowest-index child at every depth (a template puts rank
-    0 first)."""
+    """The end of a tree's top-1 chain: the lowest-index child at every depth (a template puts rank 0 first)."""
     h = 0
     while h + 1 < len(parents) and h in parents[h + 1:]:
         h = parents.index(h, h + 1)
@@ -201,18 +203,17 @@ def add_args(p):
 
 
 def starts(T: int, L: int, rate: float, gen, full: bool = False) -> list[tuple[int, int]]:
-    """Section 2.2's windows in a sequence of T tokens: (start, length) for each position that
-    starts one (probability `rate`, position 0 never), of a length uniform on 1..L (full: L)."""
+    """Section 2.2's windows in a sequence of T tokens: (start, length) for each position that starts one
+    (probability `rate`, position 0 never), of a length uniform on 1..L (full: L)."""
     s = ((torch.rand(T, generator=gen) < rate) & (torch.arange(T) > 0)).nonzero()[:, 0]
     lengths = torch.full_like(s, L) if full else torch.randint(1, L + 1, s.shape, generator=gen)
     return list(zip(s.tolist(), lengths.tolist()))
 
 
 def adaptive_rows(x: torch.Tensor, wins: list[list[tuple[int, int]]], diverse: bool):
-    """Each window's adaptive rows over sequences x (B, T): (embedding index, position, visibility
-    over the T standard keys then the rows, label), padded to the longest sequence's rows (label
-    -100: none). Row j of a window at s sits at s+j, sees standard keys 0..s-1 and rows 0..j of its
-    window, and is labelled with x[s+j+1]."""
+    """Each window's adaptive rows over sequences x (B, T): (embedding index, position, visibility over the T
+    standard keys then the rows, label), padded to the longest sequence's rows (label -100: none). Row j of a
+    window at s sits at s+j, sees standard keys 0..s-1 and rows 0..j of its window, and is labelled x[s+j+1]."""
     B, T = x.shape
     R = max(1, max(sum(n for _, n in w) for w in wins))
     which, pos, lab = (torch.zeros(B, R, dtype=torch.long) for _ in range(3))

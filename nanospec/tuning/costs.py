@@ -13,9 +13,9 @@ import time
 
 import torch
 
+from ..cache import KVCache
 from ..engine import Decoding
 from ..io.files import atomic_write, cache_root, fingerprint, hardware
-from ..model import KVCache
 from ..sizes import MIN_BLOCK
 from ..tree import Tree
 from .products import BUCKETS, installed, to_json

@@ -1,0 +1,58 @@
+"""compile=True (`decode.py --compile`): exact mode's layer as one torch.compile'd callable.
+
+Every exact program calls it: AR's step, every method's, the prefill, and Hidden Transfer's and ProPD's layer
+loops, since they all run `layer(x, ctx, kc, vc)`. One callable compiled at exact mode's fixed shapes gives AR
+and the methods the same fused kernels for the same shapes, and so the same bits: the exactness contract holds
+between compiled runs (a compiled run's bits are not an eager run's). On CUDA it runs inside the step's CUDA
+graph (tuning/cuda.py), on a CPU as inductor's C++ kernels. Fast mode runs its layers as they are: its key count
+changes every step, and each new shape would compile anew.
+
+A new shape (block, cache size, batch, dtype) compiles once; the cache of compiled shapes is sized for a run's
+handful, and a run that outgrows it fails rather than fall back to eager kernels, whose bits differ.
+"""
+import time
+import types
+
+import torch
+
+from .. import engine
+from ..model import Layer
+
+_layer = None
+compiles = []  # (seconds, new shapes) per call that compiled: what --compile reports
+
+
+def compiled_layer():
+    """The one compiled callable, Layer.forward's: parameters are its inputs, so every layer shares it."""
+    global _layer
+    if _layer is None:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        torch._dynamo.config.fail_on_cache_limit_hit = True  # never an eager fallback: its bits differ
+        _layer = torch.compile(Layer.forward, dynamic=False)
+    return _layer
+
+
+def install(model) -> None:
+    """Every layer of model runs the compiled callable in exact mode; a second install changes nothing."""
+    fn = compiled_layer()
+
+    def forward(self, x, ctx, kc, vc):
+        if not ctx.exact:
+            return Layer.forward(self, x, ctx, kc, vc)
+        t = time.perf_counter()
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        y = fn(self, x, ctx, kc, vc)
+        if torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames:
+            compiles.append(time.perf_counter() - t)
+        return y
+    for layer in model.layers:
+        layer.forward = types.MethodType(forward, layer)
+
+
+def installed(model) -> bool:
+    return all(isinstance(layer.__dict__.get("forward"), types.MethodType) for layer in model.layers)
+
+
+def register() -> None:
+    """generate(..., compile=True) installs the compiled layer (engine.COMPILE)."""
+    engine.COMPILE = install

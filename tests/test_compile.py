@@ -1,0 +1,45 @@
+"""compile=True: exact mode's layer as one compiled callable (tuning/compiled.py), which AR's programs and every
+method's call alike. Every method's accepted logits are then bitwise AR's, AR compiled too, in fp32 and bf16, for
+each prompt alone and in a batch. Inductor's C++ backend runs it on a CPU; the runs share one Q and S, so each
+dtype compiles a handful of shapes."""
+import pytest
+import torch
+
+from helpers import peek, random_model
+from nanospec import NanospecError
+from nanospec.engine import AR, generate, shapes
+from nanospec.methods.lookahead import Lookahead
+from nanospec.tuning import compiled
+from test_batch import batch_drafter
+from test_edges import ARGS, METHODS
+
+compiled.register()
+PROMPTS = [[3, 9, 4, 1, 7, 12, 5], [5, 2, 8, 8, 1, 12, 30, 4, 11, 2]]
+N = 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_method_compiled_is_bitwise_ar_compiled(dtype):
+    model = random_model(ARGS, seed=4, dtype=dtype)
+    drafters = {name: batch_drafter(name, model) for name in ["lookahead"] + METHODS}
+    Q, S = shapes([AR] + list(drafters.values()), max(map(len, PROMPTS)), N)
+    kw = dict(max_new_tokens=N, exact=True, Q=Q, n_slots=S, eos_id=-1, record_logits=True, compile=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    alone = [generate(model, p, **kw) for p in PROMPTS]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs, "AR ran no compiled layer"
+    accepted = 0
+    for name, d in drafters.items():
+        if isinstance(d, Lookahead):
+            d.warm_up([p[-1:] + a.tokens for p, a in zip(PROMPTS, alone)])
+        else:
+            peek(d, {tuple(p): a.tokens for p, a in zip(PROMPTS, alone)}, 0.9, seed=1)
+        for a, b in zip(alone, generate(model, PROMPTS, d, **kw)):
+            assert b.tokens == a.tokens and torch.equal(b.logits, a.logits), name
+            accepted += len(b.tokens) - b.steps
+    assert accepted > 0  # drafts were accepted: the methods' own rows ran
+
+
+def test_compile_is_exact_modes():
+    model = random_model(ARGS, seed=4)
+    with pytest.raises(NanospecError, match="exact=True"):
+        generate(model, PROMPTS[0], max_new_tokens=2, compile=True)
