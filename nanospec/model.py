@@ -220,7 +220,7 @@ def attend_exact(q, kc, vc, ctx):
     k, v = (c[ctx.b, ctx.h, ctx.idx[:, :, None, :]] for c in (kc, vc))  # (B, T, Hkv, Sp, D): row t's keys in order
     q = aligned(q).reshape(-1, G, D)
     att = torch.baddbmm(ctx.bias, q, k.reshape(-1, Sp, D).transpose(1, 2), alpha=D ** -0.5)  # (B*T*Hkv, G, Sp)
-    att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+    att = F.softmax(att, dim=-1)  # one kernel: bf16's is computed in fp32 and rounded once, as HF's upcast is
     if pad := aligned_pad(v):  # CPU: zero columns give each row's output block an aligned start too
         v = F.pad(v, (0, pad))
     return torch.bmm(att, v.reshape(-1, Sp, D + pad))[..., :D].reshape(B, T, Hkv * G * D)
