@@ -68,10 +68,10 @@ class Forward:
     def layers(self, x, start: int = 0, stop: int | None = None, active=None, delta=None) -> torch.Tensor:
         """x after layers start..stop-1. active (R,) or per sequence (B, R) bool: the rows that need
         them; fast mode runs only those (in a batch, the rows some sequence needs; the others keep x),
-        exact mode runs all rows (inactive ones are never read). delta: an update of every product
-        on some rows (model.Context.delta: SDSAT's adaptive rows), for a whole block (no active)."""
+        exact mode runs all rows (inactive ones are never read). delta: per layer, an update of its
+        products on some rows (model.Context.delta: SDSAT's adaptive rows), for a whole block (no active)."""
         layers = range(start, len(self.model.layers) if stop is None else stop)
-        ctx, rows = self.ctx if delta is None else replace(self.ctx, delta=delta), None
+        ctx, rows = self.ctx, None
         active = active.any(0) if active is not None and active.dim() == 2 else active
         if active is not None and not self.exact and not bool(active.all()):
             rows = active.nonzero()[:, 0]
@@ -79,7 +79,7 @@ class Forward:
         else:
             y = x
         for i in layers:
-            y = self.model.layers[i](y, ctx, *self.kv(i))
+            y = self.model.layers[i](y, ctx if delta is None else replace(ctx, delta=delta[i]), *self.kv(i))
         return y if rows is None else x.index_copy(1, rows, y)
 
     def norm(self, x) -> torch.Tensor:

@@ -201,6 +201,15 @@ def product_paths(widths: list[int]) -> list[tuple[int, ...]]:
     return sorted(out, key=len)
 
 
+@functools.lru_cache(maxsize=512)
+def chain_end(parents: tuple) -> int:
+    """The end of a tree's top-1 chain: the lowest-index child at every depth (a template puts rank 0 first)."""
+    h = 0
+    while h + 1 < len(parents) and h in parents[h + 1:]:
+        h = parents.index(h, h + 1)
+    return h
+
+
 # --- verification ----------------------------------------------------------------------------------
 
 def accept(tokens, lay: Layout, logits, alive=None):

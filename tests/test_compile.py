@@ -2,6 +2,8 @@
 method's call alike. Every method's accepted logits are then bitwise AR's, AR compiled too, in fp32 and bf16, for
 each prompt alone and in a batch. Inductor's C++ backend runs it on a CPU; the runs share one Q and S, so each
 dtype compiles a handful of shapes."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -36,6 +38,9 @@ def test_every_method_compiled_is_bitwise_ar_compiled(dtype):
         for a, b in zip(alone, generate(model, PROMPTS, d, **kw)):
             assert b.tokens == a.tokens and torch.equal(b.logits, a.logits), name
             accepted += len(b.tokens) - b.steps
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        generate(model, PROMPTS, d, **kw)  # shapes seen: nothing compiles again (no graph per step or layer)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, name
     assert accepted > 0  # drafts were accepted: the methods' own rows ran
 
 
@@ -43,3 +48,16 @@ def test_compile_is_exact_modes():
     model = random_model(ARGS, seed=4)
     with pytest.raises(NanospecError, match="exact=True"):
         generate(model, PROMPTS[0], max_new_tokens=2, compile=True)
+
+
+def test_more_layers_and_other_weights_compile_nothing_new():
+    """The compiled layer takes every layer's weights (and SDSAT's per-layer update) as inputs: a model with other
+    weights and more layers of the same shapes runs on the graphs already compiled."""
+    kw = dict(max_new_tokens=N, exact=True, eos_id=-1, compile=True)
+    for n_layers in (3, 5):
+        model = random_model(replace(ARGS, n_layers=n_layers), seed=n_layers)
+        d = batch_drafter("sdsat", model)
+        Q, S = shapes([AR, d], max(map(len, PROMPTS)), N)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        generate(model, PROMPTS[0], d, Q=Q, n_slots=S, **kw)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

@@ -14,7 +14,7 @@ LAYERS = [
      "io.sources", "io.fetch", "oracle.calibration", "oracle.trace", "oracle.verdict"},
     {"drafter", "sizes", "engine"},                                             # the contract and the loop
     {"costs", "tuning.costs", "tuning.planner", "tuning.cuda", "tuning.compiled", "training.data", "training.loop",
-     "training.pretrain",
+     "training.pretrain", "training.forced",
      "methods", "methods.lookahead", "methods.medusa", "methods.propd", "methods.bita", "methods.hidden_transfer",
      "methods.sdsat", "methods.sdsat_full"},                                    # drafters and their trainers
     {"bench", "oracle.peers", "methods.analysis", "oracle.engines", "oracle.engines.hf", "oracle.engines.llamacpp",

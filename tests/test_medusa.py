@@ -12,6 +12,7 @@ from nanospec.io.checkpoint import save, save_drafter
 from nanospec.io.files import fingerprint
 from nanospec.methods.medusa import Heads, Medusa, load_medusa, loss_fn, samples
 from nanospec.model import ModelArgs
+from nanospec.training.forced import labelled
 from nanospec.tree import choose_tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -61,7 +62,7 @@ def test_a_few_training_steps_reduce_the_loss():
     model = random_model(TINY)
     data = list(zip([[1, 2, 3], [4, 5], [6]] * 4,
                     [o.tokens for o in generate(model, [[1, 2, 3], [4, 5], [6]] * 4, max_new_tokens=16, eos_id=-1)]))
-    h, y = samples(model, data, 3)
+    h, y = samples(model, [labelled(d) for d in data], 3)
     heads = Heads(32, 50, 3).init_from(model.lm_head)
     opt = torch.optim.Adam(heads.parameters(), lr=1e-2)
     first = loss_fn(heads(h), y).item()

@@ -19,6 +19,7 @@ from ..io.checkpoint import load
 from ..io.sources import base_of, resolve
 from ..io.tokenizer import load_tokenizer
 from ..training.data import distill_args
+from ..training.forced import labelled
 from ..training.loop import distilled
 from . import load_drafter, propd
 from .hidden_transfer import accuracy, load_transfer, ordered, pseudo_states
@@ -60,7 +61,8 @@ def hidden_transfer(args):
             "hidden transfer, pseudo states masked from each other": accuracy(model, tr, held, "masked", 5)}
     if (Path(args.out) / "medusa.safetensors").is_file():
         heads, _ = load_heads(model, args.out)
-        rows["medusa heads"] = medusa_accuracy(heads, *medusa_samples(model, held, len(heads.proj)), 5)
+        items = [labelled(d) for d in held]
+        rows["medusa heads"] = medusa_accuracy(heads, *medusa_samples(model, items, len(heads.proj)), 5)
     early = []
     for i, t in enumerate(tr.layers if args.early_steps else []):
         head = propd.train_early(model, train_data, t, args.early_steps, args.early_rank, ahead=i + 2, seed=args.seed)

@@ -14,7 +14,9 @@ Choices where the papers are silent, and why:
 - Head k's loss is weighted 0.8^(k-1), Medusa's decay: later heads are less accurate and
   should not dominate the shared gradient scale.
 - Targets are hard labels: the model's own greedy continuations (self-distillation), which
-  are exactly what greedy verification accepts.
+  are exactly what greedy verification accepts; with --forced, also teacher-forced windows of
+  real text, where a target is the model's own token wherever the text went on as the model
+  would up to it (training/forced.py).
 - The tree comes from measured accuracies: acc[k][r] is how often head k's rank-r candidate is
   right on held-out data. Greedy expansion adds the path with the highest product of
   accuracies whose parent is already in the tree (Medusa's sparse trees), up to tree_size nodes.
@@ -41,7 +43,10 @@ import torch.nn.functional as F
 from ..drafter import Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
+from ..io.sources import base_of
+from ..io.tokenizer import load_tokenizer
 from ..training.data import distill_args
+from ..training.forced import forced, labelled, targets
 from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import Template, choose_tree
 
@@ -113,17 +118,19 @@ def add_args(p):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--tree-size", type=int, default=24, help="draft nodes of the static tree")
     p.add_argument("--topk", type=int, default=10, help="ranks per head the tree may use")
+    p.add_argument("--forced", type=int, default=0, help="also train on this many teacher-forced positions")
 
 
-def samples(model, data, K: int):
-    """(h_t, targets (K,)) for every position whose next token is a generated one; -100 = past the end."""
-    seqs = [p + c for p, c in data]
+def samples(model, items, K: int):
+    """(h_t, targets (K,)) for every position where one of the model's own next K tokens is known (forced.targets;
+    -100: not known) over (tokens, labels) items."""
     hs, tg = [], []
-    for (p, _), seq, h in zip(data, seqs, hidden_states(model, seqs)):
-        for t in range(len(p) - 1, len(seq) - 2):
-            hs.append(h[t])
-            tg.append([seq[t + 1 + k] if t + 1 + k < len(seq) else -100 for k in range(1, K + 1)])
-    return torch.stack(hs), torch.tensor(tg)
+    for (tokens, labels), h in zip(items, hidden_states(model, [t for t, _ in items])):
+        y = targets(tokens, labels, K)
+        keep = (y >= 0).any(1)
+        hs.append(h[keep.to(h.device)])
+        tg.append(y[keep])
+    return torch.cat(hs), torch.cat(tg)
 
 
 def loss_fn(logits, targets):  # logits (K, N, V), targets (N, K)
@@ -143,9 +150,10 @@ def accuracy(heads, h, targets, topk: int, batch: int = 4096) -> list[list[float
 def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)  # held out: for accuracies and the tree
+    extra = forced(model, load_tokenizer(base_of(args.out)), args.forced) if args.forced else []
     t0 = time.time()
-    h_tr, y_tr = samples(model, train_data, args.heads)
-    h_ev, y_ev = samples(model, held, args.heads)
+    h_tr, y_tr = samples(model, [labelled(d) for d in train_data] + extra, args.heads)
+    h_ev, y_ev = samples(model, [labelled(d) for d in held], args.heads)
     print(f"medusa: {len(h_tr):,} training positions, {len(h_ev):,} held out "
           f"(hidden states in {time.time() - t0:.0f}s)", flush=True)
 
@@ -174,7 +182,7 @@ def train(args):
         print(f"head {k} (token t+{k + 1}): held-out top-1 {a[0]:.3f}, top-5 {sum(a[:5]):.3f}")
     tree = choose_tree(acc, args.tree_size)
     meta = {"base_fingerprint": fingerprint(model), "heads": args.heads, "shared": args.shared_head, "acc": acc,
-            "tree": tree,
-            "trained": {"positions": len(h_tr), "steps": steps, "seconds": round(prog.elapsed)}}
+            "tree": tree, "trained": {"positions": len(h_tr), "forced": args.forced, "steps": steps,
+                                      "seconds": round(prog.elapsed)}}
     save_drafter(out / "medusa.safetensors", heads, meta)
     print(f"wrote {out / 'medusa.safetensors'}: {args.heads} heads, tree of {len(tree)} nodes")

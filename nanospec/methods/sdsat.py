@@ -1,48 +1,46 @@
 """SDSAT (Liu et al., 2024): semantic adaptive tokens, draft-then-verify with the model itself.
-
 Spec: ../shared/papers/sdsat.txt (sections 2.1-2.2, 3.2, 3.4, appendices A-B).
 
-An adaptive token placed after a sequence predicts a token further ahead: adaptive token i
-(1-based) appended after position n predicts the token at n+i+1. Decoding appends k adaptive
-tokens (k is free at inference) and drafts from them, then verifies the drafts and drafts again
-in the next forward:
-- Draft step 1: the last token and k adaptive tokens after it. The last token's own logits
-  give the next token; the adaptive rows give k draft tokens.
-- Draft step 2: the next token and the k drafts as a chain, with k adaptive tokens after the
-  last draft. The chain is verified exactly as AR would (eq. 3), and when every draft is
-  accepted the adaptive rows already hold the next k drafts, so the next loop needs no step 1.
-  Otherwise the next step is a step 1 again. A loop of two forwards yields up to k+2 tokens.
-- Nucleus sampling: `width` > 1 turns the chain into a tree of each adaptive position's top
-  candidates, where only the top-1 candidate of each depth has children (adaptive tokens ride
-  on the top-1 chain's end), verified with the engine's seeded sampler.
+An adaptive token placed after a sequence predicts a token further ahead: adaptive token i (1-based) appended after
+position n predicts the token at n+i+1. Decoding appends k adaptive tokens (k is free at inference) and drafts from
+them, then verifies the drafts and drafts again in the next forward:
+- Draft step 1: the last token and k adaptive tokens after it. The last token's own logits give the next token; the
+  adaptive rows give k draft tokens.
+- Draft step 2: the next token and the k drafts as a chain, with k adaptive tokens after the last draft. The chain is
+  verified exactly as AR would (eq. 3), and when every draft is accepted the adaptive rows already hold the next k
+  drafts, so the next loop needs no step 1. Otherwise the next step is a step 1 again. A loop of two forwards yields
+  up to k+2 tokens.
+- Nucleus sampling: `width` > 1 turns the chain into a tree of each adaptive position's top candidates, where only the
+  top-1 candidate of each depth has children (adaptive tokens ride on the top-1 chain's end), verified with the
+  engine's seeded sampler.
 
-Where this departs from the paper, toward its own stated aim ("a training method that does not
-affect the standard tokens"): the paper fine-tunes every weight, so standard tokens change a
-little and the AR reference becomes the fine-tuned model. Here the model is untouched:
+Where this departs from the paper, toward its own stated aim ("a training method that does not affect the standard
+tokens"): the paper fine-tunes every weight, so standard tokens change a little and the AR reference becomes the fine-
+tuned model. Here the model is untouched:
 - The adaptive token is a new embedding row (Delta.embed), not one of the vocabulary's ids.
-- A rank-r update of every attention and MLP projection applies to adaptive rows only (the
-  forward's `delta`, model.Context.mm). Standard rows run the base weights, and adaptive rows
-  read the standard rows' keys and values unchanged; standard rows never see adaptive rows.
-- So every standard token's output is the base model's own, bitwise in exact mode: SDSAT's AR
-  reference is the base model, and the method ships as a small drafter file (sdsat.safetensors).
-The paper's full fine-tune stays as sdsat_full.py: with the same data it drafts more per forward
-(RESULTS.md, "SDSAT without touching the model"), since it also teaches the standard tokens' keys
-and values what the adaptive tokens need. Training has only adaptive rows to learn: the standard
-rows' keys and values come from a no-grad forward of the frozen model, and only adaptive rows run
-backward; eq. 9's plain term is a constant, eq. 8's and 9's mixed terms the adaptive rows' loss.
+- A rank-r update of every attention and MLP projection applies to adaptive rows only (the forward's `delta`,
+  model.Context.mm). Standard rows run the base weights, and adaptive rows read the standard rows' keys and values
+  unchanged; standard rows never see adaptive rows.
+- So every standard token's output is the base model's own, bitwise in exact mode: SDSAT's AR reference is the base
+  model, and the method ships as a small drafter file (sdsat.safetensors).
+The paper's full fine-tune stays as sdsat_full.py: with the same data it drafts more per forward (RESULTS.md, "SDSAT
+without touching the model"), since it also teaches the standard tokens' keys and values what the adaptive tokens
+need. Training has only adaptive rows to learn: the standard rows' keys and values come from a no-grad forward of the
+frozen model, and only adaptive rows run backward; eq. 9's plain term is a constant, eq. 8's and 9's mixed terms the
+adaptive rows' loss.
 
 Choices where the paper is silent, and why:
-- Masking (section 2.2): each position starts a window with probability 0.1 (position 0 never),
-  of a length uniform on 1..L. An adaptive token at position i is labelled with the token at i+1,
-  as at inference. Windows are separate rows, each seeing the standard tokens before it and its
-  own earlier rows, which is what inference shows an adaptive token; so windows need not merge.
+- Masking (section 2.2): each position starts a window with probability 0.1 (position 0 never), of a length uniform on
+  1..L. An adaptive token at position i is labelled with the token at i+1, as at inference. Windows are separate rows,
+  each seeing the standard tokens before it and its own earlier rows, which is what inference shows an adaptive token;
+  so windows need not merge.
 - With `--diverse` (appendix B), window position i gets its own embedding, and k <= L.
-- Rank 8: the update's size stays a few MB on SmolLM2 (30 layers); the adaptive embedding and B
-  start at N(0, 0.02) and zero (the base model's own rows), A at N(0, 1/in).
-- Data: the base model's own greedy continuations of training prompts (the self-distillation data
-  every other drafter here trains on), as windows of --seq-len tokens of their concatenation.
+- Rank 8: the update's size stays a few MB on SmolLM2 (30 layers); the adaptive embedding and B start at N(0, 0.02)
+  and zero (the base model's own rows), A at N(0, 1/in).
+- Data: the base model's own greedy continuations of training prompts (the self-distillation data every other drafter
+  here trains on), as windows of --seq-len tokens of their concatenation.
 """
-import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +55,7 @@ from ..io.files import fingerprint
 from ..training.data import distill_args
 from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..training.pretrain import windows
-from ..tree import Template
+from ..tree import Template, chain_end
 
 TRAIN = "python train.py --method sdsat"
 PROJECTIONS = {"attn.qkv": ("attn.q_proj", "attn.k_proj", "attn.v_proj"), "attn.o_proj": ("attn.o_proj",),
@@ -65,46 +63,55 @@ PROJECTIONS = {"attn.qkv": ("attn.q_proj", "attn.k_proj", "attn.v_proj"), "attn.
 
 
 class Delta(nn.Module):
-    """The adaptive tokens' embeddings and a rank-r update W + B A of every projection of every
-    layer, applied to adaptive rows only. Bound to one model: its products are found by weight; a fused
-    product (q, k and v; gate and up) takes its parts' updates side by side (A stacked, B block-diagonal)."""
+    """The adaptive tokens' embeddings and a rank-r update W + B A of every projection of every layer, applied to
+    adaptive rows only. A layer's products are told apart by role (the name it sets on them: a compiled layer,
+    tuning/compiled.py, sees the same code for every layer); a fused product (q, k and v; gate and up) takes its
+    parts' updates side by side (A stacked, B block-diagonal)."""
 
     def __init__(self, model, rank: int = 8, tokens: int = 1):
         super().__init__()
         self.embed = nn.Parameter(torch.randn(tokens, model.args.dim) * 0.02)
-        n, layers = len(model.layers), model.layers
+        self.n, layers = len(model.layers), model.layers
         shapes = {k.removesuffix(".weight"): w.shape for k, w in layers[0].state_dict().items()}  # (out, in) per part
         keys = {part: part.replace(".", "_") for parts in PROJECTIONS.values() for part in parts}
-        self.a = nn.ParameterDict({k: nn.Parameter(torch.randn(n, rank, shapes[p][1]) / shapes[p][1] ** 0.5)
+        self.a = nn.ParameterDict({k: nn.Parameter(torch.randn(self.n, rank, shapes[p][1]) / shapes[p][1] ** 0.5)
                                    for p, k in keys.items()})
-        self.b = nn.ParameterDict({k: nn.Parameter(torch.zeros(n, shapes[p][0], rank)) for p, k in keys.items()})
-        self.where = {id(layers[i].get_submodule(m).weight): ([keys[p] for p in parts], i,
-                                                              getattr(layers[i].get_submodule(m), "groups", 1))
-                      for m, parts in PROJECTIONS.items() for i in range(n)}
+        self.b = nn.ParameterDict({k: nn.Parameter(torch.zeros(self.n, shapes[p][0], rank)) for p, k in keys.items()})
+        self.keys = {m: [keys[p] for p in parts] for m, parts in PROJECTIONS.items()}
+        self.groups = {m: getattr(layers[0].get_submodule(m), "groups", 1) for m in PROJECTIONS}
+        for layer, m in ((layer, m) for layer in layers for m in PROJECTIONS):
+            layer.get_submodule(m).role = m
 
-    def factors(self) -> dict:
-        """{id(a product's weight): (A^T, B^T)}, made of the parameters (gradients flow). B^T's columns follow the
-        fused product's: each part's in `groups` chunks, interleaved (model.fuse)."""
+    def factors(self) -> list[dict]:
+        """Per layer, {a product's role: (A^T, B^T)}, made of the parameters (gradients flow). B^T's columns follow
+        the fused product's: each part's in `groups` chunks, interleaved (model.fuse)."""
         def b(keys, i, groups):
             parts = torch.block_diag(*[self.b[k][i].t() for k in keys]).split([len(self.b[k][i]) for k in keys], 1)
             return torch.cat([c for g in zip(*(p.chunk(groups, 1) for p in parts)) for c in g], 1)
-        return {w: (torch.cat([self.a[k][i].t() for k in keys], 1), b(keys, i, groups))
-                for w, (keys, i, groups) in self.where.items()}
+        return [{m: (torch.cat([self.a[k][i].t() for k in keys], 1), b(keys, i, self.groups[m]))
+                 for m, keys in self.keys.items()} for i in range(self.n)]
 
-    def on(self, rows, factors: dict | None = None):
-        """The update as a forward's `delta` (model.Context.delta) on rows (slice, index; None: all) of
+    def on(self, rows, factors: list | None = None) -> list["Update"]:
+        """The update as a forward's per-layer `delta` (model.Context.delta) on rows (slice, index; None: all) of
         every sequence; other products and rows keep theirs. factors: `factors()`, made once or now."""
-        f = self.factors() if factors is None else factors
-        def delta(layer, x, y):
-            ab = f.get(id(layer.weight))
-            if ab is None:
-                return y
-            if rows is None:
-                return y + (x @ ab[0]) @ ab[1]
-            a, b = (t.expand(len(x), -1, -1) for t in ab)
-            y[:, rows] = torch.baddbmm(y[:, rows], torch.bmm(x[:, rows], a), b)  # added in the product's epilogue
+        return [Update(rows, f) for f in (self.factors() if factors is None else factors)]
+
+
+@dataclass
+class Update:
+    """A layer's update of its products on rows: data, not a closure, so a compiled layer takes it as inputs."""
+    rows: object  # a slice, an index tensor, or None: all rows
+    factors: dict
+
+    def __call__(self, layer, x, y):
+        ab = self.factors.get(getattr(layer, "role", None))
+        if ab is None:
             return y
-        return delta
+        if self.rows is None:
+            return y + (x @ ab[0]) @ ab[1]
+        a, b = (t.expand(len(x), -1, -1) for t in ab)
+        y[:, self.rows] = torch.baddbmm(y[:, self.rows], torch.bmm(x[:, self.rows], a), b)  # in the epilogue
+        return y
 
 
 class SDSAT(Ranked):
@@ -119,8 +126,8 @@ class SDSAT(Ranked):
         if 1 < n < k:
             raise NanospecError(f"sdsat k={k}: this drafter was trained with {n} diverse adaptive tokens; use k <= {n}")
         self.delta, self.lm_head, self.k, self.width = delta, lm_head, k, width
-        self.factors = None if delta is None else {w: (a.detach().contiguous(), b.detach().contiguous())
-                                                   for w, (a, b) in delta.factors().items()}
+        self.factors = None if delta is None else [{m: (a.detach().contiguous(), b.detach().contiguous())
+                                                    for m, (a, b) in f.items()} for f in delta.factors()]
         self.ids = None if ids is None else (ids * k if n == 1 else ids[:k])  # identical or diverse tokens
         self.family = [(0,) * d + (j,) for d in range(k) for j in range(width)]  # top-1s have children
         self.template = Template(self.family)
@@ -171,15 +178,6 @@ class SDSAT(Ranked):
         return (f"accept rate {self.drafts_accepted / n / self.k:.3f} ({self.drafts_accepted / n:.2f} of "
                 f"{self.k} drafts per verifying step); {self.draft_only} draft-step-1 forwards"
                 + (f"; {planned}" if planned else ""))
-
-
-@functools.lru_cache(maxsize=512)
-def chain_end(parents: tuple) -> int:
-    """The end of a tree's top-1 chain: the lowest-index child at every depth (a template puts rank 0 first)."""
-    h = 0
-    while h + 1 < len(parents) and h in parents[h + 1:]:
-        h = parents.index(h, h + 1)
-    return h
 
 
 def load_sdsat(model, weights, k=5, width=1) -> SDSAT:

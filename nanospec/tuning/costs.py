@@ -22,7 +22,7 @@ from .products import BUCKETS, installed, to_json
 
 COST_ROWS = BUCKETS + (96, 128)  # every bucket of fast mode's products, and beyond them
 WINDOW = 16  # the steps of a kind whose median excess is taken
-COSTS_VERSION = 2  # bumped when the code changes what a forward costs: cached measures are then stale
+COSTS_VERSION = 3  # bumped when the code changes what a forward costs: cached measures are then stale
 
 
 class Measured:

@@ -99,7 +99,8 @@ def from_json(text: str) -> Kernels:
 def tuned(model) -> Kernels:
     """The model's table on this machine: tuned once, then read from the cache root."""
     w = model.embed.weight
-    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'-'.join(sorted(FORMS))}"
+    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'-'.join(sorted(FORMS))}-{shapes}"  # shapes: fused
     path = cache_root() / "kernels" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
         return from_json(path.read_text())
