@@ -1,1 +1,1 @@
-"""Training: self-distillation data, the shared training loop, and the default model's pretraining."""
+"""Training: self-distillation data (generated or teacher-forced), the training loop, the base model's pretraining."""
