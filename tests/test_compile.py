@@ -24,7 +24,7 @@ N = 20
 def test_every_method_compiled_is_bitwise_ar_compiled(dtype, device):
     """On CUDA (`pytest --device cuda`) the compiled layer runs inside the step programs' CUDA graphs."""
     model = random_model(ARGS, seed=4, dtype=dtype, device=device)
-    drafters = {name: batch_drafter(name, model) for name in ["lookahead"] + METHODS}
+    drafters = {name: batch_drafter(name, model) for name in METHODS}
     Q, S = shapes([AR] + list(drafters.values()), max(map(len, PROMPTS)), N)
     kw = dict(max_new_tokens=N, exact=True, Q=Q, n_slots=S, eos_id=-1, record_logits=True, compile=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -37,6 +37,6 @@ def test_an_op_added_to_every_layer_is_counted(monkeypatch):
     assert per_layer("ar") == AR_PER_LAYER[torch.float32] + 1
 
 
-@pytest.mark.parametrize("name", ["lookahead"] + METHODS)
+@pytest.mark.parametrize("name", METHODS)
 def test_a_methods_layers_cost_at_most_a_few_ops_more_than_ars(name):
     assert per_layer(name) <= AR_PER_LAYER[torch.float32] + EXTRA.get(name, 6)
