@@ -137,7 +137,9 @@ def tune(args, model, exact: bool, drafters) -> None:
     the sizes that fill the row buckets. Exact mode keeps one kernel and static trees: its block is fixed;
     --compile makes that kernel one compiled layer (tuning/compiled.py)."""
     if exact:
-        return compiled.install(model) if args.compile else None
+        if args.compile:
+            compiled.install(model)
+        return
     if args.kernels == "tuned" and args.device == "cpu":
         kernels.install(kernels.tuned(model), model, *drafters)
     for d in drafters:
@@ -180,14 +182,13 @@ def main(argv=None):
         raise NanospecError("--batch takes one size when decoding (several only with --bench)")
     if args.peers and batches != [1]:
         raise NanospecError("--peers times transformers one prompt at a time: use it with --batch 1")
-    if args.block_batch is not None:  # before any weights are loaded (the batch it must hold: generate checks)
-        block_batch(args.block_batch, 1, (args.mode or ("exact" if args.device == "cuda" else "fast")) == "exact",
-                    args.device)
-    if args.compile and (args.mode or ("exact" if args.device == "cuda" else "fast")) != "exact":
-        raise NanospecError("--compile compiles exact mode's fixed shapes: add --mode exact")
-    weights, model, dtype, tok, own_model = setup(args)
     args.mode = args.mode or ("exact" if args.device == "cuda" else "fast")
     exact = args.mode == "exact"
+    if args.block_batch is not None:  # before any weights are loaded (the batch it must hold: generate checks)
+        block_batch(args.block_batch, 1, exact, args.device)
+    if args.compile and not exact:
+        raise NanospecError("--compile compiles exact mode's fixed shapes: add --mode exact")
+    weights, model, dtype, tok, own_model = setup(args)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     info = dict(mode=args.mode, device=args.device, dtype=str(dtype).removeprefix("torch."))
 

@@ -105,8 +105,8 @@ class Context:
     exact: bool
     idx: torch.Tensor | None = None    # exact: (B, T, Sp) canonical slot order per row (hidden ones: slot 0)
     bias: torch.Tensor | None = None   # exact: (B*T*Hkv, 1, Sp) the scores' mask, 0 where visible, else -inf
-    b: torch.Tensor | None = None      # exact: (B, 1, 1, 1) the cache rows, and (1, 1, Hkv, 1) the key heads,
-    h: torch.Tensor | None = None      # as the keys' gather indices
+    b: torch.Tensor | None = None      # (B, 1, 1, 1) the cache rows (the writes' index), and in exact mode
+    h: torch.Tensor | None = None      # (1, 1, Hkv, 1) the key heads: with b, the keys' gather indices
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
     seqs: torch.Tensor | None = None   # (B,) the cache rows of the block's sequences; None: 0..B-1
@@ -141,8 +141,7 @@ class Context:
 
     def write(self, kc, vc, k, v):
         """Store the rows' keys and values (B, T, Hkv, D) in their sequences' cache rows; returns (kc, vc)."""
-        b = None if self.seqs is None and self.slots.dim() == 1 else \
-            (torch.arange(len(k), device=k.device) if self.seqs is None else self.seqs)[:, None]
+        b = None if self.seqs is None and self.slots.dim() == 1 else self.b.view(-1, 1)
         for c, x in ((kc, k), (vc, v)):
             if b is None:  # one row of slots for the batch: the faster copy
                 c.index_copy_(2, self.slots, x.transpose(1, 2))
@@ -339,6 +338,7 @@ class Llama(nn.Module):
     def context(self, block: Block, n_slots: int, exact: bool, seqs=None) -> Context:
         ctx = Context(*self.rope(block.pos, exact), block.slots, exact, seqs=seqs)
         prefix, extra = block.prefix[..., None], block.extra
+        ctx.b = (torch.arange(len(extra), device=extra.device) if seqs is None else seqs)[:, None, None, None]
         if exact:
             # on a CPU each row's keys padded to 32 slots, every row's slice 64-byte aligned (see `aligned`)
             Sp = -(-n_slots // 32) * 32 if cpu_layout(extra) else n_slots
@@ -349,7 +349,6 @@ class Llama(nn.Module):
             ctx.idx = idx.clamp(min=0)
             visible = idx[:, :, None, None].expand(B, T, Hkv, 1, Sp) >= 0  # one per key head: baddbmm's batch
             ctx.bias = visible.to(self.embed.weight.dtype).log().view(B * T * Hkv, 1, Sp)  # log 1 = 0, log 0 = -inf
-            ctx.b = (torch.arange(B, device=dev) if seqs is None else seqs)[:, None, None, None]
             ctx.h = torch.arange(Hkv, device=dev)[None, None, :, None]
         else:
             ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)

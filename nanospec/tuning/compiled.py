@@ -19,7 +19,7 @@ from .. import engine
 from ..model import Layer
 
 _layer = None
-compiles = []  # (seconds, new shapes) per call that compiled: what --compile reports
+compiles = []  # the seconds of each call that compiled a new graph: what --compile reports
 
 
 def compiled_layer():
@@ -47,10 +47,6 @@ def install(model) -> None:
         return y
     for layer in model.layers:
         layer.forward = types.MethodType(forward, layer)
-
-
-def installed(model) -> bool:
-    return all(isinstance(layer.__dict__.get("forward"), types.MethodType) for layer in model.layers)
 
 
 def register() -> None:

@@ -148,10 +148,15 @@ class Graphs(Programs):
 
     def run(self, cache, key, fn, args, device):
         graphs = cache.__dict__.setdefault("_graphs", {})  # {(key, shapes): its Graph}
-        key = (key, *(None if a is None else (tuple(a.shape), a.dtype) for a in args))
+        key = shaped(key, args)
         if key not in graphs:
             graphs[key] = self.capture(fn, args, device)
         return graphs[key](args)
+
+
+def shaped(key, args) -> tuple:
+    """A program's key with its arguments' shapes and dtypes: what one capture (or trace) serves."""
+    return key, *(None if a is None else (tuple(a.shape), a.dtype) for a in args)
 
 
 class Simulated(Graphs):
@@ -181,7 +186,7 @@ class Counted(Programs):
         self.traced = {}
 
     def run(self, cache, key, fn, args, device):
-        key = (key, *(None if a is None else (tuple(a.shape), a.dtype) for a in args))
+        key = shaped(key, args)
         if key not in self.traced:
             self.traced[key] = Traced(fn, args, device)
         return self.traced[key](args)
