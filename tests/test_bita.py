@@ -13,6 +13,7 @@ from nanospec import NanospecError
 from nanospec.io.checkpoint import load
 from nanospec.methods.bita import BiTA, Tuning, batches, load_bita, pack, sar_logits, sar_loss
 from nanospec.model import ModelArgs
+from nanospec.training.forced import labelled, targets
 from nanospec.tree import Template, Tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -62,7 +63,7 @@ def test_training_forward_matches_decoding(prompting):
     model = random_model(TINY, 2)
     tune = random_tuning(TINY, 2, 3, 4, prompting, torch.float32, "cpu", scale=0.5)
     seq = [1, 5, 7, 9, 3, 4, 8, 2, 6, 11, 12, 30, 31]
-    tokens, kind, pos, vis, lab = pack([seq], [4], 3, 4, tune.P, prompting == "shallow",
+    tokens, kind, pos, vis, lab = pack([labelled((seq[:4], seq[4:]))], 3, 4, tune.P, prompting == "shallow",
                                        torch.Generator().manual_seed(0))
     packed = sar_logits(model, tune, tokens, kind, pos, vis)[0].view(4, 3, -1)
     splits = (pos[0, kind[0] >= 1].view(4, 3)[:, 0] - 1).tolist()
@@ -71,6 +72,18 @@ def test_training_forward_matches_decoding(prompting):
         masks = one_forward(model, d, Tree.chain(seq[k]), seq[:k + 1], exact=False)[1]
         torch.testing.assert_close(model.lm_head(masks[0]), packed[g], atol=1e-4, rtol=1e-4)
         assert lab[0, 3 * g].item() == seq[k + 2]  # mask 0 of a group at k predicts token k+2
+
+
+def test_mask_labels_are_the_models_own_tokens_where_known():
+    """On teacher-forced text, mask i of a group at k is labelled with the model's token k+2+i only while the text
+    went on as the model would (training/forced.targets); elsewhere -100."""
+    tokens, labels = [5, 6, 7, 8, 9, 10, 11, 12], [6, 7, 1, 9, 10, 2, 12, 13]  # leaves the model's path after 2, 5
+    tune = Tuning(TINY, 3, 2, "deep")
+    _, kind, pos, _, lab = pack([(tokens, labels)], 3, 6, tune.P, False, torch.Generator().manual_seed(0))
+    want = targets(tokens, labels, 3)
+    for g, k in enumerate((pos[0, kind[0] >= 1].view(6, 3)[:, 0] - 1).tolist()):
+        assert lab[0, 3 * g:3 * g + 3].tolist() == want[k].tolist()
+    assert (lab == -100).any() and (lab >= 0).any()
 
 
 def test_draft_tree_shapes():
@@ -108,7 +121,7 @@ def test_a_few_training_steps_reduce_the_sar_loss():
     for p in model.parameters():
         p.requires_grad_(False)
     g = torch.Generator().manual_seed(0)
-    data = [(torch.randint(0, 37, (4,), generator=g).tolist(), [7, 8, 9, 10] * 4) for _ in range(8)]
+    data = [labelled((torch.randint(0, 37, (4,), generator=g).tolist(), [7, 8, 9, 10] * 4)) for _ in range(8)]
     args = argparse.Namespace(batch_size=4, masks=3, groups=6)
     tune = Tuning(TINY, 3, 4, "deep")
     opt = torch.optim.AdamW(tune.parameters(), lr=3e-2)

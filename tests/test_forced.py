@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from helpers import random_model
 from nanospec.engine import generate
-from nanospec.training.forced import label, labelled, targets
+from nanospec.training.forced import label, labelled, pieces, start, targets
 from test_edges import ARGS
 
 
@@ -46,3 +46,11 @@ def test_a_forced_target_is_what_greedy_decoding_emits(seed, K):
                 assert y[t, k - 1] < 0 or y[t, k - 1] == out[k]
                 checked += int(y[t, k - 1] >= 0)
     assert checked > 0
+
+
+def test_pieces_keep_every_label_and_start_where_drafting_does():
+    items = [labelled(([1, 2, 3], [4, 5, 6, 7])), ([8, 9, 10, 11, 12], [9, 10, 0, 12, 13])]
+    assert [start(lab) for _, lab in items] == [3, 1]  # a pair's prompt length; a forced window's first token
+    cut = pieces(items, 3)
+    assert cut == [([4, 5, 6], [5, 6, 7]), ([8, 9, 10], [9, 10, 0]), ([11, 12], [12, 13])]  # ([1, 2, 3], ...) has 1
+    assert pieces(items, 100) == items

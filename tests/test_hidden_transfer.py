@@ -11,6 +11,7 @@ from helpers import check_exact, descend, model_args, one_forward, random_model
 from nanospec import NanospecError
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer, batches, kl_loss, pack, pseudo_states
 from nanospec.model import ModelArgs
+from nanospec.training.forced import labelled
 from nanospec.tree import Template, Tree, choose_tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -107,7 +108,7 @@ def test_a_few_training_steps_reduce_the_loss():
     for p in model.parameters():
         p.requires_grad_(False)
     g = torch.Generator().manual_seed(0)
-    data = [(torch.randint(0, 37, (4,), generator=g).tolist(), [7, 8, 9, 10] * 4) for _ in range(8)]
+    data = [labelled((torch.randint(0, 37, (4,), generator=g).tolist(), [7, 8, 9, 10] * 4)) for _ in range(8)]
     tr = Transfer(TINY.dim, [1, 2])
     tokens, pos, vis, hosts, valid, teacher, _ = next(batches(data, 2, "paper", 4, torch.Generator().manual_seed(0), 1))
     loss = lambda: kl_loss(model, pseudo_states(model, tr, tokens, pos, vis, hosts), valid, teacher)[0]
@@ -120,7 +121,8 @@ def test_steps_train_separately_under_the_paper_mask():
     model = random_model(TINY, 5)
     tr = random_transfer(TINY.dim, [1, 2], 5)
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randint(0, 37, (3,), generator=g).tolist(), torch.randint(0, 37, (6,), generator=g).tolist())]
+    data = [labelled((torch.randint(0, 37, (3,), generator=g).tolist(),
+                      torch.randint(0, 37, (6,), generator=g).tolist()))]
     tokens, pos, vis, hosts, valid, teacher, _ = next(batches(data, 2, "paper", 1, torch.Generator().manual_seed(0), 1))
     _, per_step = kl_loss(model, pseudo_states(model, tr, tokens, pos, vis, hosts), valid, teacher)
     per_step[1].backward()

@@ -14,6 +14,7 @@ from nanospec.io.checkpoint import load
 from nanospec.methods.medusa import Heads
 from nanospec.methods.propd import EarlyHead, ProPD, load_propd, pruned, samples, train_early
 from nanospec.model import ModelArgs
+from nanospec.training.forced import labelled
 from nanospec.tree import Tree, layout
 from nanospec.tree import choose_tree as medusa_tree
 from nanospec.tuning.planner import SIZES, own_sizes
@@ -132,6 +133,7 @@ def test_early_head_training_reduces_the_loss():
     g = torch.Generator().manual_seed(0)
     data = [(torch.randint(0, 31, (4,), generator=g).tolist(), torch.randint(0, 31, (12,), generator=g).tolist())
             for _ in range(16)]
+    data = [labelled(d) for d in data]
     x, y = samples(model, data, 1)
 
     def loss(head):

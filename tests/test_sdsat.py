@@ -13,6 +13,7 @@ from nanospec.drafter import Forward
 from nanospec.engine import Decoding, generate, stack
 from nanospec.methods.sdsat import SDSAT, Delta, adaptive_logits, adaptive_rows, starts
 from nanospec.model import Block, ModelArgs
+from nanospec.training.forced import targets
 from nanospec.tree import Tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -138,6 +139,15 @@ def test_adaptive_rows_see_what_inference_shows_them():
     assert vis[0, :2, :T].sum(-1).tolist() == [3, 3] and vis[0, 2:, :T].sum(-1).tolist() == [8, 8, 8]
     assert vis[0, :, T:].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0],
                                             [0, 0, 1, 1, 1]]
+
+
+def test_adaptive_rows_take_the_models_own_tokens_where_given():
+    """With `ahead` (training/forced.targets over teacher-forced text), row j of a window at s is labelled with the
+    model's own token j+2 after s-1, -100 where the text left the model's path before it."""
+    tokens, labels = [5, 6, 7, 8, 9, 10], [6, 7, 1, 9, 10, 2]
+    ahead = targets(tokens, labels, 3)
+    *_, lab = adaptive_rows(torch.tensor([tokens]), [[(1, 3), (3, 2)]], False, ahead[None])
+    assert lab.tolist() == [[7, 1, -100, -100, -100]] == [ahead[0].tolist() + ahead[2, :2].tolist()]
 
 
 def test_adaptive_rows_match_decoding_and_training_lowers_their_loss():

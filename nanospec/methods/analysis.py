@@ -59,14 +59,14 @@ def hidden_transfer(args):
           f"held-out top-1 / top-5 per step, {len(held)} sequences")
     rows = {"hidden transfer": accuracy(model, tr, held, "chain", 5),
             "hidden transfer, pseudo states masked from each other": accuracy(model, tr, held, "masked", 5)}
+    items, train = [labelled(d) for d in held], [labelled(d) for d in train_data]
     if (Path(args.out) / "medusa.safetensors").is_file():
         heads, _ = load_heads(model, args.out)
-        items = [labelled(d) for d in held]
-        rows["medusa heads"] = medusa_accuracy(heads, *medusa_samples(model, items, len(heads.proj)), 5)
+        rows["medusa heads"] = medusa_accuracy(heads, *medusa_samples(model, items, len(heads.res)), 5)
     early = []
     for i, t in enumerate(tr.layers if args.early_steps else []):
-        head = propd.train_early(model, train_data, t, args.early_steps, args.early_rank, ahead=i + 2, seed=args.seed)
-        hits = propd.topk_hits(head, *propd.samples(model, held, t, ahead=i + 2), ks=(1, 5))
+        head = propd.train_early(model, train, t, args.early_steps, args.early_rank, ahead=i + 2, seed=args.seed)
+        hits = propd.topk_hits(head, *propd.samples(model, items, t, ahead=i + 2), ks=(1, 5))
         early.append([hits[1], hits[5] - hits[1]])
     if early:
         rows["early exit (same layers)"] = early

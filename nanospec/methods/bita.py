@@ -28,7 +28,9 @@ Choices where the paper is silent, and why:
   drafts (the first c are "discarded"); with c = M there are none (the paper's "even zero").
 - Training packs `groups` mask groups per sequence at random split points of the answer (the
   authors pack many per sample); the loss is eq. 1 summed over the M masks, averaged over
-  groups. Init N(0, 0.02); AdamW; cosine schedule from 3e-2, the paper's rate.
+  groups. Init N(0, 0.02); AdamW; cosine schedule from 3e-2, the paper's rate. A mask's label is
+  the model's own token (self-distillation; with --forced, teacher-forced real text where the
+  text went on as the model would: training/forced.py).
 - Straightforward decoding's drafts per node: a node at depth c of the root's chain drafts from
   the root group's masks c.., so the step's one group serves whichever node ends the path.
 
@@ -48,6 +50,7 @@ from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
+from ..training.forced import items, labelled, start, targets
 from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..tree import Template, product_paths
 
@@ -153,23 +156,25 @@ def add_args(p):
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--groups", type=int, default=32, help="mask groups per sequence")
     p.add_argument("--lr", type=float, default=3e-2)
+    p.add_argument("--piece", type=int, default=128, help="tokens per training sequence of the --forced data")
 
 
-def pack(seqs: list[list[int]], starts: list[int], M: int, G: int, P: int, shallow: bool, gen):
-    """A packed SAR batch: each sequence's ordinary rows, then G mask groups at random split
-    points k of its answer (k >= start-1, the last prompt token). Keys are [P prompt | rows];
-    with shallow prompting the P prompt rows lead the rows. Returns (tokens, kind, pos, vis,
-    labels): kind is 0 for ordinary rows, 1+i for mask i, -1-j for prompt row j; labels
-    (B, G*M) hold -100 where there is nothing to predict."""
-    T = max(map(len, seqs))
+def pack(items: list, M: int, G: int, P: int, shallow: bool, gen):
+    """A packed SAR batch of (tokens, labels) items: each sequence's ordinary rows, then G mask groups at random
+    split points k from its first labelled position on (a distilled pair's last prompt token). Keys are [P prompt |
+    rows]; with shallow prompting the P prompt rows lead the rows. Mask i of a group at k is labelled with the model's
+    own token k+2+i where it is known (training/forced.py). Returns (tokens, kind, pos, vis, labels): kind is 0 for
+    ordinary rows, 1+i for mask i, -1-j for prompt row j; labels (B, G*M) hold -100 where there is nothing to
+    predict."""
+    T = max(len(s) for s, _ in items)
     pr = P if shallow else 0          # prompt rows
     K0 = P                            # the first ordinary row's key
     key = torch.arange(K0 + T + G * M)[None]
     g, i = torch.arange(G).repeat_interleave(M), torch.arange(M).repeat(G)
     t, j = torch.arange(T), torch.arange(pr)
     out = []
-    for s, start in zip(seqs, starts):
-        lo, hi = start - 1, len(s) - 3  # mask 0 of a group at k predicts token k+2
+    for s, labels in items:
+        lo, hi = start(labels) - 1, len(s) - 3  # mask 0 of a group at k predicts token k+2
         ks = (lo + torch.randperm(max(hi - lo + 1, 0), generator=gen)[:G]).tolist()
         n_valid = len(ks)
         k = torch.tensor(ks + [0] * (G - n_valid))[g]  # groups beyond n_valid are padding
@@ -179,9 +184,8 @@ def pack(seqs: list[list[int]], starts: list[int], M: int, G: int, P: int, shall
             (key >= K0) & (key <= K0 + t[:, None]),                               # ordinary rows: causal
             (key < K0) | ((key >= K0) & (key <= K0 + k[:, None])) | ((key >= first) & (key <= first + i[:, None])),
         ])
-        target = k + 2 + i
-        lab = torch.tensor(s)[target.clamp(max=len(s) - 1)]
-        lab[(target >= len(s)) | (g >= n_valid)] = -100
+        lab = targets(s, labels, M)[k, i]
+        lab[g >= n_valid] = -100
         out.append((torch.tensor([0] * pr + s + [0] * (T - len(s) + G * M)),
                     torch.cat([-1 - j, torch.zeros(T, dtype=torch.long), 1 + i]),
                     torch.cat([j, t, k + 1 + i]), vis, lab))
@@ -204,11 +208,10 @@ def sar_loss(logits, labels, M: int):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100) * M
 
 
-def batches(data, args, P, shallow, gen, steps):
+def batches(items, args, P, shallow, gen, steps):
     for step in range(steps):
-        idx = torch.randint(0, len(data), (args.batch_size,), generator=gen).tolist()
-        seqs = [data[i][0] + data[i][1] for i in idx]
-        yield pack(seqs, [len(data[i][0]) for i in idx], args.masks, args.groups, P, shallow, gen)
+        idx = torch.randint(0, len(items), (args.batch_size,), generator=gen).tolist()
+        yield pack([items[i] for i in idx], args.masks, args.groups, P, shallow, gen)
 
 
 @torch.no_grad()
@@ -225,6 +228,7 @@ def accuracy(model, tune, data, args, topk: int = 5, n_batches: int = 8) -> list
 def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)
+    train_items, held = items(model, args, train_data, piece=args.piece), [labelled(d) for d in held]
     torch.manual_seed(args.seed)
     tune = Tuning(model.args, args.masks, args.prompts, args.prompting)
     opt = adamw(tune, args.lr, weight_decay=0.0)
@@ -233,7 +237,7 @@ def train(args):
     prog = Progress(args.steps, every=10, start_step=ckpt.start)
     shallow = args.prompting == "shallow"
     for step, (tokens, kind, pos, vis, lab) in enumerate(
-            batches(train_data, args, tune.P, shallow, gen, args.steps - ckpt.start), ckpt.start):
+            batches(train_items, args, tune.P, shallow, gen, args.steps - ckpt.start), ckpt.start):
         lr = cosine_lr(step, args.steps, args.lr, warmup=min(20, args.steps // 10 + 1))
         loss = sar_loss(sar_logits(model, tune, tokens, kind, pos, vis), lab, tune.M)
         update(opt, loss, lr)
@@ -243,6 +247,7 @@ def train(args):
     for i, a in enumerate(acc):
         print(f"mask {i + 1} (token t+{i + 2}): held-out top-1 {a[0]:.3f}, top-5 {sum(a):.3f}")
     meta = {"base_fingerprint": fingerprint(model), "masks": args.masks, "prompts": args.prompts,
-            "prompting": args.prompting, "acc": acc, "trained": {"steps": args.steps, "seconds": round(prog.elapsed)}}
+            "prompting": args.prompting, "acc": acc,
+            "trained": {"steps": args.steps, "forced": args.forced, "seconds": round(prog.elapsed)}}
     save_drafter(out / filename(args.prompting), tune, meta)
     print(f"wrote {out / filename(args.prompting)}")

@@ -19,7 +19,9 @@ Choices where the paper is silent, and why:
   mechanism the paper starts from), with no bias.
 - Loss: KL(P || P~) with the base model's distribution P at the pseudo state's position as the
   target, averaged over positions, summed over steps. Positions: every token of the answer
-  part of the self-distillation data (where drafting happens), as hosts.
+  part of the self-distillation data (where drafting happens), as hosts; with --forced, also
+  every token of teacher-forced real text (training/forced.py) in --piece-token sequences, where
+  P is the model's own distribution whatever the text.
 - Training attention (`--attention`): `paper` (default; section 3.3: pseudo state of step i on
   host j sees real tokens up to j+i-1 and itself), `chain` (what decoding sees: real tokens up
   to j, the earlier pseudo states of its chain, itself) or `masked` (real tokens up to j and
@@ -52,6 +54,7 @@ from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
+from ..training.forced import items, start
 from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..tree import Template, choose_tree
 
@@ -160,6 +163,7 @@ def add_args(p):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--tree-size", type=int, default=24, help="nodes of the tree saved from the accuracies")
     p.add_argument("--topk", type=int, default=10, help="ranks measured per step")
+    p.add_argument("--piece", type=int, default=128, help="tokens per training sequence of the --forced data")
 
 
 def pack(seqs: list[list[int]], starts: list[int], k: int, attention: str):
@@ -215,10 +219,11 @@ def kl_loss(model, h, valid, teacher):
     return per_step.sum(), per_step
 
 
-def batches(data, k, attention, batch_size, gen, steps):
+def batches(items, k, attention, batch_size, gen, steps):
+    """Random batches of (tokens, labels) items, every labelled position a host (training/forced.py)."""
     for _ in range(steps):
-        idx = torch.randint(0, len(data), (batch_size,), generator=gen).tolist()
-        yield pack([data[i][0] + data[i][1] for i in idx], [len(data[i][0]) for i in idx], k, attention)
+        part = [items[i] for i in torch.randint(0, len(items), (batch_size,), generator=gen).tolist()]
+        yield pack([t for t, _ in part], [start(lab) for _, lab in part], k, attention)
 
 
 def ordered(data, k, attention, batch_size):
@@ -243,6 +248,7 @@ def accuracy(model, tr, data, attention="chain", topk=10, batch_size=8):
 def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)
+    train_items = items(model, args, train_data, piece=args.piece)
     torch.manual_seed(args.seed)
     tr = Transfer(model.args.dim, [int(t) for t in args.layers.split(",")]).check(model.args.n_layers)
     opt = adamw(tr, args.lr, weight_decay=0.0)
@@ -250,7 +256,7 @@ def train(args):
     ckpt = Checkpoint(args, f"hidden_transfer-{fingerprint(model)}", tr, opt, [gen], every=20)
     prog = Progress(args.steps, every=10, start_step=ckpt.start)
     for step, (tokens, pos, vis, hosts, valid, teacher, _) in enumerate(
-            batches(train_data, tr.k, args.attention, args.batch_size, gen, args.steps - ckpt.start), ckpt.start):
+            batches(train_items, tr.k, args.attention, args.batch_size, gen, args.steps - ckpt.start), ckpt.start):
         lr = cosine_lr(step, args.steps, args.lr, warmup=min(20, args.steps // 10 + 1))
         loss, per_step = kl_loss(model, pseudo_states(model, tr, tokens, pos, vis, hosts), valid, teacher)
         update(opt, loss, lr, each=True)  # clipped per W_i: as if each step trained alone
@@ -262,6 +268,6 @@ def train(args):
               f"top-5 {sum(a[:5]):.3f}")
     meta = {"base_fingerprint": fingerprint(model), "layers": tr.layers, "attention": args.attention,
             "acc": acc, "tree": choose_tree(acc, args.tree_size),
-            "trained": {"steps": args.steps, "seconds": round(prog.elapsed)}}
+            "trained": {"steps": args.steps, "forced": args.forced, "seconds": round(prog.elapsed)}}
     save_drafter(out / "hidden_transfer.safetensors", tr, meta)
     print(f"wrote {out / 'hidden_transfer.safetensors'}: steps at layers {tr.layers}")

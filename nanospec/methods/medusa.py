@@ -43,10 +43,8 @@ import torch.nn.functional as F
 from ..drafter import Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
-from ..io.sources import base_of
-from ..io.tokenizer import load_tokenizer
 from ..training.data import distill_args
-from ..training.forced import forced, labelled, targets
+from ..training.forced import items, labelled, targets
 from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import Template, choose_tree
 
@@ -118,7 +116,6 @@ def add_args(p):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--tree-size", type=int, default=24, help="draft nodes of the static tree")
     p.add_argument("--topk", type=int, default=10, help="ranks per head the tree may use")
-    p.add_argument("--forced", type=int, default=0, help="also train on this many teacher-forced positions")
 
 
 def samples(model, items, K: int):
@@ -150,9 +147,8 @@ def accuracy(heads, h, targets, topk: int, batch: int = 4096) -> list[list[float
 def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)  # held out: for accuracies and the tree
-    extra = forced(model, load_tokenizer(base_of(args.out)), args.forced) if args.forced else []
     t0 = time.time()
-    h_tr, y_tr = samples(model, [labelled(d) for d in train_data] + extra, args.heads)
+    h_tr, y_tr = samples(model, items(model, args, train_data), args.heads)
     h_ev, y_ev = samples(model, [labelled(d) for d in held], args.heads)
     print(f"medusa: {len(h_tr):,} training positions, {len(h_ev):,} held out "
           f"(hidden states in {time.time() - t0:.0f}s)", flush=True)

@@ -22,9 +22,9 @@ Choices where the paper is silent, and why:
   (top-k, not top-1). A full-rank projection would cost as much as the lm_head, a third of
   this small model's layer weights, on every step; at batch size 1 on CPU that ate the whole
   saving. Rank 64 is 4x cheaper and, trained, more accurate than the frozen lm_head was.
-  The heads are fitted to the base model's own next token (self-distillation data) at every
-  layer of --early-layers, by `train.py --method medusa` (after the Medusa heads) or alone by
-  `train.py --method propd`.
+  The heads are fitted to the base model's own next token (self-distillation data and, with
+  --forced, teacher-forced real text: training/forced.py) at every layer of --early-layers,
+  by `train.py --method medusa` (after the Medusa heads) or alone by `train.py --method propd`.
 - Iteration time is wall time from one draft to the next (forward, verification, commit and
   drafting included), keyed by the tree's size before pruning: pruning shows up as cheaper
   large trees, which is how the two techniques combine (section 5.4.3).
@@ -65,6 +65,7 @@ from ..io.files import fingerprint
 from ..model import RMSNorm
 from ..planner import SIZES as CORE_SIZES
 from ..planner import Planner
+from ..training.forced import items, labelled, targets
 from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import choose_tree
 from .medusa import Medusa, load_heads
@@ -206,14 +207,16 @@ def add_args(p):
     p.add_argument("--early-lr", type=float, default=2e-3)
 
 
-def samples(model, data, layer: int, ahead: int = 1):
-    """(layer-n state at t, the model's token t+ahead) for every position t from the prompt's
-    last token on whose token t+ahead is in the sequence."""
-    seqs = [p + c for p, c in data]
+def samples(model, items, layer: int, ahead: int = 1):
+    """(layer-n state at t, the model's own token t+ahead) at every position t of (tokens, labels) items where that
+    token is known (training/forced.py: labels[t] is the next; further ones where the text went on as the model
+    would)."""
     xs, ys = [], []
-    for (p, _), s, x in zip(data, seqs, hidden_states(model, seqs, layer)):
-        xs.append(x[len(p) - 1:len(s) - ahead])
-        ys.append(torch.tensor(s[len(p) - 1 + ahead:]))
+    for (tokens, labels), x in zip(items, hidden_states(model, [t for t, _ in items], layer)):
+        y = torch.tensor(labels) if ahead == 1 else targets(tokens, labels, ahead - 1)[:, -1]
+        keep = y >= 0
+        xs.append(x[keep.to(x.device)])
+        ys.append(y[keep])
     return torch.cat(xs), torch.cat(ys)
 
 
@@ -227,12 +230,12 @@ def topk_hits(head, x, y, ks, batch: int = 4096) -> dict[int, float]:
     return {k: sum(ranks[:k]) for k in ks}
 
 
-def train_early(model, data, layer: int, steps: int, rank: int = 64, batch: int = 1024, lr: float = 2e-3,
+def train_early(model, items, layer: int, steps: int, rank: int = 64, batch: int = 1024, lr: float = 2e-3,
                 seed: int = 0, ahead: int = 1, args=None) -> EarlyHead:
     """Fit an early head after `layer` to the model's own tokens `ahead` positions on (1: the next
     token, ProPD's; more: Hidden Transfer's early-exit baseline); the model stays frozen."""
-    print(f"early head after layer {layer} for token t+{ahead}: {steps} steps", flush=True)
-    x, y = samples(model, data, layer, ahead)
+    x, y = samples(model, items, layer, ahead)
+    print(f"early head after layer {layer} for token t+{ahead}: {steps} steps over {len(x):,} positions", flush=True)
     torch.manual_seed(seed)
     a = model.args
     head = EarlyHead(a.dim, a.vocab_size, rank, a.norm_eps).init_from(model).to(x)
@@ -255,12 +258,13 @@ def train_early(model, data, layer: int, steps: int, rank: int = 64, batch: int 
 def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)
+    train_items, held = items(model, args, train_data), [labelled(d) for d in held]
     layers = sorted({int(v) for v in args.early_layers.split(",")})
     if not all(1 <= n < model.args.n_layers for n in layers):
         raise NanospecError(f"--early-layers must lie in 1..{model.args.n_layers - 1}")
     heads, hits = nn.ModuleDict(), {}
     for n in layers:
-        heads[f"layer{n}"] = train_early(model, train_data, n, args.early_steps, args.early_rank, args.early_batch,
+        heads[f"layer{n}"] = train_early(model, train_items, n, args.early_steps, args.early_rank, args.early_batch,
                                           args.early_lr, args.seed, args=args)
         hits[n] = topk_hits(heads[f"layer{n}"], *samples(model, held, n), ks=(1, 5, 10, 20, 50, 100))
         print(f"early head after layer {n}: held-out next token in top-k: "

@@ -37,8 +37,8 @@ Choices where the paper is silent, and why:
 - With `--diverse` (appendix B), window position i gets its own embedding, and k <= L.
 - Rank 8: the update's size stays a few MB on SmolLM2 (30 layers); the adaptive embedding and B start at N(0, 0.02)
   and zero (the base model's own rows), A at N(0, 1/in).
-- Data: the base model's own greedy continuations of training prompts (the self-distillation data every other drafter
-  here trains on), as windows of --seq-len tokens of their concatenation.
+- Data: windows of --seq-len tokens of the self-distillation data (prompts labelled as plain text, as in the paper)
+  and of --forced windows of real text, labelled with the model's own tokens where known (training/forced.py).
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +53,7 @@ from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
+from ..training.forced import forced_items, targets
 from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..training.pretrain import windows
 from ..tree import Template, chain_end
@@ -208,14 +209,13 @@ def starts(T: int, L: int, rate: float, gen, full: bool = False) -> list[tuple[i
     return list(zip(s.tolist(), lengths.tolist()))
 
 
-def adaptive_rows(x: torch.Tensor, wins: list[list[tuple[int, int]]], diverse: bool):
+def adaptive_rows(x: torch.Tensor, wins: list[list[tuple[int, int]]], diverse: bool, ahead=None):
     """Each window's adaptive rows over sequences x (B, T): (embedding index, position, visibility over the T
     standard keys then the rows, label), padded to the longest sequence's rows (label -100: none). Row j of a
-    window at s sits at s+j, sees standard keys 0..s-1 and rows 0..j of its window, and is labelled x[s+j+1]."""
-    B, T = x.shape
-    R = max(1, max(sum(n for _, n in w) for w in wins))
-    which, pos, lab = (torch.zeros(B, R, dtype=torch.long) for _ in range(3))
-    lab -= 100
+    window at s sits at s+j, sees standard keys 0..s-1 and rows 0..j of its window, and is labelled x[s+j+1], or
+    with `ahead` (B, T, L) ahead[s-1, j]: the model's own token j+2 after s-1 where known (training/forced.py)."""
+    (B, T), R = x.shape, max(1, max(sum(n for _, n in w) for w in wins))
+    which, pos, lab = torch.zeros(B, R, dtype=torch.long), torch.zeros(B, R, dtype=torch.long), torch.full((B, R), -100)
     vis = torch.zeros(B, R, T + R, dtype=torch.bool)
     vis[:, :, 0] = True  # padding rows see key 0, so their softmax is defined
     after = F.pad(x, (0, R), value=-100)  # the token after each position; none past the end
@@ -227,7 +227,7 @@ def adaptive_rows(x: torch.Tensor, wins: list[list[tuple[int, int]]], diverse: b
             pos[b, r:r + n] = s + j
             vis[b, r:r + n, :T] = torch.arange(T) < s
             vis[b, r:r + n, T + r:T + r + n] = j[None] <= j[:, None]
-            lab[b, r:r + n] = after[b, s + j + 1]
+            lab[b, r:r + n] = after[b, s + j + 1] if ahead is None else ahead[b, s - 1, :n]
             r += n
     return which, pos, vis, lab
 
@@ -244,15 +244,16 @@ def base_keys(model, x: torch.Tensor) -> list:
     return kept
 
 
-def adaptive_logits(model, delta: Delta, x: torch.Tensor, wins, diverse: bool):
-    """Logits (B, R, V) of the adaptive rows of windows `wins` over x (B, T), and their labels."""
+def adaptive_logits(model, delta: Delta, x: torch.Tensor, wins, diverse: bool, ahead=None):
+    """Logits (B, R, V) of the adaptive rows of windows `wins` over x (B, T), and their labels (adaptive_rows)."""
     keys = base_keys(model, x)
-    which, pos, vis, lab = (t.to(x.device) for t in adaptive_rows(x.cpu(), wins, diverse))
+    which, pos, vis, lab = (t.to(x.device) for t in adaptive_rows(x.cpu(), wins, diverse, ahead))
     f = Forward.training(model, torch.zeros_like(pos), pos, vis, prefix=lambda i: keys[i])
     h = f.norm(f.layers(delta.embed[which], delta=delta.on(None)))
     return model.lm_head(h), lab
 
 
+@torch.no_grad()
 def accuracy(model, delta, held, args, top: int = 5) -> list[list[float]]:
     """Held-out top-`top` accuracy per window position (acc[j][r]: rank r is the token j+2 ahead)."""
     acc, gen = RankAccuracy(args.window, top), torch.Generator().manual_seed(1)
@@ -260,8 +261,7 @@ def accuracy(model, delta, held, args, top: int = 5) -> list[list[float]]:
         x = torch.tensor([p + c], device=model.embed.weight.device)
         wins = [(s, n) for s, n in starts(len(p + c), args.window, 0.1, gen, full=True) if s >= len(p)]
         if wins:
-            with torch.no_grad():
-                logits, lab = adaptive_logits(model, delta, x, [wins], args.diverse)
+            logits, lab = adaptive_logits(model, delta, x, [wins], args.diverse)
             acc.add(logits.view(-1, args.window, logits.shape[-1]), lab.view(-1, args.window))
     return acc.result()
 
@@ -269,19 +269,22 @@ def accuracy(model, delta, held, args, top: int = 5) -> list[list[float]]:
 def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)
-    stream = np.array([t for p, c in train_data for t in p + c], dtype=np.int64)
+    data = [(p + c, (p + c)[1:] + [-100]) for p, c in train_data] + forced_items(model, args)  # (tokens, labels)
+    stream = np.array([t for s, _ in data for t in s], dtype=np.int64)
+    ahead = targets(stream.tolist(), [v for _, lab in data for v in lab], args.window)  # (N, L)
     torch.manual_seed(args.seed)
     delta = Delta(model, args.rank, args.window if args.diverse else 1).to(model.embed.weight)
     opt = adamw(delta, args.lr, weight_decay=0.0)
     ckpt = Checkpoint(args, f"sdsat-{fingerprint(model)}", delta, opt, every=20)
     prog = Progress(args.steps, every=10, start_step=ckpt.start)
-    print(f"sdsat: rank-{args.rank} update of {out}'s projections, {sum(p.numel() for p in delta.parameters())} "
-          f"parameters; {len(stream)} training tokens, L={args.window}, mask rate {args.mask_rate}", flush=True)
+    print(f"sdsat: a rank-{args.rank} update, {sum(p.numel() for p in delta.parameters()):,} parameters; "
+          f"{len(stream):,} training tokens ({args.forced:,} teacher-forced), L={args.window}", flush=True)
     for step in range(ckpt.start, args.steps):
         g = torch.Generator().manual_seed(args.seed * 7919 + step)  # each step's batch: resumes see the same
-        x = windows(stream, args.batch_size, args.seq_len, g)[:, :-1].to(model.embed.weight.device)
+        at = windows(np.arange(len(stream)), args.batch_size, args.seq_len, g)[:, :-1]
+        x = torch.from_numpy(stream)[at].to(model.embed.weight.device)
         wins = [starts(args.seq_len, args.window, args.mask_rate, g) for _ in range(len(x))]
-        logits, lab = adaptive_logits(model, delta, x, wins, args.diverse)
+        logits, lab = adaptive_logits(model, delta, x, wins, args.diverse, ahead[at])
         loss = F.cross_entropy(logits.float().flatten(0, 1), lab.flatten())
         lr = cosine_lr(step, args.steps, args.lr, args.warmup)
         update(opt, loss, lr)
@@ -290,9 +293,8 @@ def train(args):
     acc = accuracy(model, delta, held, args)
     for j, a in enumerate(acc):
         print(f"adaptive token {j + 1} (token t+{j + 2}): held-out top-1 {a[0]:.3f}, top-5 {sum(a):.3f}")
-    meta = {"base_fingerprint": fingerprint(model), "rank": args.rank, "tokens": len(delta.embed),
-            "window": args.window, "mask_rate": args.mask_rate, "acc": acc,
-            "trained": {"steps": args.steps, "seconds": round(prog.elapsed), "seq_len": args.seq_len,
-                        "batch_size": args.batch_size, "lr": args.lr}}
+    trained = {k: getattr(args, k) for k in ("steps", "forced", "seq_len", "batch_size", "lr")}
+    meta = {"base_fingerprint": fingerprint(model), "rank": args.rank, "tokens": len(delta.embed), "acc": acc,
+            "window": args.window, "mask_rate": args.mask_rate, "trained": trained | {"seconds": round(prog.elapsed)}}
     save_drafter(out / "sdsat.safetensors", delta, meta)
     print(f"wrote {out / 'sdsat.safetensors'}")

@@ -146,6 +146,7 @@ def distill_args(p):
     p.add_argument("--train-seqs", type=int,
                    help="train on N of the training sequences, spread evenly (held-out unchanged)")
     p.add_argument("--save-every", type=int, help="steps between resumable checkpoints in --cache (--resume)")
+    p.add_argument("--forced", type=int, default=0, help="also train on this many teacher-forced positions")
 
 
 def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64,

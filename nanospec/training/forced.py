@@ -70,6 +70,32 @@ def label(model, windows: list[list[int]]) -> list[tuple[list[int], list[int]]]:
     return [(w, lab[:len(w)]) for w, lab in zip(windows, labels)]
 
 
+def items(model, args, train: list, piece: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """A drafter trainer's (tokens, labels) items: its distilled pairs, then --forced teacher-forced positions (in
+    windows of at most `piece` tokens)."""
+    return [labelled(d) for d in train] + forced_items(model, args, piece)
+
+
+def forced_items(model, args, piece: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """The --forced teacher-forced positions of a trainer's args as (tokens, labels) windows (none if 0)."""
+    from ..io.sources import base_of
+    from ..io.tokenizer import load_tokenizer
+    extra = forced(model, load_tokenizer(base_of(args.out)), args.forced) if args.forced else []
+    return pieces(extra, piece) if piece else extra
+
+
+def pieces(items: list, n: int) -> list[tuple[list[int], list[int]]]:
+    """The items cut into pieces of at most n tokens (a trainer that packs a forward per sequence keeps them short);
+    a piece with fewer than 2 labels is dropped."""
+    out = [(t[i:i + n], lab[i:i + n]) for t, lab in items for i in range(0, len(t), n)]
+    return [(t, lab) for t, lab in out if sum(v >= 0 for v in lab) >= 2]
+
+
+def start(labels: list[int]) -> int:
+    """One past the first labelled position: where drafting starts (a distilled pair's prompt length)."""
+    return next(i for i, v in enumerate(labels) if v >= 0) + 1
+
+
 def labelled(pair: tuple[list[int], list[int]]) -> tuple[list[int], list[int]]:
     """A distilled (prompt, greedy continuation) as (tokens, labels): the continuation is the model's own, so every
     label from the prompt's last token on is the next token (-100 elsewhere)."""
