@@ -92,8 +92,8 @@ def pieces(items: list, n: int) -> list[tuple[list[int], list[int]]]:
 
 
 def start(labels: list[int]) -> int:
-    """One past the first labelled position: where drafting starts (a distilled pair's prompt length)."""
-    return next(i for i, v in enumerate(labels) if v >= 0) + 1
+    """One past the first labelled position: where drafting starts (a distilled pair's prompt length; none: the end)."""
+    return next((i + 1 for i, v in enumerate(labels) if v >= 0), len(labels))
 
 
 def labelled(pair: tuple[list[int], list[int]]) -> tuple[list[int], list[int]]:
