@@ -229,6 +229,8 @@ def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)
     train_items, held = items(model, args, train_data, piece=args.piece), [labelled(d) for d in held]
+    points = sum(max(len(t) - start(lab) - 1, 0) for t, lab in train_items)
+    print(f"bita: {len(train_items):,} training sequences, {points:,} split points", flush=True)
     torch.manual_seed(args.seed)
     tune = Tuning(model.args, args.masks, args.prompts, args.prompting)
     opt = adamw(tune, args.lr, weight_decay=0.0)
@@ -248,6 +250,7 @@ def train(args):
         print(f"mask {i + 1} (token t+{i + 2}): held-out top-1 {a[0]:.3f}, top-5 {sum(a):.3f}")
     meta = {"base_fingerprint": fingerprint(model), "masks": args.masks, "prompts": args.prompts,
             "prompting": args.prompting, "acc": acc,
-            "trained": {"steps": args.steps, "forced": args.forced, "seconds": round(prog.elapsed)}}
+            "trained": {"steps": args.steps, "positions": points, "forced": args.forced,
+                        "seconds": round(prog.elapsed)}}
     save_drafter(out / filename(args.prompting), tune, meta)
     print(f"wrote {out / filename(args.prompting)}")
