@@ -249,8 +249,8 @@ def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)
     train_items = items(model, args, train_data, piece=args.piece)
-    hosts = sum(len(t) - start(lab) + 1 for t, lab in train_items)
-    print(f"hidden transfer: {len(train_items):,} training sequences, {hosts:,} host positions", flush=True)
+    positions = sum(len(t) - start(lab) + 1 for t, lab in train_items)
+    print(f"hidden transfer: {len(train_items):,} training sequences, {positions:,} host positions", flush=True)
     torch.manual_seed(args.seed)
     tr = Transfer(model.args.dim, [int(t) for t in args.layers.split(",")]).check(model.args.n_layers)
     opt = adamw(tr, args.lr, weight_decay=0.0)
@@ -270,6 +270,7 @@ def train(args):
               f"top-5 {sum(a[:5]):.3f}")
     meta = {"base_fingerprint": fingerprint(model), "layers": tr.layers, "attention": args.attention,
             "acc": acc, "tree": choose_tree(acc, args.tree_size),
-            "trained": {"steps": args.steps, "positions": hosts, "forced": args.forced, "seconds": round(prog.elapsed)}}
+            "trained": {"steps": args.steps, "positions": positions, "forced": args.forced,
+                        "seconds": round(prog.elapsed)}}
     save_drafter(out / "hidden_transfer.safetensors", tr, meta)
     print(f"wrote {out / 'hidden_transfer.safetensors'}: steps at layers {tr.layers}")
