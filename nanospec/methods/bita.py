@@ -50,7 +50,7 @@ from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
-from ..training.forced import items, labelled, start, targets
+from ..training.forced import labelled, start, targets, training_items
 from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..tree import Template, product_paths
 
@@ -228,7 +228,7 @@ def accuracy(model, tune, data, args, topk: int = 5, n_batches: int = 8) -> list
 def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)
-    train_items, held = items(model, args, train_data, piece=args.piece), [labelled(d) for d in held]
+    train_items, held = training_items(model, args, train_data, piece=args.piece), [labelled(d) for d in held]
     points = sum(max(len(t) - start(lab) - 1, 0) for t, lab in train_items)
     print(f"bita: {len(train_items):,} training sequences, {points:,} split points", flush=True)
     torch.manual_seed(args.seed)

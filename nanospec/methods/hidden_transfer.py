@@ -54,7 +54,7 @@ from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
-from ..training.forced import items, start
+from ..training.forced import start, training_items
 from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..tree import Template, choose_tree
 
@@ -248,7 +248,7 @@ def accuracy(model, tr, data, attention="chain", topk=10, batch_size=8):
 def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)
-    train_items = items(model, args, train_data, piece=args.piece)
+    train_items = training_items(model, args, train_data, piece=args.piece)
     positions = sum(len(t) - start(lab) + 1 for t, lab in train_items)
     print(f"hidden transfer: {len(train_items):,} training sequences, {positions:,} host positions", flush=True)
     torch.manual_seed(args.seed)

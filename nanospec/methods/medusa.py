@@ -44,7 +44,7 @@ from ..drafter import Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
-from ..training.forced import items, labelled, targets
+from ..training.forced import labelled, targets, training_items
 from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import Template, choose_tree
 
@@ -148,7 +148,7 @@ def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)  # held out: for accuracies and the tree
     t0 = time.time()
-    h_tr, y_tr = samples(model, items(model, args, train_data), args.heads)
+    h_tr, y_tr = samples(model, training_items(model, args, train_data), args.heads)
     h_ev, y_ev = samples(model, [labelled(d) for d in held], args.heads)
     print(f"medusa: {len(h_tr):,} training positions, {len(h_ev):,} held out "
           f"(hidden states in {time.time() - t0:.0f}s)", flush=True)

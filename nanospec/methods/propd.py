@@ -65,7 +65,7 @@ from ..io.files import fingerprint
 from ..model import RMSNorm
 from ..planner import SIZES as CORE_SIZES
 from ..planner import Planner
-from ..training.forced import items, labelled, targets
+from ..training.forced import labelled, targets, training_items
 from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import choose_tree
 from .medusa import Medusa, load_heads
@@ -258,7 +258,7 @@ def train_early(model, items, layer: int, steps: int, rank: int = 64, batch: int
 def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)
-    train_items, held = items(model, args, train_data), [labelled(d) for d in held]
+    train_items, held = training_items(model, args, train_data), [labelled(d) for d in held]
     layers = sorted({int(v) for v in args.early_layers.split(",")})
     if not all(1 <= n < model.args.n_layers for n in layers):
         raise NanospecError(f"--early-layers must lie in 1..{model.args.n_layers - 1}")

@@ -270,7 +270,7 @@ def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)
     data = [(p + c, (p + c)[1:] + [-100]) for p, c in train_data] + forced_items(model, args)  # (tokens, labels)
-    stream = np.array([t for s, _ in data for t in s], dtype=np.int64)
+    stream = torch.tensor([t for s, _ in data for t in s])
     ahead = targets(stream.tolist(), [v for _, lab in data for v in lab], args.window)  # (N, L)
     torch.manual_seed(args.seed)
     delta = Delta(model, args.rank, args.window if args.diverse else 1).to(model.embed.weight)
@@ -279,10 +279,11 @@ def train(args):
     prog = Progress(args.steps, every=10, start_step=ckpt.start)
     print(f"sdsat: a rank-{args.rank} update, {sum(p.numel() for p in delta.parameters()):,} parameters; "
           f"{len(stream):,} training tokens ({args.forced:,} teacher-forced), L={args.window}", flush=True)
+    index = np.arange(len(stream))  # windows are drawn as positions: the tokens' and the labels' alike
     for step in range(ckpt.start, args.steps):
         g = torch.Generator().manual_seed(args.seed * 7919 + step)  # each step's batch: resumes see the same
-        at = windows(np.arange(len(stream)), args.batch_size, args.seq_len, g)[:, :-1]
-        x = torch.from_numpy(stream)[at].to(model.embed.weight.device)
+        at = windows(index, args.batch_size, args.seq_len, g)[:, :-1]
+        x = stream[at].to(model.embed.weight.device)
         wins = [starts(args.seq_len, args.window, args.mask_rate, g) for _ in range(len(x))]
         logits, lab = adaptive_logits(model, delta, x, wins, args.diverse, ahead[at])
         loss = F.cross_entropy(logits.float().flatten(0, 1), lab.flatten())

@@ -18,6 +18,8 @@ import torch
 
 from .. import ArgumentParser, cli
 from ..io.files import atomic_write, fingerprint
+from ..io.sources import base_of
+from ..io.tokenizer import load_tokenizer
 from .data import CACHE, corpus_files, documents, split_of
 from .loop import causal, fmt_time
 
@@ -70,7 +72,7 @@ def label(model, windows: list[list[int]]) -> list[tuple[list[int], list[int]]]:
     return [(w, lab[:len(w)]) for w, lab in zip(windows, labels)]
 
 
-def items(model, args, train: list, piece: int | None = None) -> list[tuple[list[int], list[int]]]:
+def training_items(model, args, train: list, piece: int | None = None) -> list[tuple[list[int], list[int]]]:
     """A drafter trainer's (tokens, labels) items: its distilled pairs, then --forced teacher-forced positions (in
     windows of at most `piece` tokens)."""
     return [labelled(d) for d in train] + forced_items(model, args, piece)
@@ -78,8 +80,6 @@ def items(model, args, train: list, piece: int | None = None) -> list[tuple[list
 
 def forced_items(model, args, piece: int | None = None) -> list[tuple[list[int], list[int]]]:
     """The --forced teacher-forced positions of a trainer's args as (tokens, labels) windows (none if 0)."""
-    from ..io.sources import base_of
-    from ..io.tokenizer import load_tokenizer
     extra = forced(model, load_tokenizer(base_of(args.out)), args.forced) if args.forced else []
     return pieces(extra, piece) if piece else extra
 
@@ -122,8 +122,6 @@ def targets(tokens: list[int], labels: list[int], K: int) -> torch.Tensor:
 
 def main(argv=None):
     from ..io.checkpoint import load
-    from ..io.sources import base_of
-    from ..io.tokenizer import load_tokenizer
     p = ArgumentParser(description="Make (and cache) teacher-forced self-distillation data for a base model.")
     p.add_argument("--weights", required=True)
     p.add_argument("--positions", type=int, default=1_000_000)
