@@ -6,8 +6,15 @@ costs.CostModel, or a device layer's: tuning/costs.Measured), acceptance per dep
 expected accepted length of a tree (1, plus each node's path probability: Figure 6), and the size
 with the most expected tokens per second, replanned every `replan` tokens of the planner's clock
 (not a cursor, which a refill restarts) and whenever the batch size changes. The cost model learns
-at each plan, from the steps since. Size 0, an AR step, is the one generalisation: drafting that
-does not pay stops.
+at each plan, from the steps since. Two generalisations:
+- Size 0, an AR step: drafting that does not pay stops.
+- The expected lengths are calibrated by what drafting steps got: the draft tokens accepted over
+  those the model expected (an EMA over the steps after a drafting step; a step after AR has no
+  drafts to verify, a switch's price). Figure 6 scores a tree as if every step had drafts: a drafter
+  whose drafts ride on one node (SDSAT's adaptive tokens) has none after a step that stops short of
+  it, and a plan made on a good run of acceptance meets the run's end. The estimates per depth stay
+  the paper's; the ratio prices what they leave out, so a drafter the planner trusted goes to AR
+  where its drafts do not pay.
 
 A device layer may hand a drafter a planner that adds to this one (tuning/planner.py: probes,
 unranked drafters' gains, sizes that fill a CPU's row buckets), and sizes of its own.
@@ -19,6 +26,7 @@ from collections import Counter
 from .tree import Template, choose_tree
 
 SIZES = (0, 1, 3, 7, 15, 31, 63)  # the paper names none: with its root, each a power of two rows, doubling
+PRIOR = 8  # drafting steps' worth of belief in the model's own lengths before the calibration moves it
 
 
 def expected_lengths(paths: list[tuple[int, ...]], p: list[list[float]]) -> list[float]:
@@ -48,6 +56,8 @@ class Planner:
         self.steps = []  # steps not yet learnt by the cost model
         self.batch = 1  # the sequences of the step planned (the cost model's key: a batch's rows share a forward)
         self.P = None
+        self.raw, self.got, self.want, self.seen = {}, 0.0, 0.0, 0  # calibration: model lengths; EMAs, steps
+        self.last = {}  # per sequence: its last step's size
 
     def start(self, drafter, dec) -> None:
         self.drafter = drafter
@@ -65,8 +75,17 @@ class Planner:
                 for row in self.P]
 
     def lengths(self, sure: bool = False) -> dict[int, float]:
-        """The expected accepted length per size, of a sequence of the batch."""
-        return tree_lengths(self.p(sure), self.sizes, self.drafter.family)
+        """The expected accepted length per size, of a sequence of the batch (sure: the model's, as if
+        every top-1 were right; else calibrated by the drafting steps' outcomes)."""
+        raw = tree_lengths(self.p(sure), self.sizes, self.drafter.family)
+        if sure:
+            return raw
+        self.raw = raw
+        return {s: 1 + self.calibration() * (n - 1) for s, n in raw.items()}
+
+    def calibration(self) -> float:
+        """Draft tokens accepted per draft token the model expected, over the drafting steps (1: none yet)."""
+        return self.got / self.want if self.want > 0 else 1.0
 
     def seconds(self, s: int, bare: bool = False) -> float:
         """A step's cost with a budget of s draft nodes for each sequence of the batch (bare: its forward's)."""
@@ -105,6 +124,15 @@ class Planner:
             self.steps.append((rows, seconds, self.batch, not size))
             self.clock += len(path)
         seq, n, out = id(dec), len(dec.out), dec.out  # its Decoding, not its cache row: a row takes the next prompt
+        if size and self.last.get(seq) and size in self.raw:  # after a drafting step (an AR step leaves no drafts):
+            want = self.raw[size] - 1  # the model's expectation at the last plan against what the step got
+            if not self.seen:  # the prior: PRIOR steps that got what the model expected
+                self.got = self.want = want
+            self.seen += 1
+            w = max(1 / (self.seen + PRIOR), self.alpha)
+            self.got += w * (len(path) - 1 - self.got)
+            self.want += w * (want - self.want)
+        self.last[seq] = size
         for i, depth, guess, tag in self.pending.get(seq, []):  # a candidate list of depth d guessed output i
             if i < n:
                 w = self.weight(depth, tag)

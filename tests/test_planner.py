@@ -188,22 +188,31 @@ def test_a_refill_does_not_stop_the_replans():
         assert plans.count(False) - before >= 40 // 8  # one plan in 8 tokens, after the refill too
 
 
-def drive(planner, acc, steps, right, seconds=lambda rows, size: 0.01, B=1) -> list[int]:
+def drive(planner, acc, steps, right, seconds=lambda rows, size: 0.01, B=1, ride=False) -> list[int]:
     """Plans `steps` steps of B sequences for a stand-in ranked drafter (acc: its prior per depth, 3
     ranks) whose output i is token i: a drafting step's candidates at depth k guess output n + k (n:
     the tokens after the step), right at top-1 where right(step, i); a step takes seconds(rows, size).
+    A drafting step over the last step's candidates accepts their leading right top-1s, up to its
+    size, as a chain would. ride: the drafts ride on the chain's end, as SDSAT's adaptive tokens do,
+    so a step that stops short of it has none for the next (whose tree is then its root alone).
     The size of each step."""
     planner.start(ranked(acc), None)
-    decs, sizes = [SimpleNamespace(out=[], cur=0) for _ in range(B)], []
+    decs, sizes, last = [SimpleNamespace(out=[], cur=0) for _ in range(B)], [], [None] * B
     for step in range(steps):
         size, _ = planner.budget(decs)
         for b, dec in enumerate(decs):
-            dec.out.append(len(dec.out))
-            dec.cur += 1
+            got = 0
+            while size and last[b] and got < min(size, len(acc)) and last[b][got][0] != -1:
+                got += 1
+            dec.out += range(len(dec.out), len(dec.out) + got + 1)
+            dec.cur += got + 1
             n = len(dec.out)
             cands = [[n + k if right(step, n + k) else -1, -2, -3] for k in range(len(acc))] if size else None
+            if ride and last[b] and got < min(size, len(acc)):
+                cands = None
             rows = B * (size + 1) if b == 0 else 0  # a batch's step is counted with its first sequence
-            planner.observe(dec, size, rows, seconds(B * (size + 1), size), cands=cands)
+            planner.observe(dec, size, rows, seconds(B * (size + 1), size), tuple(range(got + 1)), cands=cands)
+            last[b] = cands
         sizes.append(size)
     return sizes
 
@@ -503,3 +512,29 @@ def test_best_trees_nest(K, R, s, rnd):
     acc = [[rnd.choice([0.0, 0.1, 0.25, 0.5, rnd.random()]) for _ in range(R)] for _ in range(K)]
     allowed = None if rnd.random() < 0.5 else product_paths([rnd.randint(1, R) for _ in range(K)])
     assert choose_tree(acc, s, allowed) == choose_tree(acc, 64, allowed)[:s]
+
+
+def test_the_lengths_are_calibrated_by_what_drafting_steps_got(monkeypatch):
+    """Drafts that ride on the chain's end (SDSAT's adaptive tokens): a step that stops short of it
+    leaves the next step its root alone, which Figure 6's lengths leave out. Where that makes drafting
+    lose to AR, the calibrated planner goes to AR (probes aside) and beats AR's pace within a few
+    percent, where the model's own lengths draft on; where drafting pays, it drafts on. Planted fault:
+    the calibration held at 1."""
+
+    def run(b1, p0, calibrated):
+        rng, hits, log = random.Random(0), {}, []
+        planner = Tuned(FixedCost(0.01, b1), sizes=(0, 1, 2, 4), replan=8)
+        if not calibrated:
+            monkeypatch.setattr(planner, "calibration", lambda: 1.0)
+        observe = planner.observe
+        planner.observe = lambda dec, size, rows, secs, path, **k: (log.append((len(path), secs))
+                                                                     or observe(dec, size, rows, secs, path, **k))
+        sizes = drive(planner, [[p0, 0.0, 0.0]] * 2, 1500, lambda step, i: hits.setdefault(i, rng.random() < p0),
+                      lambda rows, size: 0.01 + b1 * rows, ride=True)
+        pace = sum(n for n, _ in log) / sum(s for _, s in log) * (0.01 + b1)  # tokens per AR step's time
+        return sum(s > 0 for s in sizes[500:]) / 1000, pace
+
+    (drafts, pace), (fault, fault_pace) = run(0.006, 0.5, True), run(0.006, 0.5, False)
+    assert drafts < 0.45 < 0.6 < fault and pace > 0.98 and pace > fault_pace + 0.01
+    drafts, pace = run(0.002, 0.7, True)
+    assert drafts > 0.9 and pace > 1.3
