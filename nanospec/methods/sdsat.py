@@ -270,8 +270,8 @@ def train(args):
     out = Path(args.out)
     model, train_data, held = distilled(args)
     data = [(p + c, (p + c)[1:] + [-100]) for p, c in train_data] + forced_items(model, args)  # (tokens, labels)
-    stream = torch.tensor([t for s, _ in data for t in s])
-    ahead = targets(stream.tolist(), [v for _, lab in data for v in lab], args.window)  # (N, L)
+    tokens = [t for s, _ in data for t in s]
+    stream, ahead = torch.tensor(tokens), targets(tokens, [v for _, lab in data for v in lab], args.window)  # (N, L)
     torch.manual_seed(args.seed)
     delta = Delta(model, args.rank, args.window if args.diverse else 1).to(model.embed.weight)
     opt = adamw(delta, args.lr, weight_decay=0.0)
