@@ -215,11 +215,13 @@ def batches(items, args, P, shallow, gen, steps):
 
 
 @torch.no_grad()
-def accuracy(model, tune, data, args, topk: int = 5, n_batches: int = 8) -> list[list[float]]:
-    """acc[i][r]: how often mask i's rank-r candidate is the target, on held-out sequences."""
-    acc = RankAccuracy(tune.M, topk)
-    gen = torch.Generator().manual_seed(1)
-    for tokens, kind, pos, vis, lab in batches(data, args, tune.P, tune.prompting == "shallow", gen, n_batches):
+def accuracy(model, tune, data, args, topk: int = 5) -> list[list[float]]:
+    """acc[i][r]: how often mask i's rank-r candidate is the target, over every held-out sequence once (its split
+    points drawn with a fixed seed, so two drafters are measured at the same ones)."""
+    acc, gen = RankAccuracy(tune.M, topk), torch.Generator().manual_seed(1)
+    for at in range(0, len(data), args.batch_size):
+        tokens, kind, pos, vis, lab = pack(data[at:at + args.batch_size], tune.M, args.groups, tune.P,
+                                           tune.prompting == "shallow", gen)
         logits = sar_logits(model, tune, tokens, kind, pos, vis)  # (B, G*M, V)
         acc.add(logits.view(len(lab), -1, tune.M, logits.shape[-1]), lab.view(len(lab), -1, tune.M))
     return acc.result()
