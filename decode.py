@@ -193,9 +193,13 @@ def main(argv=None):
     info = dict(mode=args.mode, device=args.device, dtype=str(dtype).removeprefix("torch."))
 
     if args.bench:
-        prompt_file = args.prompts or (weights / "prompts.jsonl" if (weights / "prompts.jsonl").is_file() else None)
+        # the drafters' directory's prompts, else the --weights directory's (--drafters may hold drafters only)
+        found = [d / "prompts.jsonl" for d in (weights, Path(args.weights or DEFAULT_WEIGHTS))
+                 if (d / "prompts.jsonl").is_file()]
+        prompt_file = args.prompts or (found[0] if found else None)
         if prompt_file is None:
-            raise NanospecError("--bench needs --prompts FILE.jsonl (this weights directory has no prompts.jsonl)")
+            raise NanospecError("--bench needs --prompts FILE.jsonl (neither the weights' nor the drafters' directory "
+                                "has a prompts.jsonl)")
         prompts = [encode(args, tok, p) for p in load_prompts(prompt_file)[:args.limit]]
         drafters = [load_drafter(m, model, weights) for m in methods]
         if own_model:

@@ -62,6 +62,16 @@ def test_bench_json(weights, tmp_path):
     assert {"new_tokens", "steps", "mean_accepted", "forward_ms", "tokens_per_s"} <= r.keys() and r["forward_ms"] > 0
 
 
+def test_bench_with_drafters_reads_the_weights_prompts(weights, tmp_path):
+    """--bench --drafters DIR, where DIR holds drafters only, benches the --weights directory's prompts.jsonl."""
+    own = shutil.copytree(weights, tmp_path / "w")
+    (own / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]))
+    (tmp_path / "d").mkdir()
+    (r,) = last_json(call(decode.main, "--weights", own, "--drafters", tmp_path / "d", "--bench", "--methods", "ar",
+                          "--max-new-tokens", 4, "--json"))["results"]
+    assert r["prompts"] == 2 and r["mismatches"] == 0
+
+
 def test_prompts_decode_in_batches_and_bench_by_batch_size(weights, tmp_path):
     """--batch 2 decodes the prompts two at a time (a stopped one's row takes the next), each as alone (--check: AR
     alone, bitwise in exact mode); --bench --batch 1,2 reports each size against AR at that size (a batch size's runs
