@@ -10,7 +10,10 @@
   logits, and per node the drafts that node would make if it ended the accepted path. Forward and
   Out live here: they are what a method's forward is written with.
 - propose(drafts) turns each sequence's last accepted node's drafts into logits per depth
-  (B, K, V), as one product for the batch.
+  (B, K, V), as one product for the batch (Medusa's heads). A method whose drafts are the lm_head's
+  own rows (BiTA's masks, Hidden Transfer's pseudo states, SDSAT's adaptive tokens) returns their
+  logits from the forward's one head product instead: a second product would read the head's
+  weights again, and at a few rows that read is the product's cost.
 - accepted(dec, tree, path) is told what was accepted (Lookahead's trie, SDSAT's statistics).
 Plain AR is the base Drafter: a tree of the root alone.
 """
@@ -99,7 +102,7 @@ class Out:
     rows come first)."""
     logits: torch.Tensor                 # (B, N, V): each node's logits, verified against AR
     drafts: torch.Tensor | None = None   # (B, N, K', D): per node, what drafts the next tree if it ends the
-    #                                      accepted path (hidden states); Drafter.propose makes (K, V) of them
+    #                                      accepted path (hidden states or logits); propose makes (K, V) of them
     depths: torch.Tensor | None = None   # (B, N): how many of the K draft depths are real (None: all; 0: none)
     alive: torch.Tensor | None = None    # (B, N) bool: the nodes left to verify (ProPD prunes the rest)
 
@@ -136,7 +139,7 @@ class Drafter:
             acc = getattr(self, "acc", None)  # held-out accuracy per depth and rank
             R = len(acc[0]) if acc else 10
             self.topk = [max(R, *self.topk)] * len(self.topk)
-        self.max_rows = max(self.max_rows, self.size(1 + max(planner.sizes)))
+        self.max_rows = max(self.max_rows, self.size(1 + max(planner.sizes), max(planner.sizes)))
         return self
 
     def start(self, dec) -> None:
@@ -154,8 +157,9 @@ class Drafter:
         suffix its trie matches): the planner keeps its gains per context."""
         return 0
 
-    def size(self, n: int) -> int:
-        """Rows a step over a tree of n nodes runs."""
+    def size(self, n: int, budget: int | None = None) -> int:
+        """Rows a step over a tree of n nodes runs: this step's, or a planner's price of a step at
+        `budget` (a method's own rows may follow the budget: SDSAT's adaptive tokens)."""
         return n
 
     def rows(self, dec, tree: Tree, n: int) -> Block:

@@ -218,9 +218,7 @@ def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs):
         f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact, seqs)
         lay = Layout(parent, depth, index, anc)
         out = drafter.forward(f, Nodes(node_tokens, lay, real, nodes.n))
-        N = node_tokens.shape[-1]  # drafts may cover the real nodes only: pad them to the padded tree
-        if out.drafts is not None and out.drafts.shape[1] < N:
-            out.drafts = F.pad(out.drafts, (0, 0, 0, 0, 0, N - out.drafts.shape[1]))
+        N = node_tokens.shape[-1]  # drafts may cover the real nodes only (a path ends on one): depths are padded
         if out.depths is not None and out.depths.shape[1] < N:
             out.depths = F.pad(out.depths, (0, N - out.depths.shape[1]))
         if not greedy:

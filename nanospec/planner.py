@@ -89,7 +89,7 @@ class Planner:
 
     def seconds(self, s: int, bare: bool = False) -> float:
         """A step's cost with a budget of s draft nodes for each sequence of the batch (bare: its forward's)."""
-        return self.cost.estimate(self.batch * (self.drafter.size(s + 1) if s else 1), self.batch, bare)
+        return self.cost.estimate(self.batch * (self.drafter.size(s + 1, s) if s else 1), self.batch, bare)
 
     def budget(self, decs: list) -> tuple[int, Template | None]:
         """This step's draft nodes for every sequence of a batch (0: an AR step) and, for a ranked
@@ -112,7 +112,7 @@ class Planner:
             B = self.batch
             if self.cost.estimate(B, B) is None:  # an online cost model has no line yet: two sizes first
                 first = len(self.drafter.template) - 1 if getattr(self.drafter, "template", None) else self.sizes[-1]
-                return next((s for s in (first, 1) if (B, B * self.drafter.size(s + 1)) not in self.cost.perf), 1)
+                return next((s for s in (first, 1) if (B, B * self.drafter.size(s + 1, s)) not in self.cost.perf), 1)
             self.at, self.size = self.clock, best(self.lengths(), self.seconds)
         return self.size
 

@@ -277,7 +277,7 @@ class Adversary(Drafter):
         tree = from_branches(dec.last, branches)
         return tree.prefix(min(len(tree), self.max_nodes))  # the engine trims it to the cache's room
 
-    def size(self, n):
+    def size(self, n, budget=None):
         return n + self.extra_rows
 
     def rows(self, dec, tree, n):

@@ -38,7 +38,7 @@ def test_bita_equals_ar(device, dtype, args, seed, plen, data, P, prompting, dec
     # straightforward decoding with one mask drafts every other step at best (its mask is used up), so M >= 2 there
     M = data.draw(st.integers(2 if decoding == "straight" else 1, 3))
     model = random_model(args, seed, DTYPES[dtype], device)
-    d = BiTA(random_tuning(args, seed, M, P, prompting, DTYPES[dtype], device), model.lm_head, decoding, k)
+    d = BiTA(random_tuning(args, seed, M, P, prompting, DTYPES[dtype], device), decoding, k)
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     out = check_exact(model, prompt, d, 20, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
@@ -49,7 +49,7 @@ def test_bita_equals_ar(device, dtype, args, seed, plen, data, P, prompting, dec
 def test_tree_rows_never_see_prompt_or_mask_rows(prompting):
     """Figure 3: ordinary rows' outputs are bitwise those of the tree alone, in exact mode."""
     model = random_model(TINY, 1)
-    d = BiTA(random_tuning(TINY, 1, 3, 4, prompting, torch.float32, "cpu"), model.lm_head, "efficient", 2)
+    d = BiTA(random_tuning(TINY, 1, 3, 4, prompting, torch.float32, "cpu"), "efficient", 2)
     tree = Template([(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1)]).tree(5, torch.tensor([[1, 2], [3, 4], [6, 7]]))
     prompt = [3, 9, 4, 1]
     with_masks, masks = one_forward(model, d, tree, prompt, exact=True)
@@ -68,9 +68,9 @@ def test_training_forward_matches_decoding(prompting):
     packed = sar_logits(model, tune, tokens, kind, pos, vis)[0].view(4, 3, -1)
     splits = (pos[0, kind[0] >= 1].view(4, 3)[:, 0] - 1).tolist()
     for g, k in enumerate(splits):
-        d = BiTA(tune, model.lm_head, "straight", 1)
+        d = BiTA(tune, "straight", 1)
         masks = one_forward(model, d, Tree.chain(seq[k]), seq[:k + 1], exact=False)[1]
-        torch.testing.assert_close(model.lm_head(masks[0]), packed[g], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(masks[0], packed[g], atol=1e-4, rtol=1e-4)
         assert lab[0, 3 * g].item() == seq[k + 2]  # mask 0 of a group at k predicts token k+2
 
 
@@ -92,7 +92,7 @@ def test_draft_tree_shapes():
 
     class Dec:
         last = 5
-    eff, full, straight = (BiTA(tune, None, v, 3) for v in ("efficient", "full", "straight"))
+    eff, full, straight = (BiTA(tune, v, 3) for v in ("efficient", "full", "straight"))
     draft = lambda d: d.draft(Dec, cands, d.template, None)
     t = draft(eff)
     assert len(t) == 1 + 9 == len(eff.template)
@@ -108,7 +108,7 @@ def test_straightforward_drops_used_masks():
     """After c accepted drafts, the root group's masks c.. give the next drafts (Figure 4): a node
     at depth c of the root's chain carries masks c.. as its drafts, and M - c of them are real."""
     model = random_model(TINY, 4)
-    d = BiTA(random_tuning(TINY, 4, 3, 2, "none", torch.float32, "cpu"), model.lm_head, "straight", 1)
+    d = BiTA(random_tuning(TINY, 4, 3, 2, "none", torch.float32, "cpu"), "straight", 1)
     tree = Tree.chain(5, [6, 7, 8])
     _, drafts = one_forward(model, d, tree, [3, 9, 4, 1], exact=False)
     _, root = one_forward(model, d, Tree.chain(5), [3, 9, 4, 1], exact=False)

@@ -35,12 +35,11 @@ def drafter(name, model):
                                noisy(EarlyHead(a.dim, a.vocab_size, 4, 1e-5), 2, 1.0), layer=1, k=3, dynamic=False),
         "propd-dynamic": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC, None, dynamic=True, sizes=(1, 4, 12),
                                        replan=4, cost=FixedCost(1e-2, 1e-5)),
-        "bita-deep": lambda: BiTA(noisy(Tuning(a, 3, 4, "deep"), 3, 1.0), model.lm_head, "efficient", 2),
-        "bita-shallow-full": lambda: BiTA(noisy(Tuning(a, 2, 3, "shallow"), 3, 1.0), model.lm_head, "full", 2),
-        "bita-straight": lambda: BiTA(noisy(Tuning(a, 3, 4, "none"), 3, 1.0), model.lm_head, "straight", 1),
-        "hidden_transfer": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 4, 0.3), choose_tree(ACC[:2], 8),
-                                                  model.lm_head),
-        "sdsat": lambda: SDSAT(noisy(Delta(model, 4), 5, 0.3), model.lm_head, k=4, width=2),
+        "bita-deep": lambda: BiTA(noisy(Tuning(a, 3, 4, "deep"), 3, 1.0), "efficient", 2),
+        "bita-shallow-full": lambda: BiTA(noisy(Tuning(a, 2, 3, "shallow"), 3, 1.0), "full", 2),
+        "bita-straight": lambda: BiTA(noisy(Tuning(a, 3, 4, "none"), 3, 1.0), "straight", 1),
+        "hidden_transfer": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 4, 0.3), choose_tree(ACC[:2], 8)),
+        "sdsat": lambda: SDSAT(noisy(Delta(model, 4), 5, 0.3), k=4, width=2),
     }[name]()
 
 
@@ -52,6 +51,18 @@ def test_trained_methods_in_a_near_full_cache(name, device):
     prompt = [3, 9, 4, 1, 7, 12, 5]
     out = check_exact(model, prompt, d, 96, fast=True, peeking=0.9, seed=5, tight=True)
     assert out.mean_accepted >= 1.5 and out.stop == "max_new_tokens"
+
+
+@pytest.mark.parametrize("name", ["bita-deep", "bita-straight", "hidden_transfer", "sdsat"])
+def test_a_step_reads_the_head_once(name):
+    """A drafter whose drafts are the head's own rows (masks, pseudo states, adaptive tokens) takes their logits
+    from the step's one head product: fast mode calls the lm_head once a step and once for the prefill, never
+    again for the drafts (at a few rows a second product costs what the first does: it reads the weights)."""
+    model = random_model(ARGS, seed=11)
+    d, calls, head = drafter(name, model), [], model.lm_head.forward
+    model.lm_head.forward = lambda x: calls.append(x.shape) or head(x)  # fast mode calls forward directly
+    out = generate(model, [3, 9, 4, 1, 7, 12, 5], d, max_new_tokens=24, eos_id=-1)
+    assert out.steps > 2 and len(calls) == out.steps + 1
 
 
 @pytest.mark.parametrize("exact", [True, False])

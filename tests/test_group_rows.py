@@ -21,14 +21,13 @@ ARGS = ModelArgs(dim=24, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=37, hid
 def group_drafter(name, model):
     a = model.args
     return {
-        "hidden_transfer": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 1, 0.3), [(0,), (0, 0)],
-                                                  model.lm_head),
+        "hidden_transfer": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 1, 0.3), [(0,), (0, 0)]),
         "hidden_transfer-unchained": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 1, 0.3), [(0,), (0, 0)],
-                                                            model.lm_head, chained=False),
-        "bita-deep": lambda: BiTA(noisy(Tuning(a, 3, 4, "deep"), 2, 1.0), model.lm_head, "efficient", 2),
-        "bita-shallow": lambda: BiTA(noisy(Tuning(a, 2, 3, "shallow"), 2, 1.0), model.lm_head, "full", 2),
-        "bita-none": lambda: BiTA(noisy(Tuning(a, 3, 2, "none"), 2, 1.0), model.lm_head, "efficient", 2),
-        "sdsat": lambda: SDSAT(noisy(Delta(model, 4), 2, 0.3).to(model.embed.weight), model.lm_head, k=3),
+                                                            chained=False),
+        "bita-deep": lambda: BiTA(noisy(Tuning(a, 3, 4, "deep"), 2, 1.0), "efficient", 2),
+        "bita-shallow": lambda: BiTA(noisy(Tuning(a, 2, 3, "shallow"), 2, 1.0), "full", 2),
+        "bita-none": lambda: BiTA(noisy(Tuning(a, 3, 2, "none"), 2, 1.0), "efficient", 2),
+        "sdsat": lambda: SDSAT(noisy(Delta(model, 4), 2, 0.3).to(model.embed.weight), k=3),
     }[name]()
 
 

@@ -37,7 +37,7 @@ def test_hidden_transfer_equals_ar(device, dtype, args, n_layers, seed, plen, da
     layers = sorted(data.draw(st.sets(st.integers(1, n_layers - 1), min_size=1, max_size=3)))
     model = random_model(args, seed, DTYPES[dtype], device)
     tr = random_transfer(args.dim, layers, seed, dtype=DTYPES[dtype], device=device)
-    d = HiddenTransfer(tr, choose_tree(ACC[:len(layers)], tree_size), model.lm_head, chained)
+    d = HiddenTransfer(tr, choose_tree(ACC[:len(layers)], tree_size), chained)
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     out = check_exact(model, prompt, d, 20, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
@@ -48,7 +48,7 @@ def test_hidden_transfer_equals_ar(device, dtype, args, n_layers, seed, plen, da
 def test_real_rows_never_see_pseudo_rows():
     """Tree rows' logits are bitwise those of the tree alone, in exact mode."""
     model = random_model(TINY, 1)
-    d = HiddenTransfer(random_transfer(TINY.dim, [1, 2], 1), choose_tree(ACC[:2], 6), model.lm_head)
+    d = HiddenTransfer(random_transfer(TINY.dim, [1, 2], 1), choose_tree(ACC[:2], 6))
     tree = Template([(0,), (1,), (0, 0), (0, 1), (1, 0)]).tree(5, torch.tensor([[1, 2], [3, 4]]))
     prompt = [3, 9, 4, 1, 7]
     with_pseudo, pseudo = one_forward(model, d, tree, prompt, exact=True)
@@ -60,10 +60,10 @@ def test_pseudo_rows_join_at_their_layer():
     """Fast mode adds pseudo rows at layer t_i; exact mode runs placeholders from layer 0 and
     overwrites them. Both compute the same pseudo states (up to rounding)."""
     model = random_model(TINY, 2)
-    d = HiddenTransfer(random_transfer(TINY.dim, [1, 2], 2), choose_tree(ACC[:2], 6), model.lm_head)
+    d = HiddenTransfer(random_transfer(TINY.dim, [1, 2], 2), choose_tree(ACC[:2], 6))
     tree = Template([(0,), (1,), (0, 0), (0, 1)]).tree(5, torch.tensor([[1, 2], [3, 4]]))
-    exact = model.lm_head(one_forward(model, d, tree, [3, 9, 4, 1, 7], exact=True)[1])
-    fast = model.lm_head(one_forward(model, d, tree, [3, 9, 4, 1, 7], exact=False)[1])
+    exact = one_forward(model, d, tree, [3, 9, 4, 1, 7], exact=True)[1]  # the pseudo rows' logits
+    fast = one_forward(model, d, tree, [3, 9, 4, 1, 7], exact=False)[1]
     torch.testing.assert_close(fast, exact, atol=1e-4, rtol=1e-4)
 
 
@@ -98,9 +98,9 @@ def test_training_forward_matches_decoding():
     T, H = len(seq), hosts.shape[1]
     packed = model.lm_head(h[0, T:]).view(2, H, -1)
     for n, j in enumerate(hosts[0].tolist()):
-        d = HiddenTransfer(tr, choose_tree(ACC[:2], 4), model.lm_head)
+        d = HiddenTransfer(tr, choose_tree(ACC[:2], 4))
         pseudo = one_forward(model, d, Tree.chain(seq[j]), seq[:j + 1], exact=False)[1]
-        torch.testing.assert_close(model.lm_head(pseudo[0]), packed[:, n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(pseudo[0], packed[:, n], atol=1e-4, rtol=1e-4)
 
 
 def test_a_few_training_steps_reduce_the_loss():
@@ -136,4 +136,4 @@ def test_bad_configurations_are_refused():
     with pytest.raises(NanospecError, match=r"in 1\.\.2"):
         Transfer(8, [1, 3]).check(3)
     with pytest.raises(NanospecError, match="deep"):
-        HiddenTransfer(Transfer(8, [1]), [(0,), (0, 0)], None)
+        HiddenTransfer(Transfer(8, [1]), [(0,), (0, 0)])

@@ -148,7 +148,8 @@ def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
 
 def ranked(acc):
     """A stand-in ranked drafter: its prior acc per depth over 3 ranks, a row per node, one context."""
-    return SimpleNamespace(topk=[3] * len(acc), acc=acc, size=lambda n: n, family=None, context=lambda dec: 0)
+    return SimpleNamespace(topk=[3] * len(acc), acc=acc, size=lambda n, budget=None: n, family=None,
+                           context=lambda dec: 0)
 
 
 def test_the_cost_model_learns_at_each_plan_and_a_kind_of_step_known_replans():
@@ -354,7 +355,7 @@ def test_a_probe_weighs_beside_the_history():
     """A probe's outcomes weigh as PROBE steps of the history: 8 right guesses move an estimate of
     0.2 to 0.6, not to 1 (a good stretch that a probe meets would plan drafting as if it always came)."""
     p = Tuned(FixedCost(0.01, 0.001))
-    p.start(SimpleNamespace(topk=[3], acc=[[0.2, 0.0, 0.0]], size=lambda n: n, family=None), None)
+    p.start(SimpleNamespace(topk=[3], acc=[[0.2, 0.0, 0.0]], size=lambda n, budget=None: n, family=None), None)
     dec, p.probed = SimpleNamespace(out=[], cur=0), True
     for i in range(PROBE + 1):
         p.observe(dec, 1, 2, 0.01, cands=[[i, -1, -2]])  # a depth-0 candidate list that guesses output i
@@ -450,7 +451,8 @@ def nested_run(p, context, whole, steps=200) -> list[tuple[int, int]]:
     (its Decoding persists, as the engine's does): context(i) and whole(i, seq) give step i's context
     and whole draft, seq the last token and the 16 after it. (context, size) of each step."""
     world = list(range(1000, 9000))
-    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n: n, context=lambda dec: context(dec.i)), None)
+    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n, budget=None: n,
+                            context=lambda dec: context(dec.i)), None)
     dec, out = SimpleNamespace(cur=1, out=[], i=0), []
     for dec.i in range(steps):
         s, _ = p.budget([dec])

@@ -1,5 +1,7 @@
 """SDSAT: standard rows are the base model's bitwise whatever the adaptive rows' update, exactness
 against AR of the base model, the two-step loop, section 2.2's windows, and training."""
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,11 +86,51 @@ def test_planted_faults_change_standard_rows(planted):
 def test_sdsat_equals_ar(device, dtype, args, seed, plen, k, width, diverse, sampled):
     """Every standard token is the base model's: SDSAT's output is the base model's AR, bitwise."""
     model = random_model(args, seed, DTYPES[dtype], device)
-    d = SDSAT(delta_for(model, seed, tokens=k if diverse else 1), model.lm_head, k, width)
+    d = SDSAT(delta_for(model, seed, tokens=k if diverse else 1), k, width)
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     out = check_exact(model, prompt, d, 20, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
     assert out.mean_accepted >= 1.5  # the adaptive tokens' candidates carry the truth: drafts are accepted
+
+
+class Budgets:
+    """A stand-in planner: each step's budget from a cycle (0: an AR step), over the drafter's own template."""
+
+    def __init__(self, cycle):
+        self.cycle = itertools.cycle(cycle)
+
+    def start(self, drafter, dec):
+        pass
+
+    def budget(self, decs):
+        return next(self.cycle), None
+
+    def observe(self, *args, **kwargs):
+        pass
+
+    def report(self):
+        return ""
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_adaptive_rows_follow_the_budget(exact):
+    """Under a planner a step appends min(k, budget) adaptive tokens, as many as the next tree can use (k is
+    free at inference), and its rows are priced so; the output is still AR's."""
+    model = random_model(TINY, 4)
+    prompt, k = [5, 9, 2, 7], 3
+    ar = generate(model, prompt, max_new_tokens=40, eos_id=-1, exact=exact)
+    d = peek(SDSAT(delta_for(model, 4), k=k), ar.tokens, p=0.8, seed=2)
+    d.planner, seen, rows = Budgets([2, 0, 1, 5, 3, 1, 4, 2, 2]), [], d.rows
+
+    def spy(dec, tree, n):
+        blk = rows(dec, tree, n)
+        seen.append((d.now, blk.tokens.shape[1] - n, d.size(len(tree)) - len(tree), d.size(4, 1) - 4))
+        return blk
+    d.rows = spy
+    assert generate(model, prompt, d, max_new_tokens=40, eos_id=-1, exact=exact).tokens == ar.tokens
+    budgets = [b for b in itertools.islice(itertools.cycle([2, 0, 1, 5, 3, 1, 4, 2, 2]), len(seen) * 2) if b]
+    assert [s[0] for s in seen] == [min(k, b) for b in budgets[:len(seen)]] and {1, 2, 3} <= {s[0] for s in seen}
+    assert all(now == laid == priced and at_one == 1 for now, laid, priced, at_one in seen)
 
 
 def test_two_step_loop():
@@ -97,7 +139,7 @@ def test_two_step_loop():
     model = random_model(TINY, 3)
     prompt, k = [5, 9, 2, 7], 3
     ar = generate(model, prompt, max_new_tokens=40, eos_id=-1)
-    d = peek(SDSAT(delta_for(model, 3), model.lm_head, k=k), ar.tokens, p=0.6, seed=1)
+    d = peek(SDSAT(delta_for(model, 3), k=k), ar.tokens, p=0.6, seed=1)
     seen, accepted = [], type(d).accepted
 
     def spy(dec, tree, path):
@@ -110,7 +152,7 @@ def test_two_step_loop():
         whole = size == 1 or got == size  # step 1, or the whole chain accepted
         assert nxt == (k + 1 if whole else 1)
     assert {(k + 1, k + 1), (1, 1)} <= set(seen) and any(1 < g < k + 1 for _, g in seen)
-    wide = SDSAT(delta_for(model, 3), None, k=3, width=2)
+    wide = SDSAT(delta_for(model, 3), k=3, width=2)
     t = wide.template.tree(9, torch.tensor([[11, 15], [12, 16], [13, 17]]))
     kids = [sum(p == i for p in t.parents) for i in range(len(t))]
     assert len(t) == 1 + 6 and kids[:2] == [2, 2]  # only top-1s branch
@@ -160,13 +202,13 @@ def test_adaptive_rows_match_decoding_and_training_lowers_their_loss():
     x = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 4] * 2)
     with torch.no_grad():  # one window after position 5: decoding's step 1 at the root x[5]
         logits, _ = adaptive_logits(model, delta, x[:1, :7], [[(6, 3)]], diverse=False)
-        d = SDSAT(delta, model.lm_head, k=3)
+        d = SDSAT(delta, k=3)
         dec = Decoding(model, KVCache.for_model(model, 16), False, 8, x[0, :6].tolist())
         dec.prefill(dec.prompt[:-1])
         block, nodes = dec.prepare(d, Tree.chain(dec.last), 1)
         block, nodes, seqs = stack([dec], [block], [nodes])
         out = d.forward(Forward.on_cache(model, block, dec.cache, False, seqs), nodes)
-    assert torch.allclose(model.lm_head(out.drafts[0, 0]), logits[0], atol=1e-3)
+    assert torch.allclose(out.drafts[0, 0], logits[0], atol=1e-3)
     wins = [[(s, 4) for s in range(1, 28, 3)]] * 2
     loss = lambda: F.cross_entropy(*(t.flatten(0, 1) if t.dim() == 3 else t.flatten()
                                      for t in adaptive_logits(model, delta, x, wins, False)))
@@ -177,6 +219,6 @@ def test_adaptive_rows_match_decoding_and_training_lowers_their_loss():
 def test_errors():
     model = random_model(TINY, 1)
     with pytest.raises(NanospecError, match="diverse"):
-        SDSAT(Delta(model, 2, 3), None, k=5)
+        SDSAT(Delta(model, 2, 3), k=5)
     with pytest.raises(NanospecError, match="at least 1"):
-        SDSAT(Delta(model, 2, 1), None, k=0)
+        SDSAT(Delta(model, 2, 1), k=0)

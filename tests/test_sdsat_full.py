@@ -23,7 +23,7 @@ def test_adaptive_ids_equal_ar(device, args, seed, plen, k, width, diverse):
     """Adaptive tokens as vocabulary ids of the (fine-tuned) model: its own AR, bitwise."""
     model = random_model(args, seed, device=device)
     ids = [(seed + i) % args.vocab_size for i in range(k if diverse else 1)]
-    d = SDSAT(None, model.lm_head, k, width, ids=ids)
+    d = SDSAT(None, k, width, ids=ids)
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     out = check_exact(model, prompt, d, 20, {}, peeking=0.9, seed=seed)
     assert out.mean_accepted >= 1.5
@@ -95,4 +95,4 @@ def test_own_model_and_errors(tmp_path):
     with pytest.raises(NanospecError, match="separate runs"):
         model_dir(["medusa", "sdsat_full"], tmp_path)
     with pytest.raises(NanospecError, match="diverse"):
-        SDSAT(None, None, k=5, ids=[4, 5, 6])
+        SDSAT(None, k=5, ids=[4, 5, 6])

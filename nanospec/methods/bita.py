@@ -34,10 +34,11 @@ Choices where the paper is silent, and why:
 - Straightforward decoding's drafts per node: a node at depth c of the root's chain drafts from
   the root group's masks c.., so the step's one group serves whichever node ends the path.
 
-What runs where: the step's rows (tree and mask groups), verification and the lm_head on the last
-accepted node's mask states are one device program (a CUDA graph per tree size in exact mode on
-a GPU); copying the deep prompt keys into their reserved slots runs eagerly, once per generation.
-The trainer's packed forward runs the same layers over the core's Forward (`Forward.training`).
+What runs where: the step's rows (tree and mask groups), one lm_head product over the tree's and
+the masks' rows (the head's weights read once a step), and verification are one device program (a
+CUDA graph per tree size in exact mode on a GPU); copying the deep prompt keys into their reserved
+slots runs eagerly, once per generation. The trainer's packed forward runs the same layers over the
+core's Forward (`Forward.training`).
 """
 from pathlib import Path
 
@@ -82,12 +83,12 @@ class Tuning(nn.Module):
 class BiTA(Ranked):
     name = "bita"
 
-    def __init__(self, tune: Tuning, lm_head: nn.Module, decoding: str = "efficient", k: int = 3):
+    def __init__(self, tune: Tuning, decoding: str = "efficient", k: int = 3):
         if decoding not in DECODING:
             raise NanospecError(f"bita decoding {decoding!r}: choose from {', '.join(DECODING)}")
         if k < 1:
             raise NanospecError(f"bita k={k}: take at least the top-1 candidate per mask token")
-        self.tune, self.lm_head, self.decoding, M = tune, lm_head, decoding, tune.M
+        self.tune, self.decoding, M = tune, decoding, tune.M
         self.reserved_slots = tune.P
         paths = {"efficient": [(0,) * d + (j,) for d in range(M) for j in range(k)],  # top-1s have children
                  "full": product_paths([k] * M), "straight": [(0,) * d for d in range(1, M + 1)]}[decoding]
@@ -98,7 +99,7 @@ class BiTA(Ranked):
     def groups(self, n: int) -> int:
         return 1 if self.decoding == "straight" else n  # mask groups: on the root, or on every node
 
-    def size(self, n):
+    def size(self, n, budget=None):
         return n + self.groups(n) * self.tune.M
 
     def start(self, dec):
@@ -120,16 +121,14 @@ class BiTA(Ranked):
         x = f.embed()
         x[:, n:n + G * M] = self.tune.mask.to(x.dtype).repeat(G, 1)
         h = f.norm(f.layers(x))
-        masks = h[:, n:n + G * M].view(len(h), G, M, -1)
+        logits = f.logits(h, max(N, n + G * M))  # the tree's and the masks' in one product: one pass of the head
+        masks = logits[:, n:n + G * M].view(len(h), G, M, -1)  # mask i predicts the token i+1 after the next one
         if self.decoding == "straight":  # a node at depth c drafts from the root group's masks c..
             depth = nodes.lay.depth  # (B, N)
             i = (depth[..., None] + torch.arange(M, device=depth.device)).clamp(max=M - 1)
             drafts = masks[torch.arange(len(h), device=h.device)[:, None, None], 0, i]
-            return Out(f.logits(h, N), drafts=drafts, depths=(M - depth).clamp(min=0))
-        return Out(f.logits(h, N), drafts=masks)
-
-    def propose(self, masks):
-        return self.lm_head(masks)  # (B, M, V): mask i predicts the token i+1 after the next one
+            return Out(logits[:, :N], drafts=drafts, depths=(M - depth).clamp(min=0))
+        return Out(logits[:, :N], drafts=masks)
 
 
 # --- weights on disk ---------------------------------------------------------------------------
@@ -143,7 +142,7 @@ def load_bita(model, weights, decoding="efficient", k=3, prompting="deep") -> Bi
     cmd = "python train.py --method bita" + ("" if prompting == "deep" else f" --prompting {prompting}")
     tune, _ = load_trained(model, Path(weights) / filename(prompting), cmd,
                            lambda meta: Tuning(model.args, meta["masks"], meta["prompts"], prompting))
-    return BiTA(tune, model.lm_head, decoding, k)
+    return BiTA(tune, decoding, k)
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -38,10 +38,11 @@ Choices where the paper is silent, and why:
 - The first step has no pseudo states yet: it is the root and its group (one AR step that
   already drafts).
 
-What runs where: the layer loop that forges pseudo rows, verification and the lm_head on the
-last accepted node's pseudo states are one device program (a CUDA graph per tree size in exact
-mode on a GPU: its row indices depend on that size alone). The layer loop is shared with the
-trainer (`transfer`, over the core's Forward), so training forges exactly what decoding does.
+What runs where: the layer loop that forges pseudo rows, one lm_head product over the real and
+the pseudo rows (the head's weights read once a step) and verification are one device program (a
+CUDA graph per tree size in exact mode on a GPU: its row indices depend on that size alone). The
+layer loop is shared with the trainer (`transfer`, over the core's Forward), so training forges
+exactly what decoding does.
 """
 from pathlib import Path
 
@@ -110,15 +111,15 @@ def transfer(f: Forward, tr: Transfer, x, hosts, rows, record=None):
 class HiddenTransfer(Ranked):
     name = "hidden_transfer"
 
-    def __init__(self, tr: Transfer, paths: list[tuple[int, ...]], lm_head: nn.Module, chained: bool = True):
-        self.tr, self.lm_head, self.chained = tr, lm_head, chained
+    def __init__(self, tr: Transfer, paths: list[tuple[int, ...]], chained: bool = True):
+        self.tr, self.chained = tr, chained
         self.template = Template(paths)
         if self.template.depth > tr.k:
             raise NanospecError(f"the tree is {self.template.depth} deep but there are {tr.k} transfer steps")
         self.max_rows = self.size(len(self.template))
         self.topk = self.template.topk
 
-    def size(self, n):
+    def size(self, n, budget=None):
         return n * (1 + self.tr.k)  # every node carries a group of k pseudo rows
 
     def rows(self, dec, tree, n):
@@ -133,11 +134,9 @@ class HiddenTransfer(Ranked):
         rows = [n + torch.arange(n, device=dev) * k + i for i in range(k)]
         x = f.embed()
         h = transfer(f, self.tr, x, torch.arange(n, device=dev).expand(len(x), n), rows)
-        pseudo = h[:, n:n * (1 + k)].view(len(h), n, k, -1)  # normed; decoded only for the last accepted node
-        return Out(f.logits(h, nodes.N), drafts=pseudo)
-
-    def propose(self, pseudo):
-        return self.lm_head(pseudo)  # (B, k, V): pseudo state i predicts the depth-i draft
+        logits = f.logits(h, max(nodes.N, n * (1 + k)))  # the tree's and the pseudo rows' in one product: one pass
+        pseudo = logits[:, n:n * (1 + k)].view(len(h), n, k, -1)  # pseudo row i of a node drafts its depth i
+        return Out(logits[:, :nodes.N], drafts=pseudo)
 
 
 # --- weights on disk ---------------------------------------------------------------------------
@@ -150,7 +149,7 @@ def load_transfer(model, weights):
 def load_hidden_transfer(model, weights, tree_size=0, chained=True) -> HiddenTransfer:
     tr, meta = load_transfer(model, weights)
     paths = choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"]
-    return HiddenTransfer(tr, [p for p in paths if len(p) <= tr.k], model.lm_head, chained)
+    return HiddenTransfer(tr, [p for p in paths if len(p) <= tr.k], chained)
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -39,6 +39,9 @@ Choices where the paper is silent, and why:
   and zero (the base model's own rows), A at N(0, 1/in).
 - Data: windows of --seq-len tokens of the self-distillation data (prompts labelled as plain text, as in the paper)
   and of --forced windows of real text, labelled with the model's own tokens where known (training/forced.py).
+- Under a planner (fast mode's default), a step appends min(k, budget) adaptive tokens, not k: the next tree is at
+  most budget deep, so further adaptive rows would draft tokens no tree verifies, and a row costs a step a little.
+  The adaptive rows' logits come from the step's one head product, with the tree's.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +121,7 @@ class Update:
 class SDSAT(Ranked):
     name = "sdsat"
 
-    def __init__(self, delta: Delta | None, lm_head, k: int = 5, width: int = 1, ids: list[int] | None = None):
+    def __init__(self, delta: Delta | None, k: int = 5, width: int = 1, ids: list[int] | None = None):
         """delta: the adaptive tokens and their update, on the base model; or (sdsat_full) ids: the
         adaptive tokens' vocabulary ids in a fine-tuned model."""
         if k < 1 or width < 1:
@@ -126,31 +129,36 @@ class SDSAT(Ranked):
         n = len(ids) if delta is None else len(delta.embed)
         if 1 < n < k:
             raise NanospecError(f"sdsat k={k}: this drafter was trained with {n} diverse adaptive tokens; use k <= {n}")
-        self.delta, self.lm_head, self.k, self.width = delta, lm_head, k, width
+        self.delta, self.k, self.width = delta, k, width
         self.factors = None if delta is None else [{m: (a.detach().contiguous(), b.detach().contiguous())
                                                     for m, (a, b) in f.items()} for f in delta.factors()]
         self.ids = None if ids is None else (ids * k if n == 1 else ids[:k])  # identical or diverse tokens
         self.family = [(0,) * d + (j,) for d in range(k) for j in range(width)]  # top-1s have children
         self.template = Template(self.family)
         self.topk = self.template.topk
+        self.now = k  # this step's adaptive tokens: k, or fewer where a planner's budget can use no more
         self.max_rows = self.size(len(self.template))
-        self.verifying = self.drafts_accepted = self.draft_only = 0  # statistics for report()
+        self.verifying = self.drafts = self.drafts_accepted = self.draft_only = 0  # statistics for report()
 
-    def size(self, n):
-        return n + self.k
+    def draft(self, dec, cands, template, budget):
+        self.now = self.k if budget is None else min(self.k, budget)  # the next tree is at most budget deep
+        return super().draft(dec, cands, template, budget)
+
+    def size(self, n, budget=None):
+        return n + (self.now if budget is None else min(self.k, budget))
 
     def rows(self, dec, tree, n):
-        """The tree, then k adaptive rows after the end of its top-1 chain (forward embeds them)."""
-        blk = dec.block(tree, [chain_end(tree.parents)], self.k, n=n)
+        """The tree, then the adaptive rows after the end of its top-1 chain (forward embeds them)."""
+        blk = dec.block(tree, [chain_end(tree.parents)], self.now, n=n)
         if self.ids is not None:
-            blk.tokens[0, n:] = blk.tokens.new_tensor(self.ids)
+            blk.tokens[0, n:] = blk.tokens.new_tensor(self.ids[:self.now])
         return blk
 
     def shape_key(self, nodes):
-        return nodes.n
+        return nodes.n, self.now
 
     def forward(self, f, nodes):
-        n, k = nodes.n, self.k
+        n, k, N = nodes.n, self.now, nodes.N
         x = f.embed()
         if self.delta is None:  # a fine-tuned model's own adaptive ids
             h = f.norm(f.layers(x))
@@ -158,33 +166,32 @@ class SDSAT(Ranked):
             e = self.delta.embed  # one adaptive token repeated, or the first k diverse ones
             x[:, n:n + k] = (e.expand(k, -1) if len(e) == 1 else e[:k]).to(x.dtype)
             h = f.norm(f.layers(x, delta=self.delta.on(slice(n, n + k), self.factors)))
-        adaptive = h[:, None, n:n + k]  # drafts for the next loop, if the whole top-1 chain is accepted
+        logits = f.logits(h, max(N, n + k))  # the tree's and the adaptive rows' in one product: one pass of the head
+        adaptive = logits[:, None, n:n + k]  # drafts for the next loop, if the whole top-1 chain is accepted
         depth = nodes.lay.depth[:, :n].masked_fill(~nodes.real[:, :n], -1)  # the chain's end: the first deepest node
-        host = torch.arange(n, device=h.device) == depth.argmax(-1, keepdim=True)  # (argmax: the first of ties)
-        return Out(f.logits(h, nodes.N), drafts=adaptive.expand(-1, n, -1, -1), depths=torch.where(host, k, 0))
-
-    def propose(self, adaptive):
-        return self.lm_head(adaptive)
+        host = torch.arange(N, device=h.device) == depth.argmax(-1, keepdim=True)  # (argmax: the first of ties)
+        return Out(logits[:, :N], drafts=adaptive.expand(-1, N, -1, -1), depths=torch.where(host, k, 0))
 
     def accepted(self, dec, tree, path):
         if len(tree) > 1:
             self.verifying += 1
+            self.drafts += len(tree) - 1
             self.drafts_accepted += len(path) - 1
         else:
             self.draft_only += 1
 
     def report(self):
-        """Figure 3's accept rate: drafts accepted per verifying step over k."""
+        """Figure 3's accept rate: drafts accepted per draft verified (per verifying step over k, for a chain)."""
         n, planned = max(self.verifying, 1), super().report()
-        return (f"accept rate {self.drafts_accepted / n / self.k:.3f} ({self.drafts_accepted / n:.2f} of "
-                f"{self.k} drafts per verifying step); {self.draft_only} draft-step-1 forwards"
+        return (f"accept rate {self.drafts_accepted / max(self.drafts, 1):.3f} ({self.drafts_accepted / n:.2f} of "
+                f"{self.drafts / n:.2f} drafts per verifying step); {self.draft_only} draft-step-1 forwards"
                 + (f"; {planned}" if planned else ""))
 
 
 def load_sdsat(model, weights, k=5, width=1) -> SDSAT:
     delta, _ = load_trained(model, Path(weights) / "sdsat.safetensors", TRAIN,
                             lambda meta: Delta(model, meta["rank"], meta["tokens"]))
-    return SDSAT(delta, model.lm_head, k, width)
+    return SDSAT(delta, k, width)
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def load(model, weights, k=5, width=1) -> SDSAT:
     if meta["fingerprint"] != fingerprint(model):
         raise NanospecError(f"{model_dir(weights)} holds another model than the one loaded: sdsat_full decodes "
                             "its own fine-tuned weights")
-    return SDSAT(None, model.lm_head, k, width, ids=meta["adaptive"])
+    return SDSAT(None, k, width, ids=meta["adaptive"])
 
 
 # --- training ----------------------------------------------------------------------------------

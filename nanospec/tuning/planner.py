@@ -53,7 +53,7 @@ class Tuned(Planner):
     def seconds(self, s: int, bare: bool = False) -> float:
         """Alone, a nested draft shorter than s runs whole; a batch's rows are padded to its longest tree."""
         n = self.nodes.get((*self.context.values(), s), s + 1) if self.batch == 1 else s + 1
-        return self.cost.estimate(self.batch * (self.drafter.size(n) if s else 1), self.batch, bare)
+        return self.cost.estimate(self.batch * (self.drafter.size(n, s) if s else 1), self.batch, bare)
 
     def budget(self, decs: list):
         self.context = {id(d): self.drafter.context(d) for d in decs}
