@@ -193,9 +193,21 @@ class Drafter:
 class Ranked(Drafter):
     """A drafter of ranked candidates per depth (Medusa's heads, BiTA's masks, Hidden Transfer's
     pseudo states, SDSAT's adaptive tokens): its tree is the template over the candidates the last
-    accepted node drafted; with none yet, the root alone (whose step drafts)."""
+    accepted node drafted; with none yet, the root alone (whose step drafts).
+
+    A method whose own rows draft depth by depth (a mask, a pseudo row, an adaptive token per depth)
+    sets `ahead`, the depths they reach. Under a planner a step runs only the first `now` of them,
+    min(ahead, budget): the next tree is at most budget deep, so deeper rows would draft what no tree
+    verifies, and on a CPU every row costs a step a little."""
+    ahead = 0  # depths the method's own rows draft (0: none, Medusa's heads draft from the tree's rows)
+    now = 0    # of them, this step's
+
+    def own(self, budget: int | None = None) -> int:
+        """Depths drafted by this step's own rows (budget: a planned step's, for its price)."""
+        return self.now if budget is None else min(self.ahead, budget)
 
     def draft(self, dec, cands, template, budget):
+        self.now = self.ahead if budget is None else min(self.ahead, budget)
         return Tree.chain(dec.last) if cands is None else template.tree(dec.last, cands)
 
 

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import helpers
-from helpers import FixedCost, check_exact, peek, random_model
+from helpers import Budgets, FixedCost, check_exact, peek, random_model
 from nanospec.engine import generate, shapes
 from nanospec.methods.bita import BiTA, Tuning
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
@@ -51,6 +51,28 @@ def test_trained_methods_in_a_near_full_cache(name, device):
     prompt = [3, 9, 4, 1, 7, 12, 5]
     out = check_exact(model, prompt, d, 96, fast=True, peeking=0.9, seed=5, tight=True)
     assert out.mean_accepted >= 1.5 and out.stop == "max_new_tokens"
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("name", ["bita-deep", "bita-shallow-full", "bita-straight", "hidden_transfer", "sdsat"])
+def test_own_rows_follow_the_budget(name, exact):
+    """Under a planner a step runs min(ahead, budget) of a method's own draft rows per group (masks, pseudo rows,
+    adaptive tokens; straightforward BiTA's root group keeps its M), lays out the rows it prices, and decodes AR's
+    output."""
+    model = random_model(ARGS, seed=11)
+    prompt = [3, 9, 4, 1, 7, 12, 5]
+    ar = generate(model, prompt, max_new_tokens=40, eos_id=-1, exact=exact)
+    d = peek(drafter(name, model), ar.tokens, p=0.8, seed=2)
+    d.planner, seen, rows = Budgets([2, 0, 1, 5, 3, 1, 4, 2, 2]), [], d.rows
+
+    def spy(dec, tree, n):
+        blk, b = rows(dec, tree, n), d.planner.last
+        seen.append((b, d.now, blk.tokens.shape[1], d.size(n), d.size(n, b)))
+        return blk
+    d.rows = spy
+    assert generate(model, prompt, d, max_new_tokens=40, eos_id=-1, exact=exact).tokens == ar.tokens
+    assert all(now == min(d.ahead, b) and laid == size == priced for b, now, laid, size, priced in seen)
+    assert {now for _, now, *_ in seen} == set(range(1, d.ahead + 1))
 
 
 @pytest.mark.parametrize("name", ["bita-deep", "bita-straight", "hidden_transfer", "sdsat"])

@@ -1,7 +1,5 @@
 """SDSAT: standard rows are the base model's bitwise whatever the adaptive rows' update, exactness
 against AR of the base model, the two-step loop, section 2.2's windows, and training."""
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,46 +89,6 @@ def test_sdsat_equals_ar(device, dtype, args, seed, plen, k, width, diverse, sam
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     out = check_exact(model, prompt, d, 20, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
     assert out.mean_accepted >= 1.5  # the adaptive tokens' candidates carry the truth: drafts are accepted
-
-
-class Budgets:
-    """A stand-in planner: each step's budget from a cycle (0: an AR step), over the drafter's own template."""
-
-    def __init__(self, cycle):
-        self.cycle = itertools.cycle(cycle)
-
-    def start(self, drafter, dec):
-        pass
-
-    def budget(self, decs):
-        return next(self.cycle), None
-
-    def observe(self, *args, **kwargs):
-        pass
-
-    def report(self):
-        return ""
-
-
-@pytest.mark.parametrize("exact", [False, True])
-def test_adaptive_rows_follow_the_budget(exact):
-    """Under a planner a step appends min(k, budget) adaptive tokens, as many as the next tree can use (k is
-    free at inference), and its rows are priced so; the output is still AR's."""
-    model = random_model(TINY, 4)
-    prompt, k = [5, 9, 2, 7], 3
-    ar = generate(model, prompt, max_new_tokens=40, eos_id=-1, exact=exact)
-    d = peek(SDSAT(delta_for(model, 4), k=k), ar.tokens, p=0.8, seed=2)
-    d.planner, seen, rows = Budgets([2, 0, 1, 5, 3, 1, 4, 2, 2]), [], d.rows
-
-    def spy(dec, tree, n):
-        blk = rows(dec, tree, n)
-        seen.append((d.now, blk.tokens.shape[1] - n, d.size(len(tree)) - len(tree), d.size(4, 1) - 4))
-        return blk
-    d.rows = spy
-    assert generate(model, prompt, d, max_new_tokens=40, eos_id=-1, exact=exact).tokens == ar.tokens
-    budgets = [b for b in itertools.islice(itertools.cycle([2, 0, 1, 5, 3, 1, 4, 2, 2]), len(seen) * 2) if b]
-    assert [s[0] for s in seen] == [min(k, b) for b in budgets[:len(seen)]] and {1, 2, 3} <= {s[0] for s in seen}
-    assert all(now == laid == priced and at_one == 1 for now, laid, priced, at_one in seen)
 
 
 def test_two_step_loop():

@@ -33,6 +33,9 @@ Choices where the paper is silent, and why:
   text went on as the model would: training/forced.py).
 - Straightforward decoding's drafts per node: a node at depth c of the root's chain drafts from
   the root group's masks c.., so the step's one group serves whichever node ends the path.
+- Under a planner (fast mode's default), a group holds min(M, budget) masks, the first ones: the next tree is
+  at most budget deep (drafter.Ranked). A mask sees only the masks before it, so the first ones draft as in a
+  full group. Straightforward decoding keeps M: its root group serves the chain's every depth.
 
 What runs where: the step's rows (tree and mask groups), one lm_head product over the tree's and
 the masks' rows (the head's weights read once a step), and verification are one device program (a
@@ -94,13 +97,18 @@ class BiTA(Ranked):
                  "full": product_paths([k] * M), "straight": [(0,) * d for d in range(1, M + 1)]}[decoding]
         self.template, self.family = Template(paths), paths  # a planned tree keeps the variant's shape
         self.topk = self.template.topk
+        self.ahead = self.now = M  # masks per group: M, or a planner's budget's worth (Ranked)
         self.max_rows = self.size(len(self.template))
 
     def groups(self, n: int) -> int:
         return 1 if self.decoding == "straight" else n  # mask groups: on the root, or on every node
 
+    def masks(self, budget=None) -> int:
+        """Masks per group: straightforward decoding's root group serves every depth of the chain, so all M."""
+        return self.tune.M if self.decoding == "straight" else self.own(budget)
+
     def size(self, n, budget=None):
-        return n + self.groups(n) * self.tune.M
+        return n + self.groups(n) * self.masks(budget)
 
     def start(self, dec):
         if self.tune.prompting == "deep":  # the prompt tokens' keys and values, in every layer
@@ -109,17 +117,17 @@ class BiTA(Ranked):
             dec.keep(embeds=self.tune.prompt)
 
     def rows(self, dec, tree, n):
-        return dec.block(tree, range(self.groups(n)), self.tune.M, reserved=True, n=n)
+        return dec.block(tree, range(self.groups(n)), self.masks(), reserved=True, n=n)
 
     def shape_key(self, nodes):
-        return nodes.n
+        return nodes.n, self.masks()
 
     def forward(self, f, nodes):
         """One forward: the tree (verified) and a mask group on each node (or the root) that drafts next."""
-        n, M, N = nodes.n, self.tune.M, nodes.N
+        n, M, N = nodes.n, self.masks(), nodes.N
         G = self.groups(n)
         x = f.embed()
-        x[:, n:n + G * M] = self.tune.mask.to(x.dtype).repeat(G, 1)
+        x[:, n:n + G * M] = self.tune.mask[:M].to(x.dtype).repeat(G, 1)
         h = f.norm(f.layers(x))
         logits = f.logits(h, max(N, n + G * M))  # the tree's and the masks' in one product: one pass of the head
         masks = logits[:, n:n + G * M].view(len(h), G, M, -1)  # mask i predicts the token i+1 after the next one

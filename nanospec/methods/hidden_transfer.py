@@ -22,6 +22,9 @@ Choices where the paper is silent, and why:
   part of the self-distillation data (where drafting happens), as hosts; with --forced, also
   every token of teacher-forced real text (training/forced.py) in --piece-token sequences, where
   P is the model's own distribution whatever the text.
+- Under a planner (fast mode's default), a node's group holds the first min(k, budget) pseudo rows: the next
+  tree is at most budget deep (drafter.Ranked). A pseudo row never sees a later one, so these forge as in a
+  whole group.
 - Training attention (`--attention`): `paper` (default; section 3.3: pseudo state of step i on
   host j sees real tokens up to j+i-1 and itself), `chain` (what decoding sees: real tokens up
   to j, the earlier pseudo states of its chain, itself) or `masked` (real tokens up to j and
@@ -94,7 +97,7 @@ def transfer(f: Forward, tr: Transfer, x, hosts, rows, record=None):
     idx = hosts[..., None].expand(-1, -1, x.shape[-1])
     bounds = sorted({0, L, *tr.layers}) if record is None else range(L + 1)
     for a, b in zip(bounds, bounds[1:]):
-        for i, t in enumerate(tr.layers):
+        for i, t in enumerate(tr.layers[:len(rows)]):  # the steps whose rows run (a budget's)
             if t == a:  # step i's pseudo rows join here, forged from their hosts
                 x = x.index_copy(1, rows[i], F.linear(x.gather(1, idx), tr.W[i].to(x.dtype)))
                 active = active.index_fill(0, rows[i], True)
@@ -116,20 +119,21 @@ class HiddenTransfer(Ranked):
         self.template = Template(paths)
         if self.template.depth > tr.k:
             raise NanospecError(f"the tree is {self.template.depth} deep but there are {tr.k} transfer steps")
+        self.ahead = self.now = tr.k  # pseudo rows per node: k, or a planner's budget's worth (Ranked)
         self.max_rows = self.size(len(self.template))
         self.topk = self.template.topk
 
     def size(self, n, budget=None):
-        return n * (1 + self.tr.k)  # every node carries a group of k pseudo rows
+        return n * (1 + self.own(budget))  # every node carries a group of pseudo rows
 
     def rows(self, dec, tree, n):
-        return dec.block(tree, range(n), self.tr.k, chained=self.chained, n=n)
+        return dec.block(tree, range(n), self.now, chained=self.chained, n=n)
 
     def shape_key(self, nodes):
-        return nodes.n
+        return nodes.n, self.now
 
     def forward(self, f, nodes):
-        n, k = nodes.n, self.tr.k
+        n, k = nodes.n, self.now
         dev = f.block.tokens.device
         rows = [n + torch.arange(n, device=dev) * k + i for i in range(k)]
         x = f.embed()

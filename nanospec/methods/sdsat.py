@@ -39,9 +39,8 @@ Choices where the paper is silent, and why:
   and zero (the base model's own rows), A at N(0, 1/in).
 - Data: windows of --seq-len tokens of the self-distillation data (prompts labelled as plain text, as in the paper)
   and of --forced windows of real text, labelled with the model's own tokens where known (training/forced.py).
-- Under a planner (fast mode's default), a step appends min(k, budget) adaptive tokens, not k: the next tree is at
-  most budget deep, so further adaptive rows would draft tokens no tree verifies, and a row costs a step a little.
-  The adaptive rows' logits come from the step's one head product, with the tree's.
+- Under a planner (fast mode's default), a step appends min(k, budget) adaptive tokens, not k (drafter.Ranked), and
+  the adaptive rows' logits come from the step's one head product, with the tree's.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,16 +135,12 @@ class SDSAT(Ranked):
         self.family = [(0,) * d + (j,) for d in range(k) for j in range(width)]  # top-1s have children
         self.template = Template(self.family)
         self.topk = self.template.topk
-        self.now = k  # this step's adaptive tokens: k, or fewer where a planner's budget can use no more
+        self.ahead = self.now = k  # adaptive tokens: k, or a planner's budget's worth (Ranked)
         self.max_rows = self.size(len(self.template))
         self.verifying = self.drafts = self.drafts_accepted = self.draft_only = 0  # statistics for report()
 
-    def draft(self, dec, cands, template, budget):
-        self.now = self.k if budget is None else min(self.k, budget)  # the next tree is at most budget deep
-        return super().draft(dec, cands, template, budget)
-
     def size(self, n, budget=None):
-        return n + (self.now if budget is None else min(self.k, budget))
+        return n + self.own(budget)
 
     def rows(self, dec, tree, n):
         """The tree, then the adaptive rows after the end of its top-1 chain (forward embeds them)."""
