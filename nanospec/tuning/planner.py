@@ -73,7 +73,8 @@ class Tuned(Planner):
             return size
         if best(self.lengths(sure=bool(self.P)), lambda s: self.seconds(s, bare=True)):
             # AR for want of acceptance (a ranked drafter's: an unranked one's drafts are scored every step)
-            # or for drafting's cost: a probe renews both. The cheapest tree teaches all
+            # or for drafting's cost: a probe renews both. The cheapest tree teaches the first depth (all of
+            # them, for heads that draft every depth; rows that follow the budget draft one: drafter.Ranked)
             probe, span = min(s for s in self.sizes if s), -(-PROBE // self.batch)  # PROBE outcomes, the batch's
             extra = span * (self.seconds(probe) / self.seconds(0) - self.lengths()[probe])
             if self.clock - self.known >= min(max(self.replan, extra / SHARE), LONGEST * self.replan):
