@@ -207,7 +207,7 @@ class Ranked(Drafter):
         return self.now if budget is None else min(self.ahead, budget)
 
     def draft(self, dec, cands, template, budget):
-        self.now = self.ahead if budget is None else min(self.ahead, budget)
+        self.now = self.ahead if budget is None else self.own(budget)
         return Tree.chain(dec.last) if cands is None else template.tree(dec.last, cands)
 
 

@@ -53,15 +53,16 @@ def test_trained_methods_in_a_near_full_cache(name, device):
     assert out.mean_accepted >= 1.5 and out.stop == "max_new_tokens"
 
 
-@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("exact, dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
 @pytest.mark.parametrize("name", ["bita-deep", "bita-shallow-full", "bita-straight", "hidden_transfer", "sdsat"])
-def test_own_rows_follow_the_budget(name, exact):
+def test_own_rows_follow_the_budget(name, exact, dtype):
     """Under a planner a step runs min(ahead, budget) of a method's own draft rows per group (masks, pseudo rows,
     adaptive tokens; straightforward BiTA's root group keeps its M), lays out the rows it prices, and decodes AR's
-    output."""
-    model = random_model(ARGS, seed=11)
+    output (exact mode: the logits of every emitted token bitwise AR's)."""
+    model = random_model(ARGS, seed=11, dtype=dtype)
     prompt = [3, 9, 4, 1, 7, 12, 5]
-    ar = generate(model, prompt, max_new_tokens=40, eos_id=-1, exact=exact)
+    kw = dict(max_new_tokens=40, eos_id=-1, exact=exact, record_logits=exact)
+    ar = generate(model, prompt, **kw)
     d = peek(drafter(name, model), ar.tokens, p=0.8, seed=2)
     d.planner, seen, rows = Budgets([2, 0, 1, 5, 3, 1, 4, 2, 2]), [], d.rows
 
@@ -70,7 +71,8 @@ def test_own_rows_follow_the_budget(name, exact):
         seen.append((b, d.now, blk.tokens.shape[1], d.size(n), d.size(n, b)))
         return blk
     d.rows = spy
-    assert generate(model, prompt, d, max_new_tokens=40, eos_id=-1, exact=exact).tokens == ar.tokens
+    out = generate(model, prompt, d, **kw)
+    assert out.tokens == ar.tokens and (not exact or torch.equal(out.logits, ar.logits))
     assert all(now == min(d.ahead, b) and laid == size == priced for b, now, laid, size, priced in seen)
     assert {now for _, now, *_ in seen} == set(range(1, d.ahead + 1))
 
