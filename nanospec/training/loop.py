@@ -145,7 +145,8 @@ def load_state(path: Path) -> dict | None:
 class Checkpoint:
     """A drafter trainer's checkpoint: every `every` steps its module, optimizer and random streams
     go to <--cache>/<name>.pt (atomically); with --resume the run continues from there, seeing the
-    same batches it would have seen. `start` is the first step to run."""
+    same batches it would have seen. `start` is the first step to run. A resume with more steps than the
+    run planned extends it: its learning rate follows the new length's schedule from `start` on."""
 
     def __init__(self, args, name: str, module, opt, gens=(), every: int = 50):
         self.path, self.module, self.opt, self.gens = Path(args.cache) / f"{name}.pt", module, opt, gens
@@ -160,11 +161,11 @@ class Checkpoint:
             opt.load_state_dict(state["opt"])
             for g, s in zip(gens, state["gens"]):
                 g.set_state(s)
-            self.start = state["step"]
-            print(f"resumed from {self.path} at step {self.start}", flush=True)
+            self.start, planned = state["step"], state.get("steps")
+            print(f"resumed from {self.path} at step {self.start}" + (f" of {planned}" if planned else ""), flush=True)
 
     def step(self, step: int, steps: int) -> None:
         """Call after step `step` (0-based) of `steps`."""
         if (step + 1) % self.every == 0 and step + 1 < steps:
             save_state(self.path, {"module": self.module.state_dict(), "opt": self.opt.state_dict(),
-                                   "gens": [g.get_state() for g in self.gens], "step": step + 1})
+                                   "gens": [g.get_state() for g in self.gens], "step": step + 1, "steps": steps})
