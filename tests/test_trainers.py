@@ -1,9 +1,12 @@
 """The method trainers end to end on a tiny base model: train.py writes drafter files that load
 and decode exactly. (Training quality is the business of each method's own tests.)"""
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 import train
@@ -50,7 +53,7 @@ def test_trainers_write_loadable_drafters(tmp_path):
                                           ("sdsat", ["--seq-len", 32, "--rank", 2])])
 def test_an_interrupted_drafter_trainer_resumes_exactly(tmp_path, monkeypatch, method, opts):
     """Every drafter trainer checkpoints: a run stopped after a checkpoint and resumed writes the same
-    weights as an uninterrupted one."""
+    weights as an uninterrupted one, and its metadata counts the time spent before the stop."""
     from nanospec.training import loop as training
     model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
     save(model, tmp_path, tokenizer_model=TOKENIZER)
@@ -64,13 +67,21 @@ def test_an_interrupted_drafter_trainer_resumes_exactly(tmp_path, monkeypatch, m
         if step == 3:
             raise KeyboardInterrupt
         real(self, step, *a, **k)
+    clock = iter(range(0, 10**6, 100))  # the stopped run's clock: 100 s a reading
     monkeypatch.setattr(training.Progress, "step", crash)
+    monkeypatch.setattr(training, "time", SimpleNamespace(time=lambda: next(clock)))
     try:
         call(train.main, *opts)
     except KeyboardInterrupt:
         pass
     monkeypatch.undo()
+    spent = torch.load(next((tmp_path / "ckpt").glob(f"{method}-*.pt")), weights_only=False)["seconds"]
+    monkeypatch.setattr(training, "time", SimpleNamespace(time=lambda: 0.0))  # the resumed run takes no time
     code, out, err = call(train.main, *opts, "--resume")
     assert code == 0 and "resumed from" in out and "at step 2 of " in out, err
     resumed = load_file(tmp_path / f"{method}.safetensors")
     assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)
+    with safe_open(tmp_path / f"{method}.safetensors", framework="pt") as f:
+        assert spent > 0 and json.loads(f.metadata()["trained"])["seconds"] == round(spent)
+    code, out, err = call(train.main, *opts, "--steps", 2, "--resume")  # nothing left to train
+    assert code == 0 and "nothing is left to train" in out, err

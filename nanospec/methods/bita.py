@@ -55,7 +55,7 @@ from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
 from ..training.forced import labelled, start, targets, training_items
-from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
+from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..tree import Template, product_paths
 
 PROMPTING = ("deep", "shallow", "none")
@@ -245,7 +245,7 @@ def train(args):
     opt = adamw(tune, args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     ckpt = Checkpoint(args, f"bita-{args.prompting}-{fingerprint(model)}", tune, opt, [gen], every=20)
-    prog = Progress(args.steps, every=10, start_step=ckpt.start)
+    prog = ckpt.progress(args.steps, every=10)
     shallow = args.prompting == "shallow"
     for step, (tokens, kind, pos, vis, lab) in enumerate(
             batches(train_items, args, tune.P, shallow, gen, args.steps - ckpt.start), ckpt.start):

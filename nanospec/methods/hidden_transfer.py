@@ -59,7 +59,7 @@ from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
 from ..training.forced import start, training_items
-from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
+from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..tree import Template, choose_tree
 
 ATTENTION = ("paper", "chain", "masked")
@@ -259,7 +259,7 @@ def train(args):
     opt = adamw(tr, args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     ckpt = Checkpoint(args, f"hidden_transfer-{fingerprint(model)}", tr, opt, [gen], every=20)
-    prog = Progress(args.steps, every=10, start_step=ckpt.start)
+    prog = ckpt.progress(args.steps, every=10)
     for step, (tokens, pos, vis, hosts, valid, teacher, _) in enumerate(
             batches(train_items, tr.k, args.attention, args.batch_size, gen, args.steps - ckpt.start), ckpt.start):
         lr = cosine_lr(step, args.steps, args.lr, warmup=min(20, args.steps // 10 + 1))

@@ -45,7 +45,7 @@ from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
 from ..training.forced import labelled, targets, training_items
-from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
+from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import Template, choose_tree
 
 
@@ -159,7 +159,7 @@ def train(args):
     opt = adamw(heads, args.lr, weight_decay=0.0)
     steps = math.ceil(args.epochs * len(h_tr) / args.batch_size)
     ckpt = Checkpoint(args, f"medusa-{fingerprint(model)}", heads, opt)
-    prog = Progress(steps, every=20, start_step=ckpt.start)
+    prog = ckpt.progress(steps, every=20)
     order = {}
     for step in range(ckpt.start, steps):  # an epoch's order comes from (seed, epoch): resumable
         lr = cosine_lr(step, steps, args.lr, warmup=min(50, steps // 10 + 1))

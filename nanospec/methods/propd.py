@@ -242,8 +242,8 @@ def train_early(model, items, layer: int, steps: int, rank: int = 64, batch: int
     opt = adamw(head, lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed + layer)
     ckpt = Checkpoint(args, f"propd-{layer}-{ahead}-{fingerprint(model)}", head, opt, [gen]) if args else None
+    prog = ckpt.progress(steps, every=50) if ckpt else Progress(steps, every=50)
     start = ckpt.start if ckpt else 0
-    prog = Progress(steps, every=50, start_step=start)
     for step in range(start, steps):
         lr_now = cosine_lr(step, steps, lr, warmup=min(20, steps // 10 + 1))
         idx = torch.randint(0, len(x), (batch,), generator=gen)

@@ -56,7 +56,7 @@ from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
 from ..training.forced import forced_items, targets
-from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, update
+from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..training.pretrain import windows
 from ..tree import Template, chain_end
 
@@ -278,7 +278,7 @@ def train(args):
     delta = Delta(model, args.rank, args.window if args.diverse else 1).to(model.embed.weight)
     opt = adamw(delta, args.lr, weight_decay=0.0)
     ckpt = Checkpoint(args, f"sdsat-{fingerprint(model)}", delta, opt, every=20)
-    prog = Progress(args.steps, every=10, start_step=ckpt.start)
+    prog = ckpt.progress(args.steps, every=10)
     print(f"sdsat: a rank-{args.rank} update, {sum(p.numel() for p in delta.parameters()):,} parameters; "
           f"{len(stream):,} training tokens ({args.forced:,} teacher-forced), L={args.window}", flush=True)
     index = np.arange(len(stream))  # windows are drawn as positions: the tokens' and the labels' alike

@@ -143,15 +143,15 @@ def load_state(path: Path) -> dict | None:
 
 
 class Checkpoint:
-    """A drafter trainer's checkpoint: every `every` steps its module, optimizer and random streams
-    go to <--cache>/<name>.pt (atomically); with --resume the run continues from there, seeing the
-    same batches it would have seen. `start` is the first step to run. A resume with more steps than the
-    run planned extends it: its learning rate follows the new length's schedule from `start` on."""
+    """A drafter trainer's checkpoint: every `every` steps its module, optimizer, random streams and the
+    time spent go to <--cache>/<name>.pt (atomically); with --resume the run continues from there, seeing
+    the same batches it would have seen. `start` is the first step to run. A resume with more steps than
+    the run planned extends it: its learning rate follows the new length's schedule from `start` on."""
 
     def __init__(self, args, name: str, module, opt, gens=(), every: int = 50):
         self.path, self.module, self.opt, self.gens = Path(args.cache) / f"{name}.pt", module, opt, gens
         self.every = getattr(args, "save_every", None) or every
-        self.start = 0
+        self.start, self.prior, self.prog = 0, 0.0, None
         if getattr(args, "resume", False):
             state = load_state(self.path)
             if state is None:
@@ -161,11 +161,20 @@ class Checkpoint:
             opt.load_state_dict(state["opt"])
             for g, s in zip(gens, state["gens"]):
                 g.set_state(s)
-            self.start, planned = state["step"], state.get("steps")
+            self.start, self.prior, planned = state["step"], state.get("seconds", 0.0), state.get("steps")
             print(f"resumed from {self.path} at step {self.start}" + (f" of {planned}" if planned else ""), flush=True)
+
+    def progress(self, steps: int, every: int) -> Progress:
+        """The run's progress line, counting the time spent before a resume."""
+        if self.start >= steps:
+            print(f"the checkpoint is at step {self.start} and the run asks for {steps}: nothing is left to train, "
+                  "so its weights are written as they are", flush=True)
+        self.prog = Progress(steps, every, start_step=self.start, elapsed=self.prior)
+        return self.prog
 
     def step(self, step: int, steps: int) -> None:
         """Call after step `step` (0-based) of `steps`."""
         if (step + 1) % self.every == 0 and step + 1 < steps:
             save_state(self.path, {"module": self.module.state_dict(), "opt": self.opt.state_dict(),
-                                   "gens": [g.get_state() for g in self.gens], "step": step + 1, "steps": steps})
+                                   "gens": [g.get_state() for g in self.gens], "step": step + 1, "steps": steps,
+                                   "seconds": self.prog.elapsed if self.prog else 0.0})
