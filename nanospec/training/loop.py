@@ -173,8 +173,8 @@ class Checkpoint:
         return self.prog
 
     def step(self, step: int, steps: int) -> None:
-        """Call after step `step` (0-based) of `steps`."""
+        """Call after step `step` (0-based) of `steps`, once progress() has made the run's progress line."""
         if (step + 1) % self.every == 0 and step + 1 < steps:
             save_state(self.path, {"module": self.module.state_dict(), "opt": self.opt.state_dict(),
                                    "gens": [g.get_state() for g in self.gens], "step": step + 1, "steps": steps,
-                                   "seconds": self.prog.elapsed if self.prog else 0.0})
+                                   "seconds": self.prog.elapsed})
