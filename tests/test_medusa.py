@@ -87,3 +87,26 @@ def test_weights_for_another_base_model_are_refused(tmp_path):
     save_drafter(tmp_path / "medusa.safetensors", heads, {"base_fingerprint": fingerprint(model), "heads": 2,
                                                           "acc": [[0.5], [0.5]], "tree": [[0], [0, 0]]})
     assert load_medusa(model, tmp_path).template.paths == [(0,), (0, 0)]
+
+
+def test_stacked_heads_start_as_the_next_token_guess_and_keep_their_depth_on_disk(tmp_path):
+    model = random_model(TINY)
+    save(model, tmp_path)
+    heads = Heads(32, 50, 2, model.lm_head, layers=3).init_from(model.lm_head)
+    h = torch.randn(5, 32)
+    assert torch.equal(heads(h), model.lm_head(torch.stack([h, h])))  # zero blocks: a stack repeats the guess
+    with torch.no_grad():
+        for r in heads.res:
+            r.weight.normal_(std=0.3)
+            r.bias.normal_(std=0.3)
+    one = Heads(32, 50, 2, model.lm_head).init_from(model.lm_head)
+    with torch.no_grad():
+        for k in range(2):  # a one-block head with head k's first block differs from the stack
+            one.res[k].load_state_dict(heads.res[3 * k].state_dict())
+    assert not torch.allclose(one(h), heads(h))
+    save_drafter(tmp_path / "medusa.safetensors", heads, {"base_fingerprint": fingerprint(model), "heads": 2,
+                                                          "shared": True, "layers": 3, "acc": [[0.5], [0.5]],
+                                                          "tree": [[0], [0, 0]]})
+    back = load_medusa(model, tmp_path).heads
+    assert back.layers == 3 and len(back.res) == 6
+    assert torch.equal(back(h), heads.to(torch.bfloat16).float()(h))  # the file holds bf16

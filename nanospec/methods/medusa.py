@@ -3,8 +3,9 @@ and the baseline BiTA and Hidden Transfer are measured against.
 
 K heads read the base model's final (normed) hidden state h of a token x_t. The lm_head gives
 x_{t+1}; head k guesses x_{t+1+k}. Head k is a residual SiLU block, h + SiLU(W_k h + b_k)
-with W_k and b_k zero-initialised, then its own vocabulary projection initialised from the
-lm_head, so an untrained head repeats the next-token guess. The base model is frozen.
+with W_k and b_k zero-initialised (or a stack of such blocks: Medusa's own code takes the
+number of layers per head as an option), then its own vocabulary projection initialised from
+the lm_head, so an untrained head repeats the next-token guess. The base model is frozen.
 
 Each step verifies a sparse static tree of head candidates with the core engine. The same
 forward yields h for every tree node, and the heads on the last accepted node give the next
@@ -54,9 +55,10 @@ class Heads(nn.Module):
     frozen lm_head, as EAGLE's head does: a 576 x 49,152 projection per head would not fit a
     small repository at SmolLM2's vocabulary (see the header)."""
 
-    def __init__(self, dim: int, vocab: int, K: int, shared: nn.Linear | None = None):
+    def __init__(self, dim: int, vocab: int, K: int, shared: nn.Linear | None = None, layers: int = 1):
         super().__init__()
-        self.res = nn.ModuleList(nn.Linear(dim, dim) for _ in range(K))
+        self.K, self.layers = K, layers
+        self.res = nn.ModuleList(nn.Linear(dim, dim) for _ in range(K * layers))  # head k's blocks: k*layers, ...
         self.proj = None if shared else nn.ModuleList(nn.Linear(dim, vocab, bias=False) for _ in range(K))
         self.shared = [shared]  # in a list: the lm_head is the model's, neither trained nor saved here
 
@@ -70,7 +72,12 @@ class Heads(nn.Module):
         return self
 
     def forward(self, h):  # h (..., D) -> (K, ..., V)
-        x = [h + F.silu(r(h)) for r in self.res]
+        x = []
+        for k in range(self.K):
+            y = h
+            for r in self.res[k * self.layers:(k + 1) * self.layers]:
+                y = y + F.silu(r(y))
+            x.append(y)
         if self.proj is None:
             return self.shared[0](torch.stack(x))  # one product for all heads
         return torch.stack([p(y) for p, y in zip(self.proj, x)])
@@ -98,7 +105,7 @@ def load_heads(model, weights):
     a = model.args
     return load_trained(model, Path(weights) / "medusa.safetensors", "python train.py --method medusa",
                         lambda meta: Heads(a.dim, a.vocab_size, meta["heads"],
-                                           model.lm_head if meta.get("shared") else None))
+                                           model.lm_head if meta.get("shared") else None, meta.get("layers", 1)))
 
 
 def load_medusa(model, weights, tree_size=0) -> Medusa:
@@ -111,6 +118,7 @@ def add_args(p):
     distill_args(p)
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--shared-head", action="store_true", help="the heads share the frozen lm_head (EAGLE's choice)")
+    p.add_argument("--head-layers", type=int, default=1, help="residual SiLU blocks per head")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--batch-size", type=int, default=1024, help="positions per step")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -155,7 +163,8 @@ def train(args):
 
     torch.manual_seed(args.seed)
     a = model.args
-    heads = Heads(a.dim, a.vocab_size, args.heads, model.lm_head if args.shared_head else None).init_from(model.lm_head)
+    heads = Heads(a.dim, a.vocab_size, args.heads, model.lm_head if args.shared_head else None,
+                  args.head_layers).init_from(model.lm_head)
     opt = adamw(heads, args.lr, weight_decay=0.0)
     steps = math.ceil(args.epochs * len(h_tr) / args.batch_size)
     ckpt = Checkpoint(args, f"medusa-{fingerprint(model)}", heads, opt)
@@ -177,7 +186,8 @@ def train(args):
     for k, a in enumerate(acc, 1):
         print(f"head {k} (token t+{k + 1}): held-out top-1 {a[0]:.3f}, top-5 {sum(a[:5]):.3f}")
     tree = choose_tree(acc, args.tree_size)
-    meta = {"base_fingerprint": fingerprint(model), "heads": args.heads, "shared": args.shared_head, "acc": acc,
+    meta = {"base_fingerprint": fingerprint(model), "heads": args.heads, "shared": args.shared_head,
+            "layers": args.head_layers, "acc": acc,
             "tree": tree, "trained": {"positions": len(h_tr), "forced": args.forced, "steps": steps,
                                       "seconds": round(prog.elapsed)}}
     save_drafter(out / "medusa.safetensors", heads, meta)
