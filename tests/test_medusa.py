@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import check_exact, model_args, random_model
+from helpers import check_exact, model_args, random_model, run_cli
 from nanospec import NanospecError
 from nanospec.engine import generate
 from nanospec.io.checkpoint import save, save_drafter
@@ -110,3 +110,9 @@ def test_stacked_heads_start_as_the_next_token_guess_and_keep_their_depth_on_dis
     back = load_medusa(model, tmp_path).heads
     assert back.layers == 3 and len(back.res) == 6
     assert torch.equal(back(h), heads.to(torch.bfloat16).float()(h))  # the file holds bf16
+
+
+def test_a_head_needs_a_block(tmp_path):
+    import train  # the script at the repository root
+    assert "--head-layers must be at least 1, not 0" in run_cli(train.main, "--method", "medusa", "--out", tmp_path,
+                                                                 "--head-layers", "0")

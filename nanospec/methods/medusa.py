@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import NanospecError
 from ..drafter import Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
@@ -153,6 +154,8 @@ def accuracy(heads, h, targets, topk: int, batch: int = 4096) -> list[list[float
 
 
 def train(args):
+    if args.head_layers < 1:
+        raise NanospecError(f"--head-layers must be at least 1, not {args.head_layers}")
     out = Path(args.out)
     model, train_data, held = distilled(args)  # held out: for accuracies and the tree
     t0 = time.time()
