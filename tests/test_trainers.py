@@ -85,3 +85,16 @@ def test_an_interrupted_drafter_trainer_resumes_exactly(tmp_path, monkeypatch, m
         assert spent > 0 and json.loads(f.metadata()["trained"])["seconds"] == round(spent)
     code, out, err = call(train.main, *opts, "--steps", 2, "--resume")  # nothing left to train
     assert code == 0 and "nothing is left to train" in out, err
+
+
+def test_a_resume_with_other_options_is_refused_in_one_line(tmp_path):
+    from nanospec import NanospecError
+    from nanospec.training.loop import Checkpoint
+    args = SimpleNamespace(cache=tmp_path, resume=False, save_every=1)
+    a = torch.nn.Linear(4, 4)
+    ckpt = Checkpoint(args, "x", a, torch.optim.AdamW(a.parameters()))
+    ckpt.progress(2, every=1)
+    ckpt.step(0, 2)  # a checkpoint of a 4 x 4 module
+    b = torch.nn.Linear(4, 8)
+    with pytest.raises(NanospecError, match="holds another module than this run builds"):
+        Checkpoint(SimpleNamespace(cache=tmp_path, resume=True), "x", b, torch.optim.AdamW(b.parameters()))

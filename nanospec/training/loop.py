@@ -157,8 +157,13 @@ class Checkpoint:
             if state is None:
                 from .. import NanospecError
                 raise NanospecError(f"--resume: no checkpoint at {self.path}; run without --resume to start")
-            module.load_state_dict(state["module"])
-            opt.load_state_dict(state["opt"])
+            try:
+                module.load_state_dict(state["module"])
+                opt.load_state_dict(state["opt"])
+            except (RuntimeError, ValueError) as e:  # another shape: the run was started with other options
+                from .. import NanospecError
+                raise NanospecError(f"--resume: the checkpoint at {self.path} holds another module than this run "
+                                    f"builds (other options?): {str(e).splitlines()[0]}") from None
             for g, s in zip(gens, state["gens"]):
                 g.set_state(s)
             self.start, self.prior, planned = state["step"], state.get("seconds", 0.0), state.get("steps")
