@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from .. import NanospecError
 from ..io.checkpoint import load
 from ..io.files import atomic_write
 from ..io.sources import base_of
@@ -155,13 +156,11 @@ class Checkpoint:
         if getattr(args, "resume", False):
             state = load_state(self.path)
             if state is None:
-                from .. import NanospecError
                 raise NanospecError(f"--resume: no checkpoint at {self.path}; run without --resume to start")
             try:
                 module.load_state_dict(state["module"])
                 opt.load_state_dict(state["opt"])
             except (RuntimeError, ValueError) as e:  # another shape: the run was started with other options
-                from .. import NanospecError
                 raise NanospecError(f"--resume: the checkpoint at {self.path} holds another module than this run "
                                     f"builds (other options?): {str(e).splitlines()[0]}") from None
             for g, s in zip(gens, state["gens"]):
