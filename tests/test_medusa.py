@@ -44,13 +44,13 @@ def test_chosen_trees_are_prefix_closed_and_parents_first(acc, size):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 30), size=st.integers(1, 20),
-       sampled=st.booleans())
-def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, size, sampled):
+       sampled=st.booleans(), layers=st.integers(1, 2))
+def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, size, sampled, layers):
     model = random_model(args, seed, DTYPES[dtype], device)
     torch.manual_seed(seed)
-    heads = Heads(args.dim, args.vocab_size, 3).init_from(model.lm_head)  # drafts the repeated next token...
+    heads = Heads(args.dim, args.vocab_size, 3, layers=layers).init_from(model.lm_head)  # drafts the next token...
     with torch.no_grad():
-        heads.res[1].weight.normal_()  # ...and, from head 2 on, random guesses
+        heads.res[layers].weight.normal_()  # ...and, from head 2 (its first block) on, random guesses
     d = Medusa(heads.to(device=device, dtype=DTYPES[dtype]), choose_tree([[0.5, 0.3, 0.2]] * 3, size))
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
