@@ -28,9 +28,9 @@ def drafter(name, model):
     a = model.args
 
     noisy = lambda module, seed, scale: helpers.noisy(module, seed, scale).to(model.embed.weight)
-    heads = lambda: noisy(Heads(a.dim, a.vocab_size, 3).init_from(model.lm_head), 1, 0.1)
+    heads = lambda token=None: noisy(Heads(a.dim, a.vocab_size, 3, token=token).init_from(model.lm_head), 1, 0.1)
     return {
-        "medusa": lambda: Medusa(heads(), choose_tree(ACC, 12)),
+        "medusa": lambda: Medusa(heads(model), choose_tree(ACC, 12)),  # token heads (--token-input); ProPD's read h
         "propd": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC,
                                noisy(EarlyHead(a.dim, a.vocab_size, 4, 1e-5), 2, 1.0), layer=1, k=3, dynamic=False),
         "propd-dynamic": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC, None, dynamic=True, sizes=(1, 4, 12),

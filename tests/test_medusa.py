@@ -44,13 +44,16 @@ def test_chosen_trees_are_prefix_closed_and_parents_first(acc, size):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 30), size=st.integers(1, 20),
-       sampled=st.booleans(), layers=st.integers(1, 2))
-def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, size, sampled, layers):
+       sampled=st.booleans(), layers=st.integers(1, 2), token=st.booleans())
+def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, size, sampled, layers, token):
     model = random_model(args, seed, DTYPES[dtype], device)
     torch.manual_seed(seed)
-    heads = Heads(args.dim, args.vocab_size, 3, layers=layers).init_from(model.lm_head)  # drafts the next token...
+    heads = Heads(args.dim, args.vocab_size, 3, layers=layers, token=model if token else None)
+    heads.init_from(model.lm_head)  # drafts the next token...
     with torch.no_grad():
         heads.res[layers].weight.normal_()  # ...and, from head 2 (its first block) on, random guesses
+        for m in heads.tok or []:
+            m.weight.normal_()  # (token heads: that read the next token too)
     d = Medusa(heads.to(device=device, dtype=DTYPES[dtype]), choose_tree([[0.5, 0.3, 0.2]] * 3, size))
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
@@ -116,3 +119,34 @@ def test_a_head_needs_a_block(tmp_path):
     import train  # the script at the repository root
     assert "--head-layers must be at least 1, not 0" in run_cli(train.main, "--method", "medusa", "--out", tmp_path,
                                                                  "--head-layers", "0")
+
+
+def test_token_heads_read_the_token_each_step_emits_last_and_keep_it_on_disk(tmp_path):
+    """--token-input: each head also reads the embedding of the token the model emits after h (its lm_head's
+    argmax). Zero maps start as the next-token guess; in decoding, the heads get the embedding of each step's
+    last emitted token (the next tree's root); the file says the heads are token heads."""
+    model = random_model(TINY)
+    save(model, tmp_path)
+    heads = Heads(32, 50, 2, model.lm_head, token=model).init_from(model.lm_head)
+    h = torch.randn(5, 32)
+    assert torch.equal(heads(h), model.lm_head(torch.stack([h, h])))
+    with torch.no_grad():
+        for m in heads.tok:
+            m.weight.normal_(std=0.3)
+    nxt = model.lm_head(h).argmax(-1)
+    assert torch.equal(heads(h), heads(h, model.embed(nxt)))
+    assert not torch.allclose(heads(h), heads(h, model.embed((nxt + 1) % 50)))
+
+    d, seen = Medusa(heads, [(0,), (0, 0)]), []
+    propose = d.propose
+    d.propose = lambda drafts: seen.append(drafts[:, 1].clone()) or propose(drafts)
+    out = generate(model, [1, 2, 3], d, max_new_tokens=12, eos_id=-1)
+    ends = torch.tensor(out.accepted).cumsum(0) - 1  # each step's last emitted token
+    assert len(seen) == out.steps
+    assert torch.equal(torch.cat(seen), model.embed(torch.tensor(out.tokens)[ends]))
+
+    save_drafter(tmp_path / "medusa.safetensors", heads, {"base_fingerprint": fingerprint(model), "heads": 2,
+                                                          "shared": True, "token": True, "acc": [[0.5], [0.5]],
+                                                          "tree": [[0], [0, 0]]})
+    back = load_medusa(model, tmp_path).heads
+    assert back.tok is not None and torch.equal(back(h), heads.to(torch.bfloat16).float()(h))  # the file holds bf16

@@ -29,6 +29,17 @@ Choices where the papers are silent, and why:
 - The first step of a generation has no hidden state yet for the prompt's last token, so it
   drafts nothing (one AR step).
 
+One option is not Medusa-1's. With --token-input (the SmolLM2 heads) head k reads h + T_k e, e
+the embedding of x_{t+1}, the token the lm_head picks from h, and T_k a zero-initialised linear
+map. Under greedy decoding x_{t+1} is known when the heads run: it is the next tree's root, the
+token the verifying forward just emitted. A head that reads h alone has to recover that token,
+an argmax over the vocabulary, with a few small blocks; handed over, it lifts SmolLM2's heads at
+every depth (RESULTS.md, "SmolLM2 drafters"). Hydra (Ankner et al., 2024) and EAGLE feed drafted
+tokens back in the same way; this reads only the token that is certain, so the tree and its
+verification stay Medusa's, and the heads cost one gather and one small map more. Under
+sampling the emitted root is drawn, not the argmax: the heads still read the argmax, which can
+cost acceptance, never exactness.
+
 What runs where: the forward, greedy verification and the heads on the last accepted node (then
 their top-k) are one device program, a CUDA graph in exact mode on a GPU; the host reads back the
 accepted path and the candidates, and the tree's shape is laid out once (tree.Template).
@@ -54,28 +65,38 @@ from ..tree import Template, choose_tree
 class Heads(nn.Module):
     """K heads. Each has its own vocabulary projection, or (shared=lm_head) all use the model's
     frozen lm_head, as EAGLE's head does: a 576 x 49,152 projection per head would not fit a
-    small repository at SmolLM2's vocabulary (see the header)."""
+    small repository at SmolLM2's vocabulary (see the header). token=model: each head also reads
+    the embedding of the token the model emits after h (the header's --token-input)."""
 
-    def __init__(self, dim: int, vocab: int, K: int, shared: nn.Linear | None = None, layers: int = 1):
+    def __init__(self, dim: int, vocab: int, K: int, shared: nn.Linear | None = None, layers: int = 1,
+                 token: nn.Module | None = None):
         super().__init__()
         self.K, self.layers = K, layers
         self.res = nn.ModuleList(nn.Linear(dim, dim) for _ in range(K * layers))  # head k's blocks: k*layers, ...
+        self.tok = None if token is None else nn.ModuleList(nn.Linear(dim, dim) for _ in range(K))
         self.proj = None if shared else nn.ModuleList(nn.Linear(dim, vocab, bias=False) for _ in range(K))
-        self.shared = [shared]  # in a list: the lm_head is the model's, neither trained nor saved here
+        self.shared, self.model = [shared], [token]  # in lists: the model's, neither trained nor saved here
 
     def init_from(self, lm_head: nn.Linear) -> "Heads":
         with torch.no_grad():
-            for r in self.res:
+            for r in [*self.res, *(self.tok or [])]:
                 r.weight.zero_()
                 r.bias.zero_()
             for p in self.proj or []:
                 p.weight.copy_(lm_head.weight)
         return self
 
-    def forward(self, h):  # h (..., D) -> (K, ..., V)
+    @torch.no_grad()
+    def next_tokens(self, h, batch: int = 4096) -> torch.Tensor:
+        """(N, D) -> (N,): the token the model emits after each state (its lm_head's argmax)."""
+        return torch.cat([self.model[0].lm_head(h[i:i + batch]).argmax(-1) for i in range(0, len(h), batch)])
+
+    def forward(self, h, e=None):  # h (..., D) -> (K, ..., V); e: token heads' next-token embeddings (None: computed)
+        if self.tok is not None and e is None:
+            e = self.model[0].embed(self.next_tokens(h.reshape(-1, h.shape[-1]))).view_as(h)
         x = []
         for k in range(self.K):
-            y = h
+            y = h if self.tok is None else h + self.tok[k](e)
             for r in self.res[k * self.layers:(k + 1) * self.layers]:
                 y = y + F.silu(r(y))
             x.append(y)
@@ -94,11 +115,18 @@ class Medusa(Ranked):
 
     def forward(self, f, nodes):
         """One forward verifies the tree and gives every node's final state h: the heads' input."""
-        h = f.norm(f.layers(f.embed()))
-        return Out(f.logits(h, nodes.N), drafts=h[:, :nodes.N, None])
+        return self.out(f, f.norm(f.layers(f.embed())), nodes.N)
 
-    def propose(self, h):
-        return self.heads(h[:, 0]).transpose(0, 1)  # (B, K, V): head k guesses the token k+1 after the next one
+    def out(self, f, h, N: int, alive=None) -> Out:
+        """The nodes' logits and drafts: each node's h and, for token heads, the embedding of the token
+        the node emits next (its logits' argmax: the next tree's root, were the path to end there)."""
+        logits = f.logits(h, N)
+        if self.heads.tok is None:
+            return Out(logits, drafts=h[:, :N, None], alive=alive)
+        return Out(logits, drafts=torch.stack([h[:, :N], f.model.embed(logits.argmax(-1))], 2), alive=alive)
+
+    def propose(self, drafts):
+        return self.heads(*drafts.unbind(1)).transpose(0, 1)  # (B, K, V): head k guesses the token k+1 after the next
 
 
 # --- weights on disk ---------------------------------------------------------------------------
@@ -106,7 +134,8 @@ def load_heads(model, weights):
     a = model.args
     return load_trained(model, Path(weights) / "medusa.safetensors", "python train.py --method medusa",
                         lambda meta: Heads(a.dim, a.vocab_size, meta["heads"],
-                                           model.lm_head if meta.get("shared") else None, meta.get("layers", 1)))
+                                           model.lm_head if meta.get("shared") else None, meta.get("layers", 1),
+                                           model if meta.get("token") else None))
 
 
 def load_medusa(model, weights, tree_size=0) -> Medusa:
@@ -120,6 +149,8 @@ def add_args(p):
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--shared-head", action="store_true", help="the heads share the frozen lm_head (EAGLE's choice)")
     p.add_argument("--head-layers", type=int, default=1, help="residual SiLU blocks per head")
+    p.add_argument("--token-input", action="store_true",
+                   help="each head also reads the embedding of the token the model emits next (not Medusa-1's)")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--batch-size", type=int, default=1024, help="positions per step")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -167,7 +198,8 @@ def train(args):
     torch.manual_seed(args.seed)
     a = model.args
     heads = Heads(a.dim, a.vocab_size, args.heads, model.lm_head if args.shared_head else None,
-                  args.head_layers).init_from(model.lm_head)
+                  args.head_layers, model if args.token_input else None).init_from(model.lm_head)
+    nxt = heads.next_tokens(h_tr) if args.token_input else None  # token heads' second input, once
     opt = adamw(heads, args.lr, weight_decay=0.0)
     steps = math.ceil(args.epochs * len(h_tr) / args.batch_size)
     ckpt = Checkpoint(args, f"medusa-{fingerprint(model)}", heads, opt)
@@ -180,7 +212,7 @@ def train(args):
             g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
             order = {epoch: torch.randperm(len(h_tr), generator=g)}
         idx = order[epoch][i:i + args.batch_size]
-        loss = loss_fn(heads(h_tr[idx]), y_tr[idx])
+        loss = loss_fn(heads(h_tr[idx], None if nxt is None else model.embed(nxt[idx])), y_tr[idx])
         update(opt, loss, lr)
         prog.step(step, loss.item(), lr, len(idx))
         ckpt.step(step, steps)
@@ -190,7 +222,7 @@ def train(args):
         print(f"head {k} (token t+{k + 1}): held-out top-1 {a[0]:.3f}, top-5 {sum(a[:5]):.3f}")
     tree = choose_tree(acc, args.tree_size)
     meta = {"base_fingerprint": fingerprint(model), "heads": args.heads, "shared": args.shared_head,
-            "layers": args.head_layers, "acc": acc,
+            "layers": args.head_layers, "token": args.token_input, "acc": acc,
             "tree": tree, "trained": {"positions": len(h_tr), "forced": args.forced, "steps": steps,
                                       "seconds": round(prog.elapsed)}}
     save_drafter(out / "medusa.safetensors", heads, meta)

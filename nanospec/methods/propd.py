@@ -59,7 +59,6 @@ import torch.nn.functional as F
 
 from .. import NanospecError
 from ..costs import CostModel
-from ..drafter import Out
 from ..io.checkpoint import load_drafter_file, save_drafter
 from ..io.files import fingerprint
 from ..model import RMSNorm
@@ -142,7 +141,7 @@ class ProPD(Medusa):
         h = f.norm(f.layers(x, self.layer, None, active=alive))
         drafts = nodes.real & (nodes.lay.parent >= 0)  # the root is no draft
         self.pruning.add_(torch.stack([drafts.sum(), (drafts & ~alive).sum()]))
-        return Out(f.logits(h, N), drafts=h[:, :N, None], alive=alive)
+        return self.out(f, h, N, alive)
 
     def report(self) -> str:
         parts = [self.off] if self.off else []
