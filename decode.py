@@ -141,7 +141,7 @@ def tune(args, model, exact: bool, drafters) -> None:
             compiled.install(model)
         return
     if args.kernels == "tuned" and args.device == "cpu":
-        kernels.install(kernels.tuned(model), model, *drafters)
+        kernels.install(kernels.tuned(model, *drafters), model, *drafters)
     for d in drafters:
         if d.planner is not None:
             own_sizes(d)

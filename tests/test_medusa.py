@@ -10,7 +10,7 @@ from nanospec import NanospecError
 from nanospec.engine import generate
 from nanospec.io.checkpoint import save, save_drafter
 from nanospec.io.files import fingerprint
-from nanospec.methods.medusa import Heads, Medusa, load_medusa, loss_fn, samples
+from nanospec.methods.medusa import Heads, Medusa, accuracy, draft_vocab, load_medusa, loss_fn, samples
 from nanospec.model import ModelArgs
 from nanospec.training.forced import labelled
 from nanospec.tree import choose_tree
@@ -115,10 +115,12 @@ def test_stacked_heads_start_as_the_next_token_guess_and_keep_their_depth_on_dis
     assert torch.equal(back(h), heads.to(torch.bfloat16).float()(h))  # the file holds bf16
 
 
-def test_a_head_needs_a_block(tmp_path):
+def test_a_head_needs_a_block_and_a_draft_vocabulary_a_shared_head(tmp_path):
     import train  # the script at the repository root
     assert "--head-layers must be at least 1, not 0" in run_cli(train.main, "--method", "medusa", "--out", tmp_path,
                                                                  "--head-layers", "0")
+    assert "--draft-vocab narrows the shared lm_head: it needs --shared-head" in run_cli(
+        train.main, "--method", "medusa", "--out", tmp_path, "--draft-vocab", "10")
 
 
 def test_token_heads_read_the_token_each_step_emits_last_and_keep_it_on_disk(tmp_path):
@@ -150,3 +152,36 @@ def test_token_heads_read_the_token_each_step_emits_last_and_keep_it_on_disk(tmp
                                                           "tree": [[0], [0, 0]]})
     back = load_medusa(model, tmp_path).heads
     assert back.tok is not None and torch.equal(back(h), heads.to(torch.bfloat16).float()(h))  # the file holds bf16
+
+
+def test_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_its_ids_on_disk(tmp_path):
+    """--draft-vocab: shared heads score only the tokens their training targets use most (ties and unseen ones:
+    the lowest ids), as the whole lm_head would; no other token is ever a candidate, in decoding or in the
+    trainer's accuracies; decoding stays AR's; the file keeps the ids exactly (bf16 holds integers only to 256)."""
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=600, hidden_dim=48)
+    model = random_model(args)
+    save(model, tmp_path)
+    y = torch.tensor([[599, 300], [599, -100], [300, 7], [599, 3]])
+    assert draft_vocab(y, 4, 600).tolist() == [3, 7, 300, 599] and draft_vocab(y, 6, 600).tolist()[:2] == [0, 1]
+    heads = Heads(32, 600, 2, model.lm_head, draft_vocab=5).init_from(model.lm_head)
+    heads.vocab.copy_(draft_vocab(y, 5, 600))
+    with torch.no_grad():
+        for r in heads.res:
+            r.weight.normal_(std=0.3)
+    h = torch.randn(6, 32)
+    got, full, ids = heads.drafts(heads.narrowed(), h), heads(h), heads.vocab
+    assert torch.allclose(got[..., ids], full[..., ids], atol=1e-5)
+    out = torch.ones(600, dtype=torch.bool)
+    out[ids] = False
+    assert bool((got[..., out] == -torch.inf).all())
+    assert accuracy(heads, h, torch.full((6, 2), 1), 3) == [[0.0] * 3] * 2  # token 1: never a candidate
+    d = Medusa(heads, [(0,), (1,), (0, 0)])
+    cands = d.propose(h[:, None]).topk(3, dim=-1).indices
+    assert bool(torch.isin(cands, ids).all())
+    check_exact(model, [5, 77, 599, 300], d, 16, fast=True)
+    save_drafter(tmp_path / "medusa.safetensors", heads, {"base_fingerprint": fingerprint(model), "heads": 2,
+                                                          "shared": True, "draft_vocab": 5, "acc": [[0.5], [0.5]],
+                                                          "tree": [[0], [0, 0]]})
+    back = load_medusa(model, tmp_path)
+    assert back.heads.vocab.dtype == torch.long and back.heads.vocab.tolist() == [0, 3, 7, 300, 599]
+    assert torch.equal(back.narrow.weight, model.lm_head.weight[ids])

@@ -18,8 +18,9 @@ from nanospec.model import ModelArgs
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "weights" / "pylm" / "tokenizer.model"
 SMALL = {  # each trainer's options, cut to seconds
-    "medusa": ["--epochs", "0.05", "--batch-size", "64", "--tree-size", "4", "--token-input", "--early-layers", "1",
-               "--early-steps", "3", "--early-batch", "32", "--early-rank", "4"],
+    "medusa": ["--epochs", "0.05", "--batch-size", "64", "--tree-size", "4", "--token-input", "--shared-head",
+               "--draft-vocab", "300", "--early-layers", "1", "--early-steps", "3", "--early-batch", "32",
+               "--early-rank", "4"],
     "propd": ["--early-layers", "1", "--early-steps", "3", "--early-batch", "32", "--early-rank", "4"],
     "bita": ["--steps", "3", "--batch-size", "2", "--groups", "2", "--prompts", "2"],
     "hidden_transfer": ["--steps", "3", "--batch-size", "2", "--layers", "1"],

@@ -161,7 +161,8 @@ def save(model: Llama, path, dtype=None, tokenizer_model=None) -> None:
 
 def save_drafter(path: Path, module: torch.nn.Module, meta: dict) -> None:
     """A method's trained weights (bf16) with JSON metadata; meta should carry base_fingerprint."""
-    state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in module.state_dict().items()}
+    state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v).contiguous().cpu()
+             for k, v in module.state_dict().items()}  # integers (token ids) as they are
     atomic_write(path, lambda p: save_file(state, str(p), metadata={k: json.dumps(v) for k, v in meta.items()}))
 
 
@@ -177,7 +178,8 @@ def load_drafter_file(path: Path, model, train_cmd: str) -> tuple[dict, dict]:
         raise NanospecError(f"{path} was trained for another base model (fingerprint "
                             f"{meta.get('base_fingerprint')}, these weights {fp}): retrain with `{train_cmd}`")
     w = model.embed.weight
-    return {k: v.to(device=w.device, dtype=w.dtype) for k, v in tensors.items()}, meta
+    return {k: v.to(device=w.device, dtype=w.dtype if v.is_floating_point() else v.dtype)
+            for k, v in tensors.items()}, meta
 
 
 def load_trained(model, path: Path, train_cmd: str, build):

@@ -40,6 +40,13 @@ verification stay Medusa's, and the heads cost one gather and one small map more
 sampling the emitted root is drawn, not the argmax: the heads still read the argmax, which can
 cost acceptance, never exactness.
 
+Another option is not Medusa-1's. With --draft-vocab N (the SmolLM2 heads) shared heads draft only the N
+tokens their training targets use most, as FR-Spec (Zhao et al., 2025) does for EAGLE's head: at a few
+rows the heads' product reads the whole lm_head, drafting's largest cost at a large vocabulary on a CPU,
+while a model's own continuations use a small part of its tokens. The rows of those tokens are copied
+out once (Heads.narrowed) and every other token's logit is -inf, so it is never a candidate; the trainer
+measures its accuracies the same way. Verification reads the model's logits alone, so the output stays AR's.
+
 What runs where: the forward, greedy verification and the heads on the last accepted node (then
 their top-k) are one device program, a CUDA graph in exact mode on a GPU; the host reads back the
 accepted path and the candidates, and the tree's shape is laid out once (tree.Template).
@@ -69,13 +76,15 @@ class Heads(nn.Module):
     the embedding of the token the model emits after h (the header's --token-input)."""
 
     def __init__(self, dim: int, vocab: int, K: int, shared: nn.Linear | None = None, layers: int = 1,
-                 token: nn.Module | None = None):
+                 token: nn.Module | None = None, draft_vocab: int = 0):
         super().__init__()
         self.K, self.layers = K, layers
         self.res = nn.ModuleList(nn.Linear(dim, dim) for _ in range(K * layers))  # head k's blocks: k*layers, ...
         self.tok = None if token is None else nn.ModuleList(nn.Linear(dim, dim) for _ in range(K))
         self.proj = None if shared else nn.ModuleList(nn.Linear(dim, vocab, bias=False) for _ in range(K))
         self.shared, self.model = [shared], [token]  # in lists: the model's, neither trained nor saved here
+        # the token ids a shared head may draft (the header's --draft-vocab), ascending; None: all of them
+        self.register_buffer("vocab", torch.zeros(draft_vocab, dtype=torch.long) if draft_vocab else None)
 
     def init_from(self, lm_head: nn.Linear) -> "Heads":
         with torch.no_grad():
@@ -91,7 +100,7 @@ class Heads(nn.Module):
         """(N, D) -> (N,): the token the model emits after each state (its lm_head's argmax)."""
         return torch.cat([self.model[0].lm_head(h[i:i + batch]).argmax(-1) for i in range(0, len(h), batch)])
 
-    def forward(self, h, e=None):  # h (..., D) -> (K, ..., V); e: token heads' next-token embeddings (None: computed)
+    def states(self, h, e=None):  # h (..., D) -> (K, ..., D); e: token heads' next-token embeddings (None: computed)
         if self.tok is not None and e is None:
             e = self.model[0].embed(self.next_tokens(h.reshape(-1, h.shape[-1]))).view_as(h)
         x = []
@@ -100,9 +109,31 @@ class Heads(nn.Module):
             for r in self.res[k * self.layers:(k + 1) * self.layers]:
                 y = y + F.silu(r(y))
             x.append(y)
+        return torch.stack(x)
+
+    def forward(self, h, e=None):  # (..., D) -> (K, ..., V): every head's logits over the whole vocabulary
+        x = self.states(h, e)
         if self.proj is None:
-            return self.shared[0](torch.stack(x))  # one product for all heads
+            return self.shared[0](x)  # one product for all heads
         return torch.stack([p(y) for p, y in zip(self.proj, x)])
+
+    def narrowed(self) -> nn.Linear | None:
+        """The shared lm_head's rows of the draft vocabulary, as a layer of their own (None: no draft vocabulary)."""
+        if self.vocab is None:
+            return None
+        w = self.shared[0].weight
+        layer = nn.Linear(w.shape[1], len(self.vocab), bias=False, device=w.device, dtype=w.dtype)
+        layer.weight = nn.Parameter(w.detach()[self.vocab], requires_grad=False)
+        return layer
+
+    def drafts(self, narrow: nn.Linear | None, h, e=None):
+        """(..., D) -> (K, ..., V): the logits the heads draft from. With a draft vocabulary (narrow: its layer)
+        only its tokens are scored; every other token's logit is -inf, so it is never a candidate."""
+        if narrow is None:
+            return self(h, e)
+        x = self.states(h, e)
+        out = x.new_full((*x.shape[:-1], self.shared[0].weight.shape[0]), -math.inf)
+        return out.index_copy_(-1, self.vocab, narrow(x))
 
 
 class Medusa(Ranked):
@@ -112,6 +143,7 @@ class Medusa(Ranked):
         self.heads, self.acc = heads, acc  # acc: held-out accuracy per head and rank (the planner's prior)
         self.template = Template(paths)
         self.max_rows, self.topk = len(self.template), self.template.topk
+        self.narrow = heads.narrowed()  # the draft vocabulary's product, a layer a device layer may tune
 
     def forward(self, f, nodes):
         """One forward verifies the tree and gives every node's final state h: the heads' input."""
@@ -125,8 +157,8 @@ class Medusa(Ranked):
             return Out(logits, drafts=h[:, :N, None], alive=alive)
         return Out(logits, drafts=torch.stack([h[:, :N], f.model.embed(logits.argmax(-1))], 2), alive=alive)
 
-    def propose(self, drafts):
-        return self.heads(*drafts.unbind(1)).transpose(0, 1)  # (B, K, V): head k guesses the token k+1 after the next
+    def propose(self, drafts):  # (B, K, V): head k guesses the token k+1 after the next
+        return self.heads.drafts(self.narrow, *drafts.unbind(1)).transpose(0, 1)
 
 
 # --- weights on disk ---------------------------------------------------------------------------
@@ -135,7 +167,7 @@ def load_heads(model, weights):
     return load_trained(model, Path(weights) / "medusa.safetensors", "python train.py --method medusa",
                         lambda meta: Heads(a.dim, a.vocab_size, meta["heads"],
                                            model.lm_head if meta.get("shared") else None, meta.get("layers", 1),
-                                           model if meta.get("token") else None))
+                                           model if meta.get("token") else None, meta.get("draft_vocab", 0)))
 
 
 def load_medusa(model, weights, tree_size=0) -> Medusa:
@@ -151,6 +183,9 @@ def add_args(p):
     p.add_argument("--head-layers", type=int, default=1, help="residual SiLU blocks per head")
     p.add_argument("--token-input", action="store_true",
                    help="each head also reads the embedding of the token the model emits next (not Medusa-1's)")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="with --shared-head: the heads draft only the N tokens their training targets use most "
+                   "(0: the whole vocabulary)")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--batch-size", type=int, default=1024, help="positions per step")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -175,20 +210,34 @@ def loss_fn(logits, targets):  # logits (K, N, V), targets (N, K)
     return sum(0.8 ** k * F.cross_entropy(logits[k], targets[:, k], ignore_index=-100) for k in range(K))
 
 
+def draft_vocab(targets, n: int, vocab: int) -> torch.Tensor:
+    """The n token ids the targets (-100: none) use most, ascending; ties and unseen tokens go to the lowest
+    ids (a BPE vocabulary numbers its merges from its corpus's most frequent)."""
+    count = torch.bincount(targets[targets >= 0].flatten(), minlength=vocab)
+    return (torch.arange(vocab) - count * vocab).argsort()[:n].sort().values
+
+
 @torch.no_grad()
 def accuracy(heads, h, targets, topk: int, batch: int = 4096) -> list[list[float]]:
-    """acc[k][r]: how often head k's rank-r candidate is the target, on held-out positions."""
-    acc = RankAccuracy(targets.shape[1], topk)
+    """acc[k][r]: how often head k's rank-r candidate is the target, on held-out positions (the candidates
+    decoding drafts: within the draft vocabulary, if any)."""
+    acc, narrow = RankAccuracy(targets.shape[1], topk), heads.narrowed()
     for i in range(0, len(h), batch):
-        acc.add(heads(h[i:i + batch]).transpose(0, 1), targets[i:i + batch])
+        acc.add(heads.drafts(narrow, h[i:i + batch]).transpose(0, 1), targets[i:i + batch])
     return acc.result()
 
 
 def train(args):
     if args.head_layers < 1:
         raise NanospecError(f"--head-layers must be at least 1, not {args.head_layers}")
+    if args.draft_vocab and not args.shared_head:
+        raise NanospecError("--draft-vocab narrows the shared lm_head: it needs --shared-head")
+    if args.draft_vocab < 0:
+        raise NanospecError(f"--draft-vocab must be 0 (the whole vocabulary) or a token count, not {args.draft_vocab}")
     out = Path(args.out)
     model, train_data, held = distilled(args)  # held out: for accuracies and the tree
+    if args.draft_vocab > model.args.vocab_size:
+        raise NanospecError(f"--draft-vocab {args.draft_vocab} exceeds the model's {model.args.vocab_size} tokens")
     t0 = time.time()
     h_tr, y_tr = samples(model, training_items(model, args, train_data), args.heads)
     h_ev, y_ev = samples(model, [labelled(d) for d in held], args.heads)
@@ -198,7 +247,9 @@ def train(args):
     torch.manual_seed(args.seed)
     a = model.args
     heads = Heads(a.dim, a.vocab_size, args.heads, model.lm_head if args.shared_head else None,
-                  args.head_layers, model if args.token_input else None).init_from(model.lm_head)
+                  args.head_layers, model if args.token_input else None, args.draft_vocab).init_from(model.lm_head)
+    if args.draft_vocab:
+        heads.vocab.copy_(draft_vocab(y_tr, args.draft_vocab, a.vocab_size))
     nxt = heads.next_tokens(h_tr) if args.token_input else None  # token heads' second input, once
     opt = adamw(heads, args.lr, weight_decay=0.0)
     steps = math.ceil(args.epochs * len(h_tr) / args.batch_size)
@@ -222,7 +273,7 @@ def train(args):
         print(f"head {k} (token t+{k + 1}): held-out top-1 {a[0]:.3f}, top-5 {sum(a[:5]):.3f}")
     tree = choose_tree(acc, args.tree_size)
     meta = {"base_fingerprint": fingerprint(model), "heads": args.heads, "shared": args.shared_head,
-            "layers": args.head_layers, "token": args.token_input, "acc": acc,
+            "layers": args.head_layers, "token": args.token_input, "draft_vocab": args.draft_vocab, "acc": acc,
             "tree": tree, "trained": {"positions": len(h_tr), "forced": args.forced, "steps": steps,
                                       "seconds": round(prog.elapsed)}}
     save_drafter(out / "medusa.safetensors", heads, meta)

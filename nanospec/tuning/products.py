@@ -69,18 +69,21 @@ class Kernels:
         return y.reshape(*x.shape[:-1], -1)
 
 
-def install(kernels: Kernels | None, *owners) -> None:
-    """Every bias-free nn.Linear of owners (a model; a drafter: its modules, e.g. its heads) runs
-    kernels.linear when called (None: F.linear again). The table stays reachable as layer.tuned."""
+def layers(*owners) -> list[torch.nn.Linear]:
+    """The bias-free nn.Linear layers of owners (a model; a drafter: its modules, e.g. its heads)."""
     modules = [m for o in owners for m in ([o] if isinstance(o, torch.nn.Module) else
                                             [v for v in vars(o).values() if isinstance(v, torch.nn.Module)])]
-    for module in modules:
-        for layer in module.modules():
-            if isinstance(layer, torch.nn.Linear) and layer.bias is None:
-                layer.__dict__.pop("forward", None)
-                layer.__dict__.pop("tuned", None)
-                if kernels is not None:
-                    layer.forward, layer.tuned = functools.partial(kernels.linear, layer), kernels
+    return [m for module in modules for m in module.modules() if isinstance(m, torch.nn.Linear) and m.bias is None]
+
+
+def install(kernels: Kernels | None, *owners) -> None:
+    """Every bias-free nn.Linear of owners runs kernels.linear when called (None: F.linear again). The
+    table stays reachable as layer.tuned."""
+    for layer in layers(*owners):
+        layer.__dict__.pop("forward", None)
+        layer.__dict__.pop("tuned", None)
+        if kernels is not None:
+            layer.forward, layer.tuned = functools.partial(kernels.linear, layer), kernels
 
 
 def installed(model) -> Kernels | None:
@@ -96,30 +99,29 @@ def from_json(text: str) -> Kernels:
     return Kernels({tuple(row[:3]): tuple(row[3:]) for row in json.loads(text)})
 
 
-def tuned(model) -> Kernels:
-    """The model's table on this machine: tuned once, then read from the cache root."""
+def tuned(model, *drafters) -> Kernels:
+    """The table of the model's and drafters' products on this machine: tuned once, then read from the cache root."""
     w = model.embed.weight
-    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    shapes = sorted({tuple(m.weight.shape) for m in layers(model, *drafters)})
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'-'.join(sorted(FORMS))}-{shapes}"  # shapes: fused
     path = cache_root() / "kernels" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
         return from_json(path.read_text())
     print(f"tuning fast mode's matrix products for this machine (once; cached in {path.parent})...",
           file=sys.stderr, flush=True)
-    k = tune(model)
+    k = tune(model, *drafters)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda p: p.write_text(to_json(k)))
     return k
 
 
 @torch.inference_mode()
-def tune(model, buckets=BUCKETS, reps: int = 4) -> Kernels:
-    """Time every form for every weight shape of the model and row bucket; each bucket keeps the
-    fastest (form, rows) of its own and the larger buckets up to twice its rows."""
+def tune(*owners, buckets=BUCKETS, reps: int = 4) -> Kernels:
+    """Time every form for every weight shape of the owners' layers (a model's, drafters') and row bucket;
+    each bucket keeps the fastest (form, rows) of its own and the larger buckets up to twice its rows."""
     shapes = {}
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            shapes.setdefault(tuple(m.weight.shape), []).append(m.weight)
+    for m in layers(*owners):
+        shapes.setdefault(tuple(m.weight.shape), []).append(m.weight)
     table = {}
     for (N, K), ws in shapes.items():
         best = {}  # (form, rows) -> seconds
