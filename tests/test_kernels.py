@@ -27,6 +27,17 @@ def test_every_form_and_padding_computes_the_layer(form, M, extra, lead):
     torch.testing.assert_close(y, layer(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_drafters_own_products_are_tuned_with_the_models():
+    """A drafter's product of a shape the model lacks (a draft vocabulary's rows of the lm_head) gets its forms too:
+    untuned, it would run F.linear, the slowest form at a few rows."""
+    from nanospec.methods.medusa import Heads, Medusa
+    model = random_model(TINY, seed=3)
+    medusa = Medusa(Heads(TINY.dim, TINY.vocab_size, 2, model.lm_head, draft_vocab=7), [(0,), (0, 0)])
+    table = kernels.tune(model, medusa, buckets=(1, 2), reps=1)
+    assert {(7, TINY.dim, 1), (7, TINY.dim, 2)} <= set(table.table)
+    assert not any(s[0] == 7 for s in kernels.tune(model, buckets=(1,), reps=1).table)
+
+
 def test_padding_runs_the_product_on_more_rows():
     """The table's row count is what the product sees (zero rows added), not a no-op."""
     seen = []

@@ -6,7 +6,8 @@ a small row count almost row by row. The same product written weight-first, `(W 
 against a transposed copy of the weight, `x @ W.T`, can cost a fraction of that at a few rows.
 Which wins depends on the shape, the row count and the machine, so nothing is assumed: tune()
 times each form on the model's own weights (every layer of a shape, streamed, as a forward reads
-them), per row bucket, once, and the table is cached beside the cost measurements.
+them) and on the drafters' own products (a draft vocabulary's rows of the lm_head), per row bucket,
+once, and the table is cached beside the cost measurements.
 
 A row count can also be slow in every form (BLAS kernels favour some widths). So a product may
 run on more rows than it has, zero rows added and their results dropped, when tune() measured
