@@ -24,7 +24,8 @@ ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
 
 
 def narrowed(model):
-    """Token heads sharing the lm_head, drafting from a random draft vocabulary of most of its tokens."""
+    """Medusa's heads here: token heads sharing the lm_head, drafting from a random draft vocabulary of most of its
+    tokens (--token-input, --draft-vocab)."""
     a = model.args
     heads = Heads(a.dim, a.vocab_size, 3, model.lm_head, token=model, draft_vocab=a.vocab_size - 13)
     heads.vocab.copy_(torch.randperm(a.vocab_size, generator=torch.Generator().manual_seed(1))[:len(heads.vocab)].sort()
@@ -37,10 +38,9 @@ def drafter(name, model):
     a = model.args
 
     noisy = lambda module, seed, scale: helpers.noisy(module, seed, scale).to(model.embed.weight)
-    heads = lambda token=None: noisy(Heads(a.dim, a.vocab_size, 3, token=token).init_from(model.lm_head), 1, 0.1)
+    heads = lambda: noisy(Heads(a.dim, a.vocab_size, 3).init_from(model.lm_head), 1, 0.1)  # ProPD's: h alone
     return {
-        "medusa": lambda: Medusa(narrowed(model), choose_tree(ACC, 12)),  # token heads with a draft vocabulary
-        # (--token-input, --draft-vocab); ProPD's read h alone
+        "medusa": lambda: Medusa(narrowed(model), choose_tree(ACC, 12)),
         "propd": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC,
                                noisy(EarlyHead(a.dim, a.vocab_size, 4, 1e-5), 2, 1.0), layer=1, k=3, dynamic=False),
         "propd-dynamic": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC, None, dynamic=True, sizes=(1, 4, 12),

@@ -44,11 +44,15 @@ def test_chosen_trees_are_prefix_closed_and_parents_first(acc, size):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 30), size=st.integers(1, 20),
-       sampled=st.booleans(), layers=st.integers(1, 2), token=st.booleans())
-def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, size, sampled, layers, token):
+       sampled=st.booleans(), layers=st.integers(1, 2), token=st.booleans(), narrow=st.booleans())
+def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, size, sampled, layers, token, narrow):
     model = random_model(args, seed, DTYPES[dtype], device)
     torch.manual_seed(seed)
-    heads = Heads(args.dim, args.vocab_size, 3, layers=layers, token=model if token else None)
+    V = args.vocab_size  # narrow: heads that share the lm_head and draft from half its tokens (--draft-vocab)
+    heads = Heads(args.dim, V, 3, model.lm_head if narrow else None, layers, model if token else None,
+                  V // 2 if narrow else 0)
+    if narrow:
+        heads.vocab.copy_(torch.randperm(V)[:V // 2].sort().values)
     heads.init_from(model.lm_head)  # drafts the next token...
     with torch.no_grad():
         heads.res[layers].weight.normal_()  # ...and, from head 2 (its first block) on, random guesses
