@@ -126,11 +126,10 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         print(f"[bench] prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{d.name} {o[-1].mean_accepted:.2f}" for d, o in zip(drafters, outs)) + " tokens/step, "
             f"{done:.0f}s, about {done / (i + 1) * (len(prompts) - i - 1):.0f}s left", file=sys.stderr, flush=True)
-    speeds = {name: sum(len(o.tokens) for o in runs) / sum(o.decode_s for o in runs) for name, runs in base.items()}
-    for d, runs in zip(drafters, outs):  # AR among the methods is AR too: the fastest AR of the run is the baseline
-        if type(d) is Drafter:
-            speeds["AR row"] = sum(len(o.tokens) for o in runs) / sum(o.decode_s for o in runs)
-    baseline = max(speeds, key=speeds.get)
+        speeds, baseline = ar_speeds(base, drafters, outs)  # so far: a run cut short still says where it stood
+        print(f"[bench] so far, {i + 1}/{len(prompts)}: {baseline} {speeds[baseline]:.1f} tok/s; " + ", ".join(
+            f"{d.name} {tps(o) / speeds[baseline]:.2f}x" for d, o in zip(drafters, outs)), file=sys.stderr, flush=True)
+    speeds, baseline = ar_speeds(base, drafters, outs)
     ar_tps = speeds[baseline]
     print("[bench] " + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in speeds.items()) +
           f" over {len(prompts)} prompts; speedups are against {baseline}", file=sys.stderr, flush=True)
@@ -138,7 +137,6 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     for i, (d, runs) in enumerate(zip(drafters, outs)):
         new = sum(len(o.tokens) for o in runs)
         steps = sum(o.steps for o in runs)
-        tps = new / sum(o.decode_s for o in runs)
         step_ms = 1000 * sum(o.decode_s for o in runs) / steps
         fwd_ms = 1000 * sum(o.forward_s for o in runs) / steps
         kernel = kernel_ms(lambda d, p: run(d, p, exact), d, prompts[0])
@@ -148,18 +146,17 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
                             mean_accepted=round(new / steps, 3), step_ms=round(step_ms, 3), forward_ms=round(fwd_ms, 3),
                             host_ms=round(step_ms - fwd_ms, 3), kernel_ms=None if kernel is None else round(kernel, 3),
                             ops_per_layer=None if ops is None else round(ops[i], 1),
-                            tokens_per_s=round(tps, 2),
-                            speedup=round(tps / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
+                            tokens_per_s=round(tps(runs), 2),
+                            speedup=round(tps(runs) / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
                             mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(runs, ref)),
                             notes=d.report()))
     for peer, runs in zip(peers, peer_outs):
         new = sum(len(o.tokens) for o in runs)
-        tps = new / sum(o.decode_s for o in runs)
         results.append(dict(method=peer.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=None,
                             mean_accepted=None,
                             step_ms=None, forward_ms=None, host_ms=None, kernel_ms=None, ops_per_layer=None,
-                            tokens_per_s=round(tps, 2),
-                            speedup=round(tps / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
+                            tokens_per_s=round(tps(runs), 2),
+                            speedup=round(tps(runs) / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
                             mismatches=sum(o.tokens != r.tokens for o, r in zip(runs, ref)), notes=""))
     return results
 
@@ -171,6 +168,17 @@ def batched(outs: list[Output], seconds: float) -> list[Output]:
     for o in outs:
         o.decode_s = seconds * len(o.tokens) / total
     return outs
+
+
+def tps(runs: list[Output]) -> float:
+    return sum(len(o.tokens) for o in runs) / sum(o.decode_s for o in runs)
+
+
+def ar_speeds(base: dict, drafters: list[Drafter], outs: list[list[Output]]) -> tuple[dict, str]:
+    """Every AR's tok/s (the baselines, and AR among the methods: AR too) and the fastest, the speedups' baseline."""
+    speeds = {name: tps(runs) for name, runs in base.items()}
+    speeds.update({"AR row": tps(runs) for d, runs in zip(drafters, outs) if type(d) is Drafter})
+    return speeds, max(speeds, key=speeds.get)
 
 
 def kernel_ms(run, drafter, prompt) -> float | None:

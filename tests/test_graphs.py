@@ -230,3 +230,21 @@ def test_the_host_writes_an_h100_found_are_caught_when_planted_back(simulate, mo
     d = drafter("hidden_transfer", model)
     with pytest.raises(RuntimeError, match="lift_fresh copies a host value in"):
         run(model, [3, 9, 4, 1, 7], d, n=4)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_bench_copies_drafters_without_their_graphs(batch, simulate, monkeypatch):
+    """The bench copies each drafter after graphs exist (warm-up, a batch's second pass, profiling). A copy that took
+    the model along would copy its graphs, and a CUDA graph cannot be copied: SmolLM2's token heads crashed the H100
+    bench so. The stand-in refuses a copy as a graph does; with the heads' model in a plain list the bench fails."""
+    from nanospec.bench import bench
+    from nanospec.methods import medusa
+    model = random_model(EDGE_ARGS, seed=11)
+    names = ["medusa", "propd", "sdsat"]
+    prompts = [[3, 9, 4, 1, 7, 12, 5], [5, 2, 8, 8, 1, 12, 30, 4, 11, 2, 6, 1]]
+    kw = dict(exact=True, max_new_tokens=8, eos_id=-1, batch=batch)
+    res = bench(model, prompts, [drafter(n, model) for n in names], **kw)
+    assert [r["mismatches"] for r in res] == [0] * len(names) and all(r["new_tokens"] for r in res)
+    monkeypatch.setattr(medusa, "Borrowed", list)  # the planted fault: a copy of the heads copies the model
+    with pytest.raises(TypeError, match="CUDAGraph"):
+        bench(model, prompts, [drafter("medusa", model)], **kw)

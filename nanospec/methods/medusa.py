@@ -69,6 +69,12 @@ from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distille
 from ..tree import Template, choose_tree
 
 
+class Borrowed(list):
+    """The model's modules a drafter uses: deepcopy shares them (a copy would copy the model with its CUDA graphs)."""
+    def __deepcopy__(self, memo):
+        return self
+
+
 class Heads(nn.Module):
     """K heads. Each has its own vocabulary projection, or (shared=lm_head) all use the model's
     frozen lm_head, as EAGLE's head does: a 576 x 49,152 projection per head would not fit a
@@ -82,7 +88,7 @@ class Heads(nn.Module):
         self.res = nn.ModuleList(nn.Linear(dim, dim) for _ in range(K * layers))  # head k's blocks: k*layers, ...
         self.tok = None if token is None else nn.ModuleList(nn.Linear(dim, dim) for _ in range(K))
         self.proj = None if shared else nn.ModuleList(nn.Linear(dim, vocab, bias=False) for _ in range(K))
-        self.shared, self.model = [shared], [token]  # in lists: the model's, neither trained nor saved here
+        self.shared, self.model = Borrowed([shared]), Borrowed([token])  # the model's: not trained, saved or copied
         # the token ids a shared head may draft (the header's --draft-vocab), ascending; None: all of them
         self.register_buffer("vocab", torch.zeros(draft_vocab, dtype=torch.long) if draft_vocab else None)
 

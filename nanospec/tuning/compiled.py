@@ -7,6 +7,11 @@ between compiled runs (a compiled run's bits are not an eager run's). On CUDA it
 graph (tuning/cuda.py), on a CPU as inductor's C++ kernels. Fast mode runs its layers as they are: its key count
 changes every step, and each new shape would compile anew.
 
+A method may compile graphs of its own: SDSAT's adaptive tokens add a product delta (ctx.delta), a new guard.
+Inductor on CUDA times candidate configs of a reduction and keeps the fastest, so two graphs of the same ops
+could sum in different orders; its deterministic mode (set here) picks configs by rule. Last measured on an H100
+at bee8b03, without it: SDSAT's compiled fp32 logits were not AR's (bf16 were); with it: unmeasured.
+
 A new shape (block, cache size, batch, dtype) compiles once; the cache of compiled shapes is sized for a run's
 handful, and a run that outgrows it fails rather than fall back to eager kernels, whose bits differ.
 """
@@ -28,6 +33,8 @@ def compiled_layer():
     if _layer is None:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         torch._dynamo.config.fail_on_cache_limit_hit = True  # never an eager fallback: its bits differ
+        if hasattr(torch._inductor.config, "deterministic"):  # kernels chosen by rule, not by timing them (below)
+            torch._inductor.config.deterministic = True
         _layer = torch.compile(Layer.forward, dynamic=False)
     return _layer
 

@@ -128,6 +128,10 @@ class Traced:
                 static.copy_(a)
         return _clone(self.gm(*self.args))
 
+    def __reduce_ex__(self, protocol):  # what copy.deepcopy and pickle call
+        raise TypeError("cannot pickle 'CUDAGraph' object: the stand-in refuses a copy, as a captured graph does "
+                        "(a drafter copied with the model, say)")
+
 
 class Graphs(Programs):
     """Exact mode's programs as CUDA graphs: each captured once per cache, key and shapes, then replayed.
