@@ -27,15 +27,19 @@ _layer = None
 compiles = []  # the seconds of each call that compiled a new graph: what --compile reports
 
 
+def options() -> dict:
+    """Inductor's settings for the layer: kernels chosen by rule, not by timing them (the header)."""
+    import torch._inductor
+    return {"deterministic": True} if "deterministic" in torch._inductor.list_options() else {}
+
+
 def compiled_layer():
     """The one compiled callable, Layer.forward's: parameters are its inputs, so every layer shares it."""
     global _layer
     if _layer is None:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         torch._dynamo.config.fail_on_cache_limit_hit = True  # never an eager fallback: its bits differ
-        if hasattr(torch._inductor.config, "deterministic"):  # kernels chosen by rule, not by timing them (below)
-            torch._inductor.config.deterministic = True
-        _layer = torch.compile(Layer.forward, dynamic=False)
+        _layer = torch.compile(Layer.forward, dynamic=False, options=options())
     return _layer
 
 
