@@ -146,25 +146,33 @@ def load_state(path: Path) -> dict | None:
 class Checkpoint:
     """A drafter trainer's checkpoint: every `every` steps its module, optimizer, random streams and the
     time spent go to <--cache>/<name>.pt (atomically); with --resume the run continues from there, seeing
-    the same batches it would have seen. `start` is the first step to run. A resume with more steps than
-    the run planned extends it: its learning rate follows the new length's schedule from `start` on."""
+    the same batches it would have seen. `start` is the first step to run. The last step is saved too, so a
+    resume with more steps than the run planned extends it, finished or not: its learning rate follows the new
+    length's schedule from `start` on. config: what a resumed run must have been built with (a model's
+    arguments); records: the run's own list (a held-out history), saved with the rest and refilled on a resume."""
 
-    def __init__(self, args, name: str, module, opt, gens=(), every: int = 50):
+    def __init__(self, args, name: str, module, opt, gens=(), every: int = 50, config: dict | None = None,
+                 records: list | None = None):
         self.path, self.module, self.opt, self.gens = Path(args.cache) / f"{name}.pt", module, opt, gens
         self.every = getattr(args, "save_every", None) or every
+        self.config, self.records = config, records
         self.start, self.prior, self.prog = 0, 0.0, None
         if getattr(args, "resume", False):
             state = load_state(self.path)
             if state is None:
                 raise NanospecError(f"--resume: no checkpoint at {self.path}; run without --resume to start")
+            if state.get("config") != config:
+                raise NanospecError(f"--resume: the checkpoint at {self.path} was made with another model config")
             try:
                 module.load_state_dict(state["module"])
                 opt.load_state_dict(state["opt"])
-            except (RuntimeError, ValueError) as e:  # another shape: the run was started with other options
+            except (RuntimeError, ValueError, KeyError) as e:  # another shape: the run was started with other options
                 raise NanospecError(f"--resume: the checkpoint at {self.path} holds another module than this run "
                                     f"builds (other options?): {str(e).splitlines()[0]}") from None
             for g, s in zip(gens, state["gens"]):
                 g.set_state(s)
+            if records is not None:
+                records[:] = state.get("records") or []
             self.start, self.prior, planned = state["step"], state.get("seconds", 0.0), state.get("steps")
             print(f"resumed from {self.path} at step {self.start}" + (f" of {planned}" if planned else ""), flush=True)
 
@@ -178,7 +186,7 @@ class Checkpoint:
 
     def step(self, step: int, steps: int) -> None:
         """Call after step `step` (0-based) of `steps`, once progress() has made the run's progress line."""
-        if (step + 1) % self.every == 0 and step + 1 < steps:
+        if (step + 1) % self.every == 0 or step + 1 == steps:
             save_state(self.path, {"module": self.module.state_dict(), "opt": self.opt.state_dict(),
                                    "gens": [g.get_state() for g in self.gens], "step": step + 1, "steps": steps,
-                                   "seconds": self.prog.elapsed})
+                                   "seconds": self.prog.elapsed, "config": self.config, "records": self.records})

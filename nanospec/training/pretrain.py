@@ -21,13 +21,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import NanospecError
 from ..io.checkpoint import load, save
 from ..io.files import atomic_write, hardware
 from ..io.tokenizer import Tokenizer, train_tokenizer
 from ..model import Llama, ModelArgs
 from .data import STDLIB, documents, split_bytes, token_stream
-from .loop import Progress, adamw, causal, cosine_lr, load_state, save_state, update
+from .loop import Checkpoint, adamw, causal, cosine_lr, update
 
 
 def add_args(p):
@@ -128,25 +127,15 @@ def train_base(args):
         std = 0.02 / math.sqrt(2 * margs.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
         torch.nn.init.normal_(p, std=std) if p.dim() == 2 else None
     opt = adamw(model, args.lr, weight_decay=0.1)
-    ckpt_path = Path(args.cache) / f"{out.name}-base.pt"
-    start, elapsed, history = 0, 0.0, []
-    if args.resume:
-        state = load_state(ckpt_path)
-        if state is None:
-            raise NanospecError(f"--resume: no checkpoint at {ckpt_path}; run without --resume to start")
-        if state["args"] != vars(margs):
-            raise NanospecError(f"--resume: the checkpoint at {ckpt_path} has another model config")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start, elapsed, history = state["step"], state["elapsed"], state["history"]
-        print(f"resumed from {ckpt_path} at step {start}", flush=True)
+    history = []  # held-out losses along the run: training.json's
+    ckpt = Checkpoint(args, f"{out.name}-base", model, opt, config=vars(margs), records=history)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters, {margs.n_layers} layers, dim {margs.dim}, "
           f"{margs.n_heads}/{margs.kv_heads} heads; {args.steps} steps of {B}x{T} tokens", flush=True)
 
-    prog = Progress(args.steps, every=10, start_step=start, elapsed=elapsed)
+    prog = ckpt.progress(args.steps, every=10)
     model.train()
-    for step in range(start, args.steps):
+    for step in range(ckpt.start, args.steps):
         lr = cosine_lr(step, args.steps, args.lr, args.warmup)
         x = windows(train_ids, B, T, torch.Generator().manual_seed(args.seed * 1_000_003 + step)).to(dev)
         logits = model(causal(x[:, :-1]))
@@ -158,9 +147,7 @@ def train_base(args):
             vl = eval_loss(model, val_quick)
             history.append({"step": done, "train_loss": round(prog.loss, 4), "val_loss": round(vl, 4)})
             print(f"step {done}: held-out loss {vl:.4f} (32 windows)", flush=True)
-        if done % args.save_every == 0 or done == args.steps:
-            save_state(ckpt_path, {"model": model.state_dict(), "opt": opt.state_dict(), "step": done,
-                                   "elapsed": prog.elapsed, "history": history, "args": vars(margs)})
+        ckpt.step(step, args.steps)
     wall = prog.elapsed
 
     save(model, out, dtype=torch.bfloat16, tokenizer_model=tok_file)
