@@ -28,12 +28,13 @@ SMALL = {  # each trainer's options, cut to seconds
 }
 
 
-def test_trainers_write_loadable_drafters(tmp_path):
+def test_trainers_write_loadable_drafters(tmp_path, device):
+    """On the device under test (`pytest --device cuda`: train.py --device cuda); the drafters decode on the CPU."""
     model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
     save(model, tmp_path, tokenizer_model=TOKENIZER)
     for method, opts in SMALL.items():
         code, out, err = call(train.main, "--method", method, "--out", tmp_path, "--distill-prompts", 6,
-                              "--new-tokens", 8, *opts)
+                              "--new-tokens", 8, "--device", device, *opts)
         assert code == 0, err[-2000:]
     base = load(tmp_path)
     for spec in ("medusa", "propd:layer=1", "bita", "hidden_transfer", "sdsat:k=3"):
@@ -44,7 +45,7 @@ def test_trainers_write_loadable_drafters(tmp_path):
     # the paper's SDSAT fine-tunes the base into a model directory of its own, decoded against its own AR
     code, out, err = call(train.main, "--method", "sdsat_full", "--out", tmp_path, "--steps", 2, "--batch-size", 2,
                           "--seq-len", 32, "--max-files", 2, "--eval-windows", 2, "--distill-prompts", 6,
-                          "--new-tokens", 8)
+                          "--new-tokens", 8, "--device", device)
     assert code == 0, err[-2000:]
     tuned = load(model_dir(["sdsat_full"], tmp_path))
     check_exact(tuned, [1, 400, 401, 402], load_drafter("sdsat_full:k=3", tuned, tmp_path), 12)
