@@ -9,7 +9,7 @@ import torch
 import train
 from helpers import call
 from nanospec.io.checkpoint import load
-from nanospec.training import pretrain
+from nanospec.training import loop, pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--method", "base", "--tokenizer", str(ROOT / "weights" / "pylm" / "tokenizer.model"),
@@ -32,22 +32,25 @@ def test_tiny_training_run_reduces_loss(tmp_path):
 
 
 def test_resume_after_interruption_is_exact(tmp_path, monkeypatch):
-    def run(out, steps_before_crash=None, resume=False):
-        args = train.parse_args([*TINY, "--steps", "12", "--save-every", "4", "--eval-every", "4",
+    """It checkpoints as the drafter trainers do (loop.Checkpoint): a resumed run writes the uninterrupted run's
+    weights and held-out history, a finished run resumed with more steps goes on, another config is refused."""
+    def run(out, steps_before_crash=None, resume=False, steps=10):
+        args = train.parse_args([*TINY, "--steps", str(steps), "--save-every", "4", "--eval-every", "4",
                                  "--out", str(out), "--cache", str(tmp_path / "c")] + (["--resume"] if resume else []))
         if steps_before_crash is not None:
-            real = pretrain.Progress.step
+            real = loop.Progress.step
 
             def crash(self, step, *a, **k):
                 if step == steps_before_crash:
                     raise KeyboardInterrupt
                 real(self, step, *a, **k)
-            monkeypatch.setattr(pretrain.Progress, "step", crash)
+            monkeypatch.setattr(loop.Progress, "step", crash)
         try:
             pretrain.train_base(args)
         except KeyboardInterrupt:
             pass
         monkeypatch.undo()
+    history = lambda out: [h["val_loss"] for h in json.loads((out / "training.json").read_text())["history"]]
 
     run(tmp_path / "a")
     run(tmp_path / "b", steps_before_crash=6)  # dies after the step-4 checkpoint
@@ -55,6 +58,13 @@ def test_resume_after_interruption_is_exact(tmp_path, monkeypatch):
     run(tmp_path / "b", resume=True)
     a, b = load(tmp_path / "a").state_dict(), load(tmp_path / "b").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert len(history(tmp_path / "a")) == 3 and history(tmp_path / "b") == history(tmp_path / "a")  # 4, 8, 10
+    run(tmp_path / "b", resume=True, steps=14)  # the finished run's last step (10) was saved: it goes on from there
+    assert len(history(tmp_path / "b")) == 5
+    wider = TINY[:TINY.index("--dim")] + ["--dim", "48"] + TINY[TINY.index("--dim") + 2:]  # another model
+    code, _, err = call(train.main, *wider, "--steps", 20, "--resume", "--out", tmp_path / "b",
+                        "--cache", tmp_path / "c")
+    assert code == 2 and "another model config" in err and len(err.strip().splitlines()) == 1
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):

@@ -89,37 +89,6 @@ def test_an_interrupted_drafter_trainer_resumes_exactly(tmp_path, monkeypatch, m
     assert code == 0 and "nothing is left to train" in out, err
 
 
-def test_an_interrupted_base_run_resumes_exactly_and_a_finished_one_extends(tmp_path, monkeypatch):
-    """`train.py --method base` checkpoints as the drafter trainers do (loop.Checkpoint): resumed after a stop, it
-    writes the uninterrupted run's weights and held-out history; a finished run resumed with more steps goes on."""
-    from nanospec.training import loop as training
-    opts = ["--method", "base", "--out", tmp_path / "m", "--tokenizer", TOKENIZER, "--dim", 16, "--n-layers", 1,
-            "--n-heads", 2, "--n-kv-heads", 1, "--hidden-dim", 24, "--batch-size", 2, "--seq-len", 32,
-            "--max-files", 2, "--warmup", 1, "--eval-every", 2, "--save-every", 2, "--cache", tmp_path / "ckpt"]
-    record = lambda: (load_file(tmp_path / "m" / "model.safetensors"),
-                      [h["val_loss"] for h in json.loads((tmp_path / "m" / "training.json").read_text())["history"]])
-    assert call(train.main, *opts, "--steps", 4)[0] == 0
-    whole, history = record()
-    real = training.Progress.step
-
-    def crash(self, step, *a, **k):
-        if step == 3:
-            raise KeyboardInterrupt
-        real(self, step, *a, **k)
-    monkeypatch.setattr(training.Progress, "step", crash)
-    with pytest.raises(KeyboardInterrupt):
-        call(train.main, *opts, "--steps", 4)
-    monkeypatch.undo()
-    code, out, err = call(train.main, *opts, "--steps", 4, "--resume")
-    assert code == 0 and "resumed from" in out and "at step 2 of 4" in out, err
-    resumed, again = record()
-    assert len(history) == 2 and again == history and all(torch.equal(resumed[k], whole[k]) for k in whole)
-    code, out, err = call(train.main, *opts, "--steps", 6, "--resume")
-    assert code == 0 and "at step 4 of 4" in out and len(record()[1]) == 3, err
-    code, out, err = call(train.main, *[o if o != 16 else 32 for o in opts], "--steps", 8, "--resume")
-    assert code == 2 and "another model config" in err, err
-
-
 def test_a_resume_with_other_options_is_refused_in_one_line(tmp_path):
     from nanospec import NanospecError
     from nanospec.training.loop import Checkpoint
