@@ -144,9 +144,9 @@ def load_state(path: Path) -> dict | None:
 
 
 class Checkpoint:
-    """A drafter trainer's checkpoint: every `every` steps its module, optimizer, random streams and the
-    time spent go to <--cache>/<name>.pt (atomically); with --resume the run continues from there, seeing
-    the same batches it would have seen. `start` is the first step to run. The last step is saved too, so a
+    """A trainer's checkpoint (the drafters' and the base model's): every `every` steps its module, optimizer,
+    random streams and the time spent go to <--cache>/<name>.pt (atomically); with --resume the run continues
+    from there, seeing the same batches it would have seen. `start` is the first step to run. The last step is saved too, so a
     resume with more steps than the run planned extends it, finished or not: its learning rate follows the new
     length's schedule from `start` on. config: what a resumed run must have been built with (a model's
     arguments); records: the run's own list (a held-out history), saved with the rest and refilled on a resume."""
@@ -166,7 +166,7 @@ class Checkpoint:
             try:
                 module.load_state_dict(state["module"])
                 opt.load_state_dict(state["opt"])
-            except (RuntimeError, ValueError, KeyError) as e:  # another shape: the run was started with other options
+            except (RuntimeError, ValueError, KeyError) as e:  # another shape (other options), or another format
                 raise NanospecError(f"--resume: the checkpoint at {self.path} holds another module than this run "
                                     f"builds (other options?): {str(e).splitlines()[0]}") from None
             for g, s in zip(gens, state["gens"]):
