@@ -146,10 +146,11 @@ def load_state(path: Path) -> dict | None:
 class Checkpoint:
     """A trainer's checkpoint (the drafters' and the base model's): every `every` steps its module, optimizer,
     random streams and the time spent go to <--cache>/<name>.pt (atomically); with --resume the run continues
-    from there, seeing the same batches it would have seen. `start` is the first step to run. The last step is saved too, so a
-    resume with more steps than the run planned extends it, finished or not: its learning rate follows the new
-    length's schedule from `start` on. config: what a resumed run must have been built with (a model's
-    arguments); records: the run's own list (a held-out history), saved with the rest and refilled on a resume."""
+    from there, seeing the same batches it would have seen. `start` is the first step to run. The last step is
+    saved too, so a resume with more steps than the run planned extends it, finished or not: its learning rate
+    follows the new length's schedule from `start` on. config: what a resumed run must have been built with (a
+    model's arguments); records: the run's own list (a held-out history), saved with the rest and refilled on a
+    resume."""
 
     def __init__(self, args, name: str, module, opt, gens=(), every: int = 50, config: dict | None = None,
                  records: list | None = None):
