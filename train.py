@@ -63,11 +63,16 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--cache", default=str(ROOT / ".cache" / "train"), help="training checkpoints (not shipped)")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="at most this long on each module's training steps: the schedule is cut to fit, and what "
+                   "is trained so far is written (and checkpointed: --resume goes on)")
     known, _ = p.parse_known_args(argv)
     if known.method not in TRAINERS:
         raise NanospecError(f"unknown method {known.method!r}; choose from: {', '.join(TRAINERS)}")
     TRAINERS[known.method][0](p)
     args = p.parse_args(argv)
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise NanospecError(f"--time-limit must be a positive number of seconds, not {args.time_limit:g}")
     if args.weights:
         if args.out or args.method in ("tokenizer", "base"):
             raise NanospecError("--weights names the base model of a drafter trainer: give it without --out, "

@@ -52,17 +52,21 @@ def test_trainers_write_loadable_drafters(tmp_path, device):
 
 
 @pytest.mark.parametrize("method, opts", [("hidden_transfer", ["--layers", 1]),
-                                          ("sdsat", ["--seq-len", 32, "--rank", 2])])
+                                          ("sdsat", ["--seq-len", 32, "--rank", 2]),
+                                          ("sdsat_full", ["--seq-len", 32, "--max-files", 2, "--eval-windows", 2])])
 def test_an_interrupted_drafter_trainer_resumes_exactly(tmp_path, monkeypatch, method, opts):
     """Every drafter trainer checkpoints: a run stopped after a checkpoint and resumed writes the same
-    weights as an uninterrupted one, and its metadata counts the time spent before the stop."""
+    weights as an uninterrupted one, and its metadata counts the time spent before the stop. (sdsat_full
+    writes a model directory of its own.)"""
     from nanospec.training import loop as training
     model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
-    save(model, tmp_path, tokenizer_model=TOKENIZER)
-    opts = ["--method", method, "--out", tmp_path, "--distill-prompts", 6, "--new-tokens", 8,
+    save(model, tmp_path / "m", tokenizer_model=TOKENIZER)
+    full = tmp_path / "m-sdsat"
+    written = full / "model.safetensors" if method == "sdsat_full" else tmp_path / "m" / f"{method}.safetensors"
+    opts = ["--method", method, "--out", tmp_path / "m", "--distill-prompts", 6, "--new-tokens", 8,
             "--steps", 6, "--batch-size", 2, *opts, "--save-every", 2, "--cache", tmp_path / "ckpt"]
     assert call(train.main, *opts)[0] == 0
-    whole = load_file(tmp_path / f"{method}.safetensors")
+    whole = load_file(written)
     real = training.Progress.step
 
     def crash(self, step, *a, **k):
@@ -81,10 +85,14 @@ def test_an_interrupted_drafter_trainer_resumes_exactly(tmp_path, monkeypatch, m
     monkeypatch.setattr(training, "time", SimpleNamespace(time=lambda: 0.0))  # the resumed run takes no time
     code, out, err = call(train.main, *opts, "--resume")
     assert code == 0 and "resumed from" in out and "at step 2 of " in out, err
-    resumed = load_file(tmp_path / f"{method}.safetensors")
+    resumed = load_file(written)
     assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)
-    with safe_open(tmp_path / f"{method}.safetensors", framework="pt") as f:
-        assert spent > 0 and json.loads(f.metadata()["trained"])["seconds"] == round(spent)
+    if method == "sdsat_full":
+        seconds = json.loads((full / "sdsat.json").read_text())["wall_time_s"]
+    else:
+        with safe_open(written, framework="pt") as f:
+            seconds = json.loads(f.metadata()["trained"])["seconds"]
+    assert spent > 0 and seconds == round(spent)
     code, out, err = call(train.main, *opts, "--steps", 2, "--resume")  # nothing left to train
     assert code == 0 and "nothing is left to train" in out, err
 
@@ -96,7 +104,57 @@ def test_a_resume_with_other_options_is_refused_in_one_line(tmp_path):
     a = torch.nn.Linear(4, 4)
     ckpt = Checkpoint(args, "x", a, torch.optim.AdamW(a.parameters()))
     ckpt.progress(2, every=1)
-    ckpt.step(0, 2)  # a checkpoint of a 4 x 4 module
+    steps = ckpt.steps(2)
+    next(steps), next(steps)  # step 0 ran: its checkpoint, of a 4 x 4 module
     b = torch.nn.Linear(4, 8)
     with pytest.raises(NanospecError, match="holds another module than this run builds"):
         Checkpoint(SimpleNamespace(cache=tmp_path, resume=True), "x", b, torch.optim.AdamW(b.parameters()))
+
+
+def test_a_time_limit_cuts_the_schedule_to_fit(tmp_path, monkeypatch):
+    """--time-limit: the first steps are timed and the run's length cut to what fits, so its schedule ends at
+    its floor within the limit; a run that slows down stops at the limit; both are checkpointed where they
+    stopped, and a resume without the limit goes on."""
+    from nanospec.training import loop as training
+    now = [0.0]
+    monkeypatch.setattr(training, "time", SimpleNamespace(time=lambda: now[0]))
+
+    def run(limit, cost, steps=1000, resume=False):
+        args = SimpleNamespace(cache=tmp_path, resume=resume, save_every=None, time_limit=limit)
+        m = torch.nn.Linear(2, 2)
+        ckpt = training.Checkpoint(args, "x", m, torch.optim.AdamW(m.parameters()))
+        ckpt.progress(steps, every=10**6)
+        t0, lrs = now[0], []
+        for step in ckpt.steps(steps):
+            lrs.append(training.cosine_lr(step, ckpt.total, 1.0, warmup=5))
+            now[0] += cost(step)
+        saved = torch.load(tmp_path / "x.pt", weights_only=False)
+        return ckpt.total, lrs, now[0] - t0, (saved["step"], saved["steps"])
+
+    total, lrs, took, saved = run(100, lambda step: 2.0)  # 10 steps in 20 s: 40 more fit in the 80 s left
+    assert total == 50 and len(lrs) == 50 and took == 100 and saved == (50, 50)
+    assert lrs[-1] < 0.102 and min(lrs) == lrs[-1]  # the schedule reached its floor
+    total, lrs, took, saved = run(100, lambda step: 2.0 if step < 10 else 4.0)  # slower after the timing
+    assert total == 30 and len(lrs) == 30 and took == 100 and saved == (30, 30)
+    total, lrs, took, saved = run(None, lambda step: 2.0, steps=50, resume=True)
+    assert total == 50 and len(lrs) == 20 and saved == (50, 50)
+    total, lrs, took, saved = run(100, lambda step: 1.0, steps=40)  # all of it fits: nothing is cut
+    assert total == 40 and len(lrs) == 40 and took == 40
+
+
+def test_a_trainer_writes_what_fits_its_time_limit(tmp_path, monkeypatch):
+    """train.py --time-limit end to end: the drafter is written with the steps that fit, and says so."""
+    from nanospec.training import loop as training
+    model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
+    save(model, tmp_path, tokenizer_model=TOKENIZER)
+    clock = iter(range(0, 10**9))  # a second a reading: a step takes a few
+    monkeypatch.setattr(training, "time", SimpleNamespace(time=lambda: next(clock)))
+    code, out, err = call(train.main, "--method", "sdsat", "--out", tmp_path, "--distill-prompts", 6,
+                          "--new-tokens", 8, "--steps", 200, "--batch-size", 2, "--seq-len", 32, "--rank", 2,
+                          "--time-limit", 30, "--cache", tmp_path / "ckpt")
+    assert code == 0 and "--time-limit 30s:" in out and "steps fit, not 200" in out, err
+    with safe_open(tmp_path / "sdsat.safetensors", framework="pt") as f:
+        steps = json.loads(f.metadata()["trained"])["steps"]
+    assert 10 < steps < 40 and f"step {steps}/{steps}" in out
+    code, _, err = call(train.main, "--method", "sdsat", "--out", tmp_path, "--time-limit", 0)
+    assert code == 2 and "--time-limit must be a positive" in err and len(err.strip().splitlines()) == 1

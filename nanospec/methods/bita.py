@@ -247,19 +247,19 @@ def train(args):
     ckpt = Checkpoint(args, f"bita-{args.prompting}-{fingerprint(model)}", tune, opt, [gen], every=20)
     prog = ckpt.progress(args.steps, every=10)
     shallow = args.prompting == "shallow"
-    for step, (tokens, kind, pos, vis, lab) in enumerate(
-            batches(train_items, args, tune.P, shallow, gen, args.steps - ckpt.start), ckpt.start):
-        lr = cosine_lr(step, args.steps, args.lr, warmup=min(20, args.steps // 10 + 1))
+    for step, (tokens, kind, pos, vis, lab) in zip(ckpt.steps(args.steps),
+                                                   batches(train_items, args, tune.P, shallow, gen,
+                                                           args.steps - ckpt.start)):
+        lr = cosine_lr(step, ckpt.total, args.lr, warmup=min(20, args.steps // 10 + 1))
         loss = sar_loss(sar_logits(model, tune, tokens, kind, pos, vis), lab, tune.M)
         update(opt, loss, lr)
         prog.step(step, loss.item(), lr, int(tokens.numel()))
-        ckpt.step(step, args.steps)
     acc = accuracy(model, tune, held, args)
     for i, a in enumerate(acc):
         print(f"mask {i + 1} (token t+{i + 2}): held-out top-1 {a[0]:.3f}, top-5 {sum(a):.3f}")
     meta = {"base_fingerprint": fingerprint(model), "masks": args.masks, "prompts": args.prompts,
             "prompting": args.prompting, "acc": acc,
-            "trained": {"steps": args.steps, "positions": points, "forced": args.forced,
+            "trained": {"steps": ckpt.total, "positions": points, "forced": args.forced,
                         "seconds": round(prog.elapsed)}}
     save_drafter(out / filename(args.prompting), tune, meta)
     print(f"wrote {out / filename(args.prompting)}")

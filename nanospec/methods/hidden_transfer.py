@@ -260,20 +260,19 @@ def train(args):
     gen = torch.Generator().manual_seed(args.seed)
     ckpt = Checkpoint(args, f"hidden_transfer-{fingerprint(model)}", tr, opt, [gen], every=20)
     prog = ckpt.progress(args.steps, every=10)
-    for step, (tokens, pos, vis, hosts, valid, teacher, _) in enumerate(
-            batches(train_items, tr.k, args.attention, args.batch_size, gen, args.steps - ckpt.start), ckpt.start):
-        lr = cosine_lr(step, args.steps, args.lr, warmup=min(20, args.steps // 10 + 1))
+    for step, (tokens, pos, vis, hosts, valid, teacher, _) in zip(ckpt.steps(args.steps),
+            batches(train_items, tr.k, args.attention, args.batch_size, gen, args.steps - ckpt.start)):
+        lr = cosine_lr(step, ckpt.total, args.lr, warmup=min(20, args.steps // 10 + 1))
         loss, per_step = kl_loss(model, pseudo_states(model, tr, tokens, pos, vis, hosts), valid, teacher)
         update(opt, loss, lr, each=True)  # clipped per W_i: as if each step trained alone
         prog.step(step, loss.item(), lr, int(tokens.numel()), kl=" ".join(f"{v:.3f}" for v in per_step.tolist()))
-        ckpt.step(step, args.steps)
     acc = accuracy(model, tr, held, "masked" if args.attention == "masked" else "chain", args.topk)
     for i, a in enumerate(acc):
         print(f"step {i + 1} (layer {tr.layers[i]}, token t+{i + 2}): held-out top-1 {a[0]:.3f}, "
               f"top-5 {sum(a[:5]):.3f}")
     meta = {"base_fingerprint": fingerprint(model), "layers": tr.layers, "attention": args.attention,
             "acc": acc, "tree": choose_tree(acc, args.tree_size),
-            "trained": {"steps": args.steps, "positions": positions, "forced": args.forced,
+            "trained": {"steps": ckpt.total, "positions": positions, "forced": args.forced,
                         "seconds": round(prog.elapsed)}}
     save_drafter(out / "hidden_transfer.safetensors", tr, meta)
     print(f"wrote {out / 'hidden_transfer.safetensors'}: steps at layers {tr.layers}")

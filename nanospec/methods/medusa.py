@@ -262,8 +262,8 @@ def train(args):
     ckpt = Checkpoint(args, f"medusa-{fingerprint(model)}", heads, opt)
     prog = ckpt.progress(steps, every=20)
     order = {}
-    for step in range(ckpt.start, steps):  # an epoch's order comes from (seed, epoch): resumable
-        lr = cosine_lr(step, steps, args.lr, warmup=min(50, steps // 10 + 1))
+    for step in ckpt.steps(steps):  # an epoch's order comes from (seed, epoch): resumable
+        lr = cosine_lr(step, ckpt.total, args.lr, warmup=min(50, steps // 10 + 1))
         epoch, i = divmod(step * args.batch_size, len(h_tr))
         if epoch not in order:
             g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
@@ -272,7 +272,6 @@ def train(args):
         loss = loss_fn(heads(h_tr[idx], None if nxt is None else model.embed(nxt[idx])), y_tr[idx])
         update(opt, loss, lr)
         prog.step(step, loss.item(), lr, len(idx))
-        ckpt.step(step, steps)
 
     acc = accuracy(heads, h_ev, y_ev, args.topk)
     for k, a in enumerate(acc, 1):
@@ -280,7 +279,7 @@ def train(args):
     tree = choose_tree(acc, args.tree_size)
     meta = {"base_fingerprint": fingerprint(model), "heads": args.heads, "shared": args.shared_head,
             "layers": args.head_layers, "token": args.token_input, "draft_vocab": args.draft_vocab, "acc": acc,
-            "tree": tree, "trained": {"positions": len(h_tr), "forced": args.forced, "steps": steps,
+            "tree": tree, "trained": {"positions": len(h_tr), "forced": args.forced, "steps": ckpt.total,
                                       "seconds": round(prog.elapsed)}}
     save_drafter(out / "medusa.safetensors", heads, meta)
     print(f"wrote {out / 'medusa.safetensors'}: {args.heads} heads, tree of {len(tree)} nodes")

@@ -65,7 +65,7 @@ from ..model import RMSNorm
 from ..planner import SIZES as CORE_SIZES
 from ..planner import Planner
 from ..training.forced import labelled, targets, training_items
-from ..training.loop import Checkpoint, Progress, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
+from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import choose_tree
 from .medusa import Medusa, load_heads
 
@@ -240,17 +240,14 @@ def train_early(model, items, layer: int, steps: int, rank: int = 64, batch: int
     head = EarlyHead(a.dim, a.vocab_size, rank, a.norm_eps).init_from(model).to(x)
     opt = adamw(head, lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed + layer)
-    ckpt = Checkpoint(args, f"propd-{layer}-{ahead}-{fingerprint(model)}", head, opt, [gen]) if args else None
-    prog = ckpt.progress(steps, every=50) if ckpt else Progress(steps, every=50)
-    start = ckpt.start if ckpt else 0
-    for step in range(start, steps):
-        lr_now = cosine_lr(step, steps, lr, warmup=min(20, steps // 10 + 1))
+    ckpt = Checkpoint(args, f"propd-{layer}-{ahead}-{fingerprint(model)}", head, opt, [gen])
+    prog = ckpt.progress(steps, every=50)
+    for step in ckpt.steps(steps):
+        lr_now = cosine_lr(step, ckpt.total, lr, warmup=min(20, steps // 10 + 1))
         idx = torch.randint(0, len(x), (batch,), generator=gen)
         loss = F.cross_entropy(head(x[idx]), y[idx])
         update(opt, loss, lr_now, clip=None)
         prog.step(step, loss.item(), lr_now, len(idx))
-        if ckpt:
-            ckpt.step(step, steps)
     return head
 
 

@@ -282,21 +282,20 @@ def train(args):
     print(f"sdsat: a rank-{args.rank} update, {sum(p.numel() for p in delta.parameters()):,} parameters; "
           f"{len(stream):,} training tokens ({args.forced:,} teacher-forced), L={args.window}", flush=True)
     index = np.arange(len(stream))  # windows are drawn as positions: the tokens' and the labels' alike
-    for step in range(ckpt.start, args.steps):
+    for step in ckpt.steps(args.steps):
         g = torch.Generator().manual_seed(args.seed * 7919 + step)  # each step's batch: resumes see the same
         at = windows(index, args.batch_size, args.seq_len, g)[:, :-1]
         x = stream[at].to(model.embed.weight.device)
         wins = [starts(args.seq_len, args.window, args.mask_rate, g) for _ in range(len(x))]
         logits, lab = adaptive_logits(model, delta, x, wins, args.diverse, ahead[at])
         loss = F.cross_entropy(logits.float().flatten(0, 1), lab.flatten())
-        lr = cosine_lr(step, args.steps, args.lr, args.warmup)
+        lr = cosine_lr(step, ckpt.total, args.lr, args.warmup)
         update(opt, loss, lr)
         prog.step(step, loss.item(), lr, int((lab >= 0).sum()))
-        ckpt.step(step, args.steps)
     acc = accuracy(model, delta, held, args)
     for j, a in enumerate(acc):
         print(f"adaptive token {j + 1} (token t+{j + 2}): held-out top-1 {a[0]:.3f}, top-5 {sum(a):.3f}")
-    trained = {k: getattr(args, k) for k in ("steps", "forced", "seq_len", "batch_size", "lr")}
+    trained = {k: getattr(args, k) for k in ("forced", "seq_len", "batch_size", "lr")} | {"steps": ckpt.total}
     meta = {"base_fingerprint": fingerprint(model), "rank": args.rank, "tokens": len(delta.embed), "acc": acc,
             "window": args.window, "mask_rate": args.mask_rate, "trained": trained | {"seconds": round(prog.elapsed)}}
     save_drafter(out / "sdsat.safetensors", delta, meta)

@@ -39,7 +39,7 @@ from ..io.checkpoint import save
 from ..io.files import atomic_write, fingerprint, hardware
 from ..io.tokenizer import load_tokenizer
 from ..training.data import distill, distill_args, token_stream
-from ..training.loop import Progress, adamw, causal, cosine_lr, update
+from ..training.loop import Checkpoint, adamw, causal, cosine_lr, update
 from ..training.pretrain import eval_loss, val_windows, windows
 from .sdsat import SDSAT
 
@@ -140,11 +140,12 @@ def train(args):
           f"sequences from {args.data}); "
           f"base held-out loss {base_loss:.4f} over {len(val)} windows", flush=True)
     opt = adamw(model, args.lr, weight_decay=0.1)
-    prog = Progress(args.steps, every=10)
     gen = torch.Generator().manual_seed(args.seed)
+    ckpt = Checkpoint(args, f"sdsat_full-{base_fp}", model, opt, [gen], every=20)
+    prog = ckpt.progress(args.steps, every=10)
     model.train()
-    for step in range(args.steps):
-        lr = cosine_lr(step, args.steps, args.lr, args.warmup)
+    for step in ckpt.steps(args.steps):
+        lr = cosine_lr(step, ckpt.total, args.lr, args.warmup)
         g = torch.Generator().manual_seed(args.seed * 7919 + step)
         half = args.batch_size // 2
         plain = windows(train_ids, half, args.seq_len, g).to(args.device)
@@ -159,7 +160,7 @@ def train(args):
         atomic_write(out / "prompts.jsonl", lambda p: p.write_text((base_dir / "prompts.jsonl").read_text()))
     meta = {"fingerprint": fingerprint(shipped), "base_fingerprint": base_fp, "adaptive": ids,
             "window": args.window, "mask_rate": args.mask_rate, "loss": args.loss, "data": args.data,
-            "steps": args.steps,
+            "steps": ckpt.total,
             "held_out_loss": round(loss, 4), "base_held_out_loss": round(base_loss, 4), "eval_windows": len(val),
             "wall_time_s": round(prog.elapsed), "hardware": hardware(torch.device(args.device)),
             "command": "python " + " ".join(sys.argv)}

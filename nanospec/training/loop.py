@@ -146,18 +146,26 @@ def load_state(path: Path) -> dict | None:
 class Checkpoint:
     """A trainer's checkpoint (the drafters' and the base model's): every `every` steps its module, optimizer,
     random streams and the time spent go to <--cache>/<name>.pt (atomically); with --resume the run continues
-    from there, seeing the same batches it would have seen. `start` is the first step to run. The last step is
-    saved too, so a resume with more steps than the run planned extends it, finished or not: its learning rate
-    follows the new length's schedule from `start` on. config: what a resumed run must have been built with (a
-    model's arguments); records: the run's own list (a held-out history), saved with the rest and refilled on a
-    resume."""
+    from there, seeing the same batches it would have seen. The last step is saved too, so a resume with more
+    steps than the run planned extends it, finished or not: its learning rate follows the new length's schedule
+    from `start` on. config: what a resumed run must have been built with (a model's arguments); records: the
+    run's own list (a held-out history), saved with the rest and refilled on a resume. args None: a run without
+    checkpoints (a trainer called as a function).
+
+    --time-limit S bounds the module's training steps to S seconds of this run: once its first PROBE steps are
+    timed, the run's length (`total`, the learning rate schedule's) is cut to what fits, so the schedule still
+    ends at its floor; a run that slows down past S stops there. The module is then saved as trained so far, and
+    a --resume with more steps (or another limit) goes on from there."""
+    PROBE = 10
 
     def __init__(self, args, name: str, module, opt, gens=(), every: int = 50, config: dict | None = None,
                  records: list | None = None):
-        self.path, self.module, self.opt, self.gens = Path(args.cache) / f"{name}.pt", module, opt, gens
+        self.path = None if args is None else Path(args.cache) / f"{name}.pt"
+        self.module, self.opt, self.gens = module, opt, gens
         self.every = getattr(args, "save_every", None) or every
+        self.limit = getattr(args, "time_limit", None)
         self.config, self.records = config, records
-        self.start, self.prior, self.prog = 0, 0.0, None
+        self.start, self.prior, self.prog, self.total = 0, 0.0, None, 0
         if getattr(args, "resume", False):
             state = load_state(self.path)
             if state is None:
@@ -182,12 +190,31 @@ class Checkpoint:
         if self.start >= steps:
             print(f"the checkpoint is at step {self.start} and the run asks for {steps}: nothing is left to train, "
                   "so its weights are written as they are", flush=True)
+        self.total = max(steps, self.start)
         self.prog = Progress(steps, every, start_step=self.start, elapsed=self.prior)
         return self.prog
 
-    def step(self, step: int, steps: int) -> None:
-        """Call after step `step` (0-based) of `steps`, once progress() has made the run's progress line."""
-        if (step + 1) % self.every == 0 or step + 1 == steps:
-            save_state(self.path, {"module": self.module.state_dict(), "opt": self.opt.state_dict(),
-                                   "gens": [g.get_state() for g in self.gens], "step": step + 1, "steps": steps,
-                                   "seconds": self.prog.elapsed, "config": self.config, "records": self.records})
+    def steps(self, steps: int):
+        """The run's step indices, from `start` up to `total` (steps, or fewer under --time-limit): read `total`
+        for the schedule. Each step is checkpointed as the loop asks for the next (every `every`th, and the
+        last). Call progress() first."""
+        step, t0 = self.start, time.time()
+        while step < self.total:
+            yield step
+            step += 1
+            if self.limit is not None:
+                now, ran = time.time(), step - self.start
+                if ran == self.PROBE and self.total > step:
+                    fits = step + int((t0 + self.limit - now) * ran / max(now - t0, 1e-9))
+                    if fits < self.total:
+                        print(f"--time-limit {self.limit:g}s: {fits} steps fit, not {self.total}", flush=True)
+                        self.total = self.prog.steps = max(fits, step)
+                if now - t0 >= self.limit and step < self.total:
+                    print(f"--time-limit {self.limit:g}s reached: stopping at step {step} of {self.total}",
+                          flush=True)
+                    self.total = self.prog.steps = step
+            if self.path is not None and (step % self.every == 0 or step == self.total):
+                save_state(self.path, {"module": self.module.state_dict(), "opt": self.opt.state_dict(),
+                                       "gens": [g.get_state() for g in self.gens], "step": step,
+                                       "steps": self.total, "seconds": self.prog.elapsed, "config": self.config,
+                                       "records": self.records})

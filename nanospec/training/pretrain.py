@@ -135,19 +135,18 @@ def train_base(args):
 
     prog = ckpt.progress(args.steps, every=10)
     model.train()
-    for step in range(ckpt.start, args.steps):
-        lr = cosine_lr(step, args.steps, args.lr, args.warmup)
+    for step in ckpt.steps(args.steps):
+        lr = cosine_lr(step, ckpt.total, args.lr, args.warmup)
         x = windows(train_ids, B, T, torch.Generator().manual_seed(args.seed * 1_000_003 + step)).to(dev)
         logits = model(causal(x[:, :-1]))
         loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
         update(opt, loss, lr)
         prog.step(step, loss.item(), lr, B * T)
         done = step + 1
-        if done % args.eval_every == 0 or done == args.steps:
+        if done % args.eval_every == 0 or done == ckpt.total:
             vl = eval_loss(model, val_quick)
             history.append({"step": done, "train_loss": round(prog.loss, 4), "val_loss": round(vl, 4)})
             print(f"step {done}: held-out loss {vl:.4f} (32 windows)", flush=True)
-        ckpt.step(step, args.steps)
     wall = prog.elapsed
 
     save(model, out, dtype=torch.bfloat16, tokenizer_model=tok_file)
@@ -160,7 +159,7 @@ def train_base(args):
         "command": "python " + " ".join(sys.argv), "python": platform.python_version(),
         "torch": torch.__version__, "stdlib": str(STDLIB),
         "hardware": hardware(dev),
-        "wall_time_s": round(wall), "steps": args.steps, "tokens_seen": args.steps * B * T,
+        "wall_time_s": round(wall), "steps": ckpt.total, "tokens_seen": ckpt.total * B * T,
         "parameters": n_params, "train_tokens": len(train_ids), "val_tokens": len(val_ids),
         "val_bytes": n_bytes, "val_loss_nats": round(loss, 4), "val_bits_per_byte": round(bpb(loss), 4),
         "bigram_val_loss_nats": round(bigram, 4), "bigram_bits_per_byte": round(bpb(bigram), 4),
