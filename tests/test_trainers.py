@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import train
 from helpers import call, check_exact, random_model
 from nanospec.io.checkpoint import load, save
-from nanospec.methods import analysis, load_drafter, model_dir
+from nanospec.methods import analysis, bita, hidden_transfer, load_drafter, medusa, model_dir, propd, sdsat
 from nanospec.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,14 +28,21 @@ SMALL = {  # each trainer's options, cut to seconds
 }
 
 
-def test_trainers_write_loadable_drafters(tmp_path, device):
-    """On the device under test (`pytest --device cuda`: train.py --device cuda); the drafters decode on the CPU."""
+def test_trainers_write_loadable_drafters(tmp_path, device, monkeypatch):
+    """On the device under test (`pytest --device cuda`: train.py --device cuda, the base model and every trained
+    module on it); the drafters decode on the CPU."""
+    from nanospec.io import checkpoint
     model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
     save(model, tmp_path, tokenizer_model=TOKENIZER)
+    trained_on = []  # the device of each module a trainer writes
+    for m in (medusa, propd, bita, hidden_transfer, sdsat):
+        monkeypatch.setattr(m, "save_drafter", lambda path, module, meta: trained_on.append(
+            {p.device.type for p in module.parameters()}) or checkpoint.save_drafter(path, module, meta))
     for method, opts in SMALL.items():
         code, out, err = call(train.main, "--method", method, "--out", tmp_path, "--distill-prompts", 6,
                               "--new-tokens", 8, "--device", device, *opts)
         assert code == 0, err[-2000:]
+    assert trained_on == [{device}] * 6  # medusa's heads and its early head, propd's, bita's, the maps, sdsat's
     base = load(tmp_path)
     for spec in ("medusa", "propd:layer=1", "bita", "hidden_transfer", "sdsat:k=3"):
         check_exact(base, [1, 400, 401, 402], load_drafter(spec, base, tmp_path), 12)
@@ -131,7 +138,7 @@ def test_a_time_limit_cuts_the_schedule_to_fit(tmp_path, monkeypatch):
         saved = torch.load(tmp_path / "x.pt", weights_only=False)
         return ckpt.total, lrs, now[0] - t0, (saved["step"], saved["steps"])
 
-    total, lrs, took, saved = run(100, lambda step: 2.0)  # 10 steps in 20 s: 40 more fit in the 80 s left
+    total, lrs, took, saved = run(100, lambda step: 2.0)  # 10 steps in 20 s after the first: 39 more fit
     assert total == 50 and len(lrs) == 50 and took == 100 and saved == (50, 50)
     assert lrs[-1] < 0.102 and min(lrs) == lrs[-1]  # the schedule reached its floor
     total, lrs, took, saved = run(100, lambda step: 2.0 if step < 10 else 4.0)  # slower after the timing
@@ -140,6 +147,8 @@ def test_a_time_limit_cuts_the_schedule_to_fit(tmp_path, monkeypatch):
     assert total == 50 and len(lrs) == 20 and saved == (50, 50)
     total, lrs, took, saved = run(100, lambda step: 1.0, steps=40)  # all of it fits: nothing is cut
     assert total == 40 and len(lrs) == 40 and took == 40
+    total, lrs, took, saved = run(100, lambda step: 50.0 if step == 0 else 1.0)  # a first step that warms up
+    assert total == 51 and took == 100  # is not what the others cost
 
 
 def test_a_trainer_writes_what_fits_its_time_limit(tmp_path, monkeypatch):

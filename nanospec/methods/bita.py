@@ -166,7 +166,7 @@ def add_args(p):
     p.add_argument("--piece", type=int, default=128, help="tokens per training sequence of the --forced data")
 
 
-def pack(items: list, M: int, G: int, P: int, shallow: bool, gen):
+def pack(items: list, M: int, G: int, P: int, shallow: bool, gen, device="cpu"):
     """A packed SAR batch of (tokens, labels) items: each sequence's ordinary rows, then G mask groups at random
     split points k from its first labelled position on (a distilled pair's last prompt token). Keys are [P prompt |
     rows]; with shallow prompting the P prompt rows lead the rows. Mask i of a group at k is labelled with the model's
@@ -196,7 +196,7 @@ def pack(items: list, M: int, G: int, P: int, shallow: bool, gen):
         out.append((torch.tensor([0] * pr + s + [0] * (T - len(s) + G * M)),
                     torch.cat([-1 - j, torch.zeros(T, dtype=torch.long), 1 + i]),
                     torch.cat([j, t, k + 1 + i]), vis, lab))
-    return tuple(torch.stack(x) for x in zip(*out))
+    return tuple(torch.stack(x).to(device) for x in zip(*out))  # made on the host, used on device
 
 
 def sar_logits(model, tune: Tuning, tokens, kind, pos, vis):
@@ -215,10 +215,10 @@ def sar_loss(logits, labels, M: int):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100) * M
 
 
-def batches(items, args, P, shallow, gen, steps):
+def batches(items, args, P, shallow, gen, steps, device="cpu"):
     for step in range(steps):
         idx = torch.randint(0, len(items), (args.batch_size,), generator=gen).tolist()
-        yield pack([items[i] for i in idx], args.masks, args.groups, P, shallow, gen)
+        yield pack([items[i] for i in idx], args.masks, args.groups, P, shallow, gen, device)
 
 
 @torch.no_grad()
@@ -228,7 +228,7 @@ def accuracy(model, tune, data, args, topk: int = 5) -> list[list[float]]:
     acc, gen = RankAccuracy(tune.M, topk), torch.Generator().manual_seed(1)
     for at in range(0, len(data), args.batch_size):
         tokens, kind, pos, vis, lab = pack(data[at:at + args.batch_size], tune.M, args.groups, tune.P,
-                                           tune.prompting == "shallow", gen)
+                                           tune.prompting == "shallow", gen, model.embed.weight.device)
         logits = sar_logits(model, tune, tokens, kind, pos, vis)  # (B, G*M, V)
         acc.add(logits.view(len(lab), -1, tune.M, logits.shape[-1]), lab.view(len(lab), -1, tune.M))
     return acc.result()
@@ -241,7 +241,7 @@ def train(args):
     points = sum(max(len(t) - start(lab) - 1, 0) for t, lab in train_items)
     print(f"bita: {len(train_items):,} training sequences, {points:,} split points", flush=True)
     torch.manual_seed(args.seed)
-    tune = Tuning(model.args, args.masks, args.prompts, args.prompting)
+    tune = Tuning(model.args, args.masks, args.prompts, args.prompting).to(model.embed.weight.device)
     opt = adamw(tune, args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     ckpt = Checkpoint(args, f"bita-{args.prompting}-{fingerprint(model)}", tune, opt, [gen], every=20)
@@ -249,7 +249,7 @@ def train(args):
     shallow = args.prompting == "shallow"
     for step, (tokens, kind, pos, vis, lab) in zip(ckpt.steps(args.steps),
                                                    batches(train_items, args, tune.P, shallow, gen,
-                                                           args.steps - ckpt.start)):
+                                                           args.steps - ckpt.start, model.embed.weight.device)):
         lr = cosine_lr(step, ckpt.total, args.lr, warmup=min(20, args.steps // 10 + 1))
         loss = sar_loss(sar_logits(model, tune, tokens, kind, pos, vis), lab, tune.M)
         update(opt, loss, lr)

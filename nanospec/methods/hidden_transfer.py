@@ -169,8 +169,8 @@ def add_args(p):
     p.add_argument("--piece", type=int, default=128, help="tokens per training sequence of the --forced data")
 
 
-def pack(seqs: list[list[int]], starts: list[int], k: int, attention: str):
-    """A packed batch: T real rows, then k blocks of H pseudo rows (step i, host j = start-1+h,
+def pack(seqs: list[list[int]], starts: list[int], k: int, attention: str, device="cpu"):
+    """A packed batch on device: T real rows, then k blocks of H pseudo rows (step i, host j = start-1+h,
     one per answer token). Returns (tokens, pos, vis (B, R, R), hosts (B, H), valid (B, k, H),
     teacher (B, k, H): the real row whose distribution pseudo row (i, h) learns, label (B, k, H):
     the token after it, -100 past the end)."""
@@ -196,7 +196,7 @@ def pack(seqs: list[list[int]], starts: list[int], k: int, attention: str):
         label = torch.tensor(s + [-100] * (T + 2 - len(s)))[(target + 1).clamp(max=T + 1)]
         out.append((torch.tensor(s + [0] * (R - len(s))), torch.cat([t, target.flatten()]), vis,
                     j[0].clamp(max=T - 1), valid, target.clamp(max=T - 1), label))
-    return tuple(torch.stack(x) for x in zip(*out))
+    return tuple(torch.stack(x).to(device) for x in zip(*out))
 
 
 def pseudo_states(model, tr: Transfer, tokens, pos, vis, hosts, record=None):
@@ -205,7 +205,8 @@ def pseudo_states(model, tr: Transfer, tokens, pos, vis, hosts, record=None):
     R, H = tokens.shape[1], hosts.shape[1]
     T = R - tr.k * H
     f = Forward.training(model, tokens, pos, vis)
-    return transfer(f, tr, f.embed(), hosts, [T + i * H + torch.arange(H) for i in range(tr.k)], record)
+    rows = [T + i * H + torch.arange(H, device=tokens.device) for i in range(tr.k)]
+    return transfer(f, tr, f.embed(), hosts, rows, record)
 
 
 def kl_loss(model, h, valid, teacher):
@@ -222,18 +223,18 @@ def kl_loss(model, h, valid, teacher):
     return per_step.sum(), per_step
 
 
-def batches(items, k, attention, batch_size, gen, steps):
+def batches(items, k, attention, batch_size, gen, steps, device="cpu"):
     """Random batches of (tokens, labels) items, every labelled position a host (training/forced.py)."""
     for _ in range(steps):
         part = [items[i] for i in torch.randint(0, len(items), (batch_size,), generator=gen).tolist()]
-        yield pack([t for t, _ in part], [start(lab) for _, lab in part], k, attention)
+        yield pack([t for t, _ in part], [start(lab) for _, lab in part], k, attention, device)
 
 
-def ordered(data, k, attention, batch_size):
+def ordered(data, k, attention, batch_size, device="cpu"):
     """Every sequence of data once, in order: held-out evaluation."""
     for i in range(0, len(data), batch_size):
         part = data[i:i + batch_size]
-        yield pack([p + c for p, c in part], [len(p) for p, _ in part], k, attention)
+        yield pack([p + c for p, c in part], [len(p) for p, _ in part], k, attention, device)
 
 
 @torch.no_grad()
@@ -241,7 +242,8 @@ def accuracy(model, tr, data, attention="chain", topk=10, batch_size=8):
     """acc[i][r]: how often step i's rank-r candidate is the model's greedy token on held-out
     sequences, by default with the attention decoding uses (chain)."""
     acc = RankAccuracy(tr.k, topk)
-    for tokens, pos, vis, hosts, valid, teacher, label in ordered(data, tr.k, attention, batch_size):
+    for tokens, pos, vis, hosts, valid, teacher, label in ordered(data, tr.k, attention, batch_size,
+                                                                  model.embed.weight.device):
         (B, k, H), T = label.shape, tokens.shape[1] - tr.k * label.shape[2]
         h = pseudo_states(model, tr, tokens, pos, vis, hosts)
         acc.add(model.lm_head(h[:, T:]).view(B, k, H, -1).transpose(1, 2), label.transpose(1, 2))
@@ -256,12 +258,14 @@ def train(args):
     print(f"hidden transfer: {len(train_items):,} training sequences, {positions:,} host positions", flush=True)
     torch.manual_seed(args.seed)
     tr = Transfer(model.args.dim, [int(t) for t in args.layers.split(",")]).check(model.args.n_layers)
+    tr.to(model.embed.weight.device)
     opt = adamw(tr, args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     ckpt = Checkpoint(args, f"hidden_transfer-{fingerprint(model)}", tr, opt, [gen], every=20)
     prog = ckpt.progress(args.steps, every=10)
     for step, (tokens, pos, vis, hosts, valid, teacher, _) in zip(ckpt.steps(args.steps),
-            batches(train_items, tr.k, args.attention, args.batch_size, gen, args.steps - ckpt.start)):
+            batches(train_items, tr.k, args.attention, args.batch_size, gen, args.steps - ckpt.start,
+                    model.embed.weight.device)):
         lr = cosine_lr(step, ckpt.total, args.lr, warmup=min(20, args.steps // 10 + 1))
         loss, per_step = kl_loss(model, pseudo_states(model, tr, tokens, pos, vis, hosts), valid, teacher)
         update(opt, loss, lr, each=True)  # clipped per W_i: as if each step trained alone

@@ -207,7 +207,7 @@ def samples(model, items, K: int):
         y = targets(tokens, labels, K)
         keep = (y >= 0).any(1)
         hs.append(h[keep.to(h.device)])
-        tg.append(y[keep])
+        tg.append(y[keep].to(h.device))
     return torch.cat(hs), torch.cat(tg)
 
 
@@ -220,7 +220,7 @@ def draft_vocab(targets, n: int, vocab: int) -> torch.Tensor:
     """The n token ids the targets (-100: none) use most, ascending; ties and unseen tokens go to the lowest
     ids (a BPE vocabulary numbers its merges from its corpus's most frequent)."""
     count = torch.bincount(targets[targets >= 0].flatten(), minlength=vocab)
-    return (torch.arange(vocab) - count * vocab).argsort()[:n].sort().values
+    return (torch.arange(vocab, device=count.device) - count * vocab).argsort()[:n].sort().values
 
 
 @torch.no_grad()
@@ -254,6 +254,7 @@ def train(args):
     a = model.args
     heads = Heads(a.dim, a.vocab_size, args.heads, model.lm_head if args.shared_head else None,
                   args.head_layers, model if args.token_input else None, args.draft_vocab).init_from(model.lm_head)
+    heads.to(model.embed.weight.device)
     if args.draft_vocab:
         heads.vocab.copy_(draft_vocab(y_tr, args.draft_vocab, a.vocab_size))
     nxt = heads.next_tokens(h_tr) if args.token_input else None  # token heads' second input, once

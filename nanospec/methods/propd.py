@@ -215,7 +215,7 @@ def samples(model, items, layer: int, ahead: int = 1):
         y = torch.tensor(labels) if ahead == 1 else targets(tokens, labels, ahead - 1)[:, -1]
         keep = y >= 0
         xs.append(x[keep.to(x.device)])
-        ys.append(y[keep])
+        ys.append(y[keep].to(x.device))
     return torch.cat(xs), torch.cat(ys)
 
 

@@ -31,11 +31,12 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.
 
 
 def distilled(args):
-    """What the drafter trainers start from: the frozen base model in args.out and its
-    self-distillation data, every 10th sequence held out. Returns (model, train, held)."""
+    """What the drafter trainers start from: the frozen base model in args.out, on args.device, and its
+    self-distillation data, every 10th sequence held out. Returns (model, train, held). A trainer's module and
+    batches follow the model's device."""
     out = Path(args.out)
     base = base_of(out)  # the model's files (a drafters-only directory names its model in base.json)
-    model = load(base)
+    model = load(base, device=getattr(args, "device", "cpu"))
     for p in model.parameters():
         p.requires_grad_(False)
     data = distill(model, load_tokenizer(base), args.distill_prompts, args.new_tokens, chat=chat_encoder(base))
@@ -94,10 +95,10 @@ class RankAccuracy:
     @torch.no_grad()
     def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """logits (..., depths, V), labels (..., depths)."""
-        top = logits.topk(self.topk, dim=-1).indices
+        top, labels = logits.topk(self.topk, dim=-1).indices, labels.to(logits.device)
         ok = labels != -100
-        self.hits += ((top == labels[..., None]) & ok[..., None]).flatten(0, -3).sum(0).float()
-        self.count += ok.flatten(0, -2).sum(0).float()
+        self.hits += ((top == labels[..., None]) & ok[..., None]).flatten(0, -3).sum(0).float().cpu()
+        self.count += ok.flatten(0, -2).sum(0).float().cpu()
 
     def result(self) -> list[list[float]]:
         return (self.hits / self.count.clamp(min=1)[:, None]).tolist()
@@ -152,9 +153,9 @@ class Checkpoint:
     run's own list (a held-out history), saved with the rest and refilled on a resume. args None: a run without
     checkpoints (a trainer called as a function).
 
-    --time-limit S bounds the module's training steps to S seconds of this run: once its first PROBE steps are
-    timed, the run's length (`total`, the learning rate schedule's) is cut to what fits, so the schedule still
-    ends at its floor; a run that slows down past S stops there. The module is then saved as trained so far, and
+    --time-limit S bounds the module's training steps to S seconds of this run: once PROBE steps after its first
+    (which warms up: allocations, kernel choices) are timed, the run's length (`total`, the learning rate
+    schedule's) is cut to what fits, so the schedule still ends at its floor; a run that slows down stops at S. The module is then saved as trained so far, and
     a --resume with more steps (or another limit) goes on from there."""
     PROBE = 10
 
@@ -204,8 +205,9 @@ class Checkpoint:
             step += 1
             if self.limit is not None:
                 now, ran = time.time(), step - self.start
-                if ran == self.PROBE and self.total > step:
-                    fits = step + int((t0 + self.limit - now) * ran / max(now - t0, 1e-9))
+                t1 = now if ran == 1 else t1  # the timing starts after the first step
+                if ran == self.PROBE + 1 and self.total > step:
+                    fits = step + int((t0 + self.limit - now) * self.PROBE / max(now - t1, 1e-9))
                     if fits < self.total:
                         print(f"--time-limit {self.limit:g}s: {fits} steps fit, not {self.total}", flush=True)
                         self.total = self.prog.steps = max(fits, step)
