@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from .. import ArgumentParser, cli
+from .. import ArgumentParser, NanospecError, cli
 from ..io.files import atomic_write, fingerprint
 from ..io.sources import base_of
 from ..io.tokenizer import load_tokenizer
@@ -126,9 +126,12 @@ def main(argv=None):
     p.add_argument("--weights", required=True)
     p.add_argument("--positions", type=int, default=1_000_000)
     p.add_argument("--window", type=int, default=512)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")
     base = base_of(args.weights)
-    model = load(base)
+    model = load(base, device=args.device)
     data = forced(model, load_tokenizer(base), args.positions, args.window)
     agree = sum(int((torch.tensor(t[1:]) == torch.tensor(lab[:-1])).sum()) for t, lab in data)
     print(f"{sum(len(t) for t, _ in data):,} positions in {len(data)} windows; the text goes on as the model would "

@@ -155,8 +155,8 @@ class Checkpoint:
 
     --time-limit S bounds the module's training steps to S seconds of this run: once PROBE steps after its first
     (which warms up: allocations, kernel choices) are timed, the run's length (`total`, the learning rate
-    schedule's) is cut to what fits, so the schedule still ends at its floor; a run that slows down stops at S. The module is then saved as trained so far, and
-    a --resume with more steps (or another limit) goes on from there."""
+    schedule's) is cut to what fits, so the schedule still ends at its floor; a run that slows down stops at S.
+    The module is then saved as trained so far, and a --resume with more steps (or another limit) goes on."""
     PROBE = 10
 
     def __init__(self, args, name: str, module, opt, gens=(), every: int = 50, config: dict | None = None,
@@ -199,7 +199,7 @@ class Checkpoint:
         """The run's step indices, from `start` up to `total` (steps, or fewer under --time-limit): read `total`
         for the schedule. Each step is checkpointed as the loop asks for the next (every `every`th, and the
         last). Call progress() first."""
-        step, t0 = self.start, time.time()
+        step, t0, t1 = self.start, time.time(), None
         while step < self.total:
             yield step
             step += 1
