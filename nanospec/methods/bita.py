@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from .. import NanospecError
 from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
-from ..io.files import fingerprint
+from ..io.files import fingerprint, hardware
 from ..training.data import distill_args
 from ..training.forced import labelled, start, targets, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
@@ -260,6 +260,6 @@ def train(args):
     meta = {"base_fingerprint": fingerprint(model), "masks": args.masks, "prompts": args.prompts,
             "prompting": args.prompting, "acc": acc,
             "trained": {"steps": ckpt.total, "positions": points, "forced": args.forced,
-                        "seconds": round(prog.elapsed)}}
+                        "seconds": round(prog.elapsed), "hardware": hardware(model.embed.weight.device)}}
     save_drafter(out / filename(args.prompting), tune, meta)
     print(f"wrote {out / filename(args.prompting)}")

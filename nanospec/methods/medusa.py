@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from .. import NanospecError
 from ..drafter import Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
-from ..io.files import fingerprint
+from ..io.files import fingerprint, hardware
 from ..training.data import distill_args
 from ..training.forced import labelled, targets, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
@@ -281,6 +281,7 @@ def train(args):
     meta = {"base_fingerprint": fingerprint(model), "heads": args.heads, "shared": args.shared_head,
             "layers": args.head_layers, "token": args.token_input, "draft_vocab": args.draft_vocab, "acc": acc,
             "tree": tree, "trained": {"positions": len(h_tr), "forced": args.forced, "steps": ckpt.total,
-                                      "seconds": round(prog.elapsed)}}
+                                      "seconds": round(prog.elapsed),
+                                      "hardware": hardware(model.embed.weight.device)}}
     save_drafter(out / "medusa.safetensors", heads, meta)
     print(f"wrote {out / 'medusa.safetensors'}: {args.heads} heads, tree of {len(tree)} nodes")

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from .. import NanospecError
 from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
-from ..io.files import fingerprint
+from ..io.files import fingerprint, hardware
 from ..training.data import distill_args
 from ..training.forced import forced_items, targets
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
@@ -296,7 +296,8 @@ def train(args):
     for j, a in enumerate(acc):
         print(f"adaptive token {j + 1} (token t+{j + 2}): held-out top-1 {a[0]:.3f}, top-5 {sum(a):.3f}")
     trained = {k: getattr(args, k) for k in ("forced", "seq_len", "batch_size", "lr")} | {"steps": ckpt.total}
+    trained |= {"seconds": round(prog.elapsed), "hardware": hardware(model.embed.weight.device)}
     meta = {"base_fingerprint": fingerprint(model), "rank": args.rank, "tokens": len(delta.embed), "acc": acc,
-            "window": args.window, "mask_rate": args.mask_rate, "trained": trained | {"seconds": round(prog.elapsed)}}
+            "window": args.window, "mask_rate": args.mask_rate, "trained": trained}
     save_drafter(out / "sdsat.safetensors", delta, meta)
     print(f"wrote {out / 'sdsat.safetensors'}")
