@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from nanospec import ArgumentParser, NanospecError, cli
+from nanospec import DEFAULT_WEIGHTS, ArgumentParser, NanospecError, cli
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.engine import AR, check_prompt, check_room, generate, shapes
 from nanospec.io import chat
@@ -33,8 +33,6 @@ from nanospec.tuning.costs import measure as measure_costs
 from nanospec.tuning.cuda import ops_per_layer
 from nanospec.tuning.planner import Tuned, own_sizes
 
-DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "pylm"
-
 
 def parse_args(argv=None):
     p = ArgumentParser(description=__doc__)
@@ -44,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-ids", help="comma-separated token ids instead of text (no BOS added)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--weights", default=None, help="HF Llama directory, FILE.gguf (converted once, cached) or a hub "
-                   f"id org/name (default: {DEFAULT_WEIGHTS.relative_to(Path(__file__).parent)})")
+                   f"id org/name (default: {DEFAULT_WEIGHTS.relative_to(Path(__file__).resolve().parent)})")
     p.add_argument("--drafters", help="the directory of the method's trained weights (default: the --weights "
                    "directory, else the shipped one trained for this model's fingerprint)")
     p.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template as one user "

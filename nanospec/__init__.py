@@ -1,6 +1,9 @@
 """nanospec: exact, minimal implementations of lossless multi-token decoding for Llama models."""
 import argparse
 import sys
+from pathlib import Path
+
+DEFAULT_WEIGHTS = Path(__file__).resolve().parents[1] / "weights" / "pylm"  # the default model, in the checkout
 
 
 class NanospecError(Exception):

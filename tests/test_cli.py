@@ -234,3 +234,22 @@ def test_missing_drafter_weights_say_how_to_train_them(weights):
     assert "no sdsat.safetensors in" in run_cli(decode.main, "--weights", weights, "--method", "sdsat")
     assert "fine-tune one with python train.py --method sdsat_full" in run_cli(decode.main, "--weights", weights,
                                                                                "--method", "sdsat_full")
+
+
+def test_every_command_line_defaults_to_the_shipped_model(monkeypatch):
+    """decode.py, the oracle's compare and the analysis experiments find weights/pylm in the checkout (the last
+    two once looked in nanospec/weights/)."""
+    from nanospec import DEFAULT_WEIGHTS, NanospecError
+    from nanospec.methods import analysis
+    from nanospec.oracle import compare, engines
+    assert (DEFAULT_WEIGHTS / "model.safetensors").is_file() and decode.parse_args([]).weights is None
+    code, _, err = call(analysis.main, "heldout", "--methods", "nope")
+    assert code == 2 and err.startswith("error: heldout --methods"), err  # past resolving the default model
+    seen = []
+
+    def run(name, args):
+        seen.append(args.weights)
+        raise NanospecError("stop here")
+    monkeypatch.setattr(engines, "run", run)
+    code, _, err = call(compare.main, "--engine", "transformers")
+    assert code == 2 and seen == [str(DEFAULT_WEIGHTS)], err

@@ -43,6 +43,9 @@ def test_trainers_write_loadable_drafters(tmp_path, device, monkeypatch):
                               "--new-tokens", 8, "--device", device, *opts)
         assert code == 0, err[-2000:]
     assert trained_on == [{device}] * 6  # medusa's heads and its early head, propd's, bita's, the maps, sdsat's
+    code, out, err = call(analysis.main, "heldout", "--weights", tmp_path, "--distill-prompts", 6, "--new-tokens", 8)
+    rows = [line.split(" | ")[1] for line in out.splitlines() if line.startswith(f"| {tmp_path} |")]
+    assert code == 0 and rows == ["medusa", "hidden_transfer", "bita", "sdsat"], err[-2000:]
     base = load(tmp_path)
     for spec in ("medusa", "propd:layer=1", "bita", "hidden_transfer", "sdsat:k=3"):
         check_exact(base, [1, 400, 401, 402], load_drafter(spec, base, tmp_path), 12)
@@ -167,3 +170,17 @@ def test_a_trainer_writes_what_fits_its_time_limit(tmp_path, monkeypatch):
     assert 10 < steps < 40 and f"step {steps}/{steps}" in out
     code, _, err = call(train.main, "--method", "sdsat", "--out", tmp_path, "--time-limit", 0)
     assert code == 2 and "--time-limit must be a positive" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_held_out_set_leaves_out_what_trained_another_run(tmp_path):
+    """analysis.held_out: a run's held-out pairs (every 10th), less those whose prompt trained a run on fewer
+    prompts, so two runs' drafters are compared on sequences neither saw."""
+    from nanospec.io.tokenizer import load_tokenizer
+    from nanospec.training.data import distill, distill_prompts
+    model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
+    tok = load_tokenizer(TOKENIZER.parent)
+    every = distill(model, tok, 60, 4)[::10]
+    held = analysis.held_out(model, tok, 60, 4, also=[30])
+    trained = {tuple(p) for i, p in enumerate(distill_prompts(tok, 30)) if i % 10}
+    assert held == [d for d in every if tuple(d[0]) not in trained] and 0 < len(held) < len(every)
+    assert analysis.held_out(model, tok, 60, 4) == every

@@ -3,31 +3,32 @@
     python -m nanospec.methods.analysis hidden_transfer        # Hidden Transfer's Figures 3, 4 and 7
     python -m nanospec.methods.analysis propd_grid             # ProPD's Table 2: early layer x top-k
     python -m nanospec.methods.analysis propd_grid --layers 2,4 --topk 5,10 --limit 20
+    python -m nanospec.methods.analysis heldout --weights weights/smollm2 --drafters weights/smollm2 run \
+        --distill-prompts 2400 --also 1200            # drafters side by side on one held-out set
 
 Each takes --weights (default: the shipped model) and prints markdown tables (RESULTS.md holds
 the measured ones). Layer sweeps are training runs: loop over `train.py --method hidden_transfer
 --layers ...` and read each run's held-out accuracies (RESULTS.md lists the ones run).
 """
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from .. import ArgumentParser, cli
+from .. import DEFAULT_WEIGHTS, ArgumentParser, NanospecError, cli
 from ..bench import bench, load_prompts
-from ..io.checkpoint import load
+from ..io.checkpoint import load, load_trained
 from ..io.sources import base_of, resolve
 from ..io.tokenizer import load_tokenizer
-from ..training.data import distill_args
+from ..training.data import chat_encoder, distill, distill_args, distill_prompts
 from ..training.forced import labelled
 from ..training.loop import distilled
-from . import load_drafter, propd
+from . import bita, load_drafter, propd, sdsat
 from .hidden_transfer import accuracy, load_transfer, ordered, pseudo_states
 from .medusa import accuracy as medusa_accuracy
 from .medusa import load_heads
 from .medusa import samples as medusa_samples
-
-DEFAULT = Path(__file__).resolve().parents[1] / "weights" / "pylm"
 
 
 @torch.no_grad()
@@ -105,10 +106,63 @@ def propd_grid(args):
               f"{100 * (r['mean_accepted'] / base - 1):+.1f}% | {r['speedup']:.3f}x |")
 
 
+TRAINED = ("medusa", "hidden_transfer", "bita", "sdsat")  # the drafters heldout measures
+
+
+def held_out(model, tok, n: int, new_tokens: int, also=(), chat=None) -> list:
+    """The (prompt, continuation) pairs held out of a run on n distilled prompts (every 10th), less any whose
+    prompt trained a run on one of `also`'s prompt counts: a set held out of all of them."""
+    held = distill(model, tok, n, new_tokens, chat=chat)[::10]
+    for m in also:
+        trained = {tuple(p) for i, p in enumerate(distill_prompts(tok, m, chat)) if i % 10}
+        held = [d for d in held if tuple(d[0]) not in trained]
+    return held
+
+
+def drafter_accuracy(model, weights, method: str, held: list) -> list[list[float]] | None:
+    """acc[d][r] of one drafters directory's `method` on held-out pairs: rank r's hit rate at token t+2+d, as
+    each trainer measures it (None: the directory has no such drafter)."""
+    if not (Path(weights) / f"{method}.safetensors").is_file():
+        return None
+    if method == "medusa":
+        heads, _ = load_heads(model, weights)
+        return medusa_accuracy(heads, *medusa_samples(model, [labelled(d) for d in held], heads.K), topk=5)
+    if method == "hidden_transfer":
+        return accuracy(model, load_transfer(model, weights)[0], held, "chain", topk=5)
+    if method == "bita":
+        items, opts = [labelled(d) for d in held], SimpleNamespace(batch_size=8, groups=32)  # its trainer's
+        return bita.accuracy(model, bita.load_bita(model, weights).tune, items, opts)
+    delta, meta = load_trained(model, Path(weights) / "sdsat.safetensors", sdsat.TRAIN,
+                               lambda meta: sdsat.Delta(model, meta["rank"], meta["tokens"]))
+    return sdsat.accuracy(model, delta, held, SimpleNamespace(window=meta["window"], diverse=meta["tokens"] > 1))
+
+
+@torch.no_grad()
+def heldout(args):
+    """The trained drafters of each --drafters directory on one held-out set (held_out: --distill-prompts' held-out
+    sequences, less those that trained a run on --also's counts): top-1 / top-5 at tokens t+2.. The accuracy half
+    of the shipping rule; a bench is the other."""
+    methods = args.methods.split(",")
+    if not set(methods) <= set(TRAINED):
+        raise NanospecError(f"heldout --methods: choose from {', '.join(TRAINED)}, not {args.methods!r}")
+    base = base_of(args.out)
+    model, tok = load(base), load_tokenizer(base)
+    held = held_out(model, tok, args.distill_prompts, args.new_tokens, args.also, chat_encoder(base))
+    print(f"{len(held)} held-out sequences ({args.distill_prompts} prompts' every 10th"
+          + (f", less those that trained runs on {', '.join(map(str, args.also))}" if args.also else "") + ")\n")
+    print("| drafters | method | top-1 / top-5 at t+2, t+3, ... |\n|---|---|---|")
+    for weights in args.drafters or [args.out]:
+        for method in methods:
+            acc = drafter_accuracy(model, weights, method, held)
+            if acc is not None:
+                print(f"| {weights} | {method} | " + ", ".join(f"{a[0]:.3f} / {sum(a[:5]):.3f}" for a in acc) + " |",
+                      flush=True)
+
+
 def main(argv=None):
     p = ArgumentParser(description=__doc__)
-    p.add_argument("experiment", choices=["hidden_transfer", "propd_grid"])
-    p.add_argument("--weights", default=str(DEFAULT), help="the base model directory (with its drafters)")
+    p.add_argument("experiment", choices=["hidden_transfer", "propd_grid", "heldout"])
+    p.add_argument("--weights", default=str(DEFAULT_WEIGHTS), help="the base model directory (with its drafters)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--early-steps", type=int, default=400, help="hidden_transfer: early-exit head steps (0: skip)")
     p.add_argument("--early-rank", type=int, default=64, help="hidden_transfer: early-exit head rank")
@@ -116,10 +170,14 @@ def main(argv=None):
     p.add_argument("--topk", default="5,10,20,50", help="propd_grid: top-k values")
     p.add_argument("--limit", type=int, help="propd_grid: only the first N held-out prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--drafters", nargs="+", help="heldout: drafters directories (default: --weights)")
+    p.add_argument("--methods", default=",".join(TRAINED), help="heldout: the drafters to measure")
+    p.add_argument("--also", type=int, nargs="*", default=[],
+                   help="heldout: leave out sequences that trained a run on these prompt counts")
     distill_args(p)
     args = p.parse_args(argv)
     args.out = str(resolve(args.weights))
-    {"hidden_transfer": hidden_transfer, "propd_grid": propd_grid}[args.experiment](args)
+    {"hidden_transfer": hidden_transfer, "propd_grid": propd_grid, "heldout": heldout}[args.experiment](args)
     return 0
 
 

@@ -45,7 +45,7 @@ not-bitwise fail (2 on bad input).
 import json
 from pathlib import Path
 
-from .. import ArgumentParser, NanospecError, cli
+from .. import DEFAULT_WEIGHTS, ArgumentParser, NanospecError, cli
 from . import calibration as cal
 from . import trace as traces
 from .calibration import EPS, ULPS, tolerance  # noqa: F401 (the rule's constants, as before)
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                    "tolerance (two trace files: its widest setting)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--engine", choices=ENGINES, help="run this engine here and compare it")
-    p.add_argument("--weights", default=str(Path(__file__).parents[1] / "weights" / "pylm"),
+    p.add_argument("--weights", default=str(DEFAULT_WEIGHTS),
                    help="--engine: an HF Llama directory, FILE.gguf or hub id org/name (default: the shipped model)")
     p.add_argument("--prompts", help="--engine: JSONL of {\"prompt\": ...} (default: the weights' prompts.jsonl)")
     p.add_argument("--limit", type=int, help="--engine: only the first N prompts")

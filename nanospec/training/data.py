@@ -149,6 +149,12 @@ def distill_args(p):
     p.add_argument("--forced", type=int, default=0, help="also train on this many teacher-forced positions")
 
 
+def distill_prompts(tok, n: int, chat=None) -> list[list[int]]:
+    """The n prompts `distill` continues, in its order: by length (every 10th is held out of training)."""
+    fns = train_functions(n)
+    return sorted([chat(instruction(p)) if chat and i % 2 else tok.encode(p) for i, (p, _) in enumerate(fns)], key=len)
+
+
 def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64,
             chat=None) -> list[tuple[list[int], list[int]]]:
     """Self-distillation data: (prompt, the model's greedy continuation) for n training-split
@@ -159,9 +165,7 @@ def distill(model, tok, n: int = 2000, new_tokens: int = 128, batch: int = 64,
     path = CACHE / f"distill-{fingerprint(model)}-{n}-{new_tokens}{'-chat' if chat else ''}.pt"
     if path.is_file():
         return torch.load(path)
-    fns = train_functions(n)
-    prompts = [chat(instruction(p)) if chat and i % 2 else tok.encode(p) for i, (p, _) in enumerate(fns)]
-    prompts = sorted(prompts, key=len)  # similar lengths batch well
+    prompts = distill_prompts(tok, n, chat)  # similar lengths batch well
     data, t0 = [], time.time()
     for i in range(0, len(prompts), batch):
         part = prompts[i:i + batch]
