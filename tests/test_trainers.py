@@ -114,7 +114,7 @@ def test_a_resume_with_other_options_is_refused_in_one_line(tmp_path):
     a = torch.nn.Linear(4, 4)
     ckpt = Checkpoint(args, "x", a, torch.optim.AdamW(a.parameters()))
     ckpt.progress(2, every=1)
-    steps = ckpt.steps(2)
+    steps = ckpt.steps()
     next(steps), next(steps)  # step 0 ran: its checkpoint, of a 4 x 4 module
     b = torch.nn.Linear(4, 8)
     with pytest.raises(NanospecError, match="holds another module than this run builds"):
@@ -135,7 +135,7 @@ def test_a_time_limit_cuts_the_schedule_to_fit(tmp_path, monkeypatch):
         ckpt = training.Checkpoint(args, "x", m, torch.optim.AdamW(m.parameters()))
         ckpt.progress(steps, every=10**6)
         t0, lrs = now[0], []
-        for step in ckpt.steps(steps):
+        for step in ckpt.steps():
             lrs.append(training.cosine_lr(step, ckpt.total, 1.0, warmup=5))
             now[0] += cost(step)
         saved = torch.load(tmp_path / "x.pt", weights_only=False)

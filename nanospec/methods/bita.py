@@ -247,9 +247,8 @@ def train(args):
     ckpt = Checkpoint(args, f"bita-{args.prompting}-{fingerprint(model)}", tune, opt, [gen], every=20)
     prog = ckpt.progress(args.steps, every=10)
     shallow = args.prompting == "shallow"
-    for step, (tokens, kind, pos, vis, lab) in zip(ckpt.steps(args.steps),
-                                                   batches(train_items, args, tune.P, shallow, gen,
-                                                           args.steps - ckpt.start, model.embed.weight.device)):
+    data = batches(train_items, args, tune.P, shallow, gen, args.steps - ckpt.start, model.embed.weight.device)
+    for step, (tokens, kind, pos, vis, lab) in zip(ckpt.steps(), data):
         lr = cosine_lr(step, ckpt.total, args.lr, warmup=min(20, args.steps // 10 + 1))
         loss = sar_loss(sar_logits(model, tune, tokens, kind, pos, vis), lab, tune.M)
         update(opt, loss, lr)

@@ -263,9 +263,9 @@ def train(args):
     gen = torch.Generator().manual_seed(args.seed)
     ckpt = Checkpoint(args, f"hidden_transfer-{fingerprint(model)}", tr, opt, [gen], every=20)
     prog = ckpt.progress(args.steps, every=10)
-    for step, (tokens, pos, vis, hosts, valid, teacher, _) in zip(ckpt.steps(args.steps),
-            batches(train_items, tr.k, args.attention, args.batch_size, gen, args.steps - ckpt.start,
-                    model.embed.weight.device)):
+    data = batches(train_items, tr.k, args.attention, args.batch_size, gen, args.steps - ckpt.start,
+                   model.embed.weight.device)
+    for step, (tokens, pos, vis, hosts, valid, teacher, _) in zip(ckpt.steps(), data):
         lr = cosine_lr(step, ckpt.total, args.lr, warmup=min(20, args.steps // 10 + 1))
         loss, per_step = kl_loss(model, pseudo_states(model, tr, tokens, pos, vis, hosts), valid, teacher)
         update(opt, loss, lr, each=True)  # clipped per W_i: as if each step trained alone

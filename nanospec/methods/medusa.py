@@ -263,7 +263,7 @@ def train(args):
     ckpt = Checkpoint(args, f"medusa-{fingerprint(model)}", heads, opt)
     prog = ckpt.progress(steps, every=20)
     order = {}
-    for step in ckpt.steps(steps):  # an epoch's order comes from (seed, epoch): resumable
+    for step in ckpt.steps():  # an epoch's order comes from (seed, epoch): resumable
         lr = cosine_lr(step, ckpt.total, args.lr, warmup=min(50, steps // 10 + 1))
         epoch, i = divmod(step * args.batch_size, len(h_tr))
         if epoch not in order:

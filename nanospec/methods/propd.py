@@ -242,7 +242,7 @@ def train_early(model, items, layer: int, steps: int, rank: int = 64, batch: int
     gen = torch.Generator().manual_seed(seed + layer)
     ckpt = Checkpoint(args, f"propd-{layer}-{ahead}-{fingerprint(model)}", head, opt, [gen])
     prog = ckpt.progress(steps, every=50)
-    for step in ckpt.steps(steps):
+    for step in ckpt.steps():
         lr_now = cosine_lr(step, ckpt.total, lr, warmup=min(20, steps // 10 + 1))
         idx = torch.randint(0, len(x), (batch,), generator=gen)
         loss = F.cross_entropy(head(x[idx]), y[idx])

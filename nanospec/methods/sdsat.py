@@ -282,7 +282,7 @@ def train(args):
     print(f"sdsat: a rank-{args.rank} update, {sum(p.numel() for p in delta.parameters()):,} parameters; "
           f"{len(stream):,} training tokens ({args.forced:,} teacher-forced), L={args.window}", flush=True)
     index = np.arange(len(stream))  # windows are drawn as positions: the tokens' and the labels' alike
-    for step in ckpt.steps(args.steps):
+    for step in ckpt.steps():
         g = torch.Generator().manual_seed(args.seed * 7919 + step)  # each step's batch: resumes see the same
         at = windows(index, args.batch_size, args.seq_len, g)[:, :-1]
         x = stream[at].to(model.embed.weight.device)

@@ -144,7 +144,7 @@ def train(args):
     ckpt = Checkpoint(args, f"sdsat_full-{base_fp}", model, opt, [gen], every=20)
     prog = ckpt.progress(args.steps, every=10)
     model.train()
-    for step in ckpt.steps(args.steps):
+    for step in ckpt.steps():
         lr = cosine_lr(step, ckpt.total, args.lr, args.warmup)
         g = torch.Generator().manual_seed(args.seed * 7919 + step)
         half = args.batch_size // 2

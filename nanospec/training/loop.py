@@ -195,10 +195,10 @@ class Checkpoint:
         self.prog = Progress(steps, every, start_step=self.start, elapsed=self.prior)
         return self.prog
 
-    def steps(self, steps: int):
-        """The run's step indices, from `start` up to `total` (steps, or fewer under --time-limit): read `total`
-        for the schedule. Each step is checkpointed as the loop asks for the next (every `every`th, and the
-        last). Call progress() first."""
+    def steps(self):
+        """The run's step indices, from `start` up to `total` (progress()'s steps, or fewer under --time-limit):
+        read `total` for the schedule. Each step is checkpointed as the loop asks for the next (every `every`th,
+        and the last)."""
         step, t0, t1 = self.start, time.time(), None
         while step < self.total:
             yield step

@@ -135,7 +135,7 @@ def train_base(args):
 
     prog = ckpt.progress(args.steps, every=10)
     model.train()
-    for step in ckpt.steps(args.steps):
+    for step in ckpt.steps():
         lr = cosine_lr(step, ckpt.total, args.lr, args.warmup)
         x = windows(train_ids, B, T, torch.Generator().manual_seed(args.seed * 1_000_003 + step)).to(dev)
         logits = model(causal(x[:, :-1]))
