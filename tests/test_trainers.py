@@ -172,15 +172,19 @@ def test_a_trainer_writes_what_fits_its_time_limit(tmp_path, monkeypatch):
     assert code == 2 and "--time-limit must be a positive" in err and len(err.strip().splitlines()) == 1
 
 
-def test_the_held_out_set_leaves_out_what_trained_another_run(tmp_path):
+def test_the_held_out_set_leaves_out_what_trained_another_run(tmp_path, monkeypatch):
     """analysis.held_out: a run's held-out pairs (every 10th), less those whose prompt trained a run on fewer
-    prompts, so two runs' drafters are compared on sequences neither saw."""
+    prompts, so two runs' drafters are compared on sequences neither saw. (Made-up functions, longest first, so
+    a run's length order differs from the other's: the stdlib's would take a scan of the stdlib.)"""
     from nanospec.io.tokenizer import load_tokenizer
+    from nanospec.training import data
     from nanospec.training.data import distill, distill_prompts
+    monkeypatch.setattr(data, "CACHE", tmp_path)
+    monkeypatch.setattr(data, "train_functions", lambda n: [(" ".join(["a"] * (99 - i)), None) for i in range(n)])
     model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
     tok = load_tokenizer(TOKENIZER.parent)
     every = distill(model, tok, 60, 4)[::10]
-    held = analysis.held_out(model, tok, 60, 4, also=[30])
-    trained = {tuple(p) for i, p in enumerate(distill_prompts(tok, 30)) if i % 10}
+    held = analysis.held_out(model, tok, 60, 4, also=[25])
+    trained = {tuple(p) for i, p in enumerate(distill_prompts(tok, 25)) if i % 10}
     assert held == [d for d in every if tuple(d[0]) not in trained] and 0 < len(held) < len(every)
     assert analysis.held_out(model, tok, 60, 4) == every
