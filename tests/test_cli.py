@@ -245,6 +245,9 @@ def test_every_command_line_defaults_to_the_shipped_model(monkeypatch):
     assert (DEFAULT_WEIGHTS / "model.safetensors").is_file() and decode.parse_args([]).weights is None
     code, _, err = call(analysis.main, "heldout", "--methods", "nope")
     assert code == 2 and err.startswith("error: heldout --methods"), err  # past resolving the default model
+    code, _, err = call(analysis.main, "heldout", "--drafters", "weights/pylm", "nowhere")
+    assert code == 2 and err == "error: heldout --drafters nowhere: no medusa, hidden_transfer, bita, sdsat drafter " \
+        "there\n", err
     seen = []
 
     def run(name, args):

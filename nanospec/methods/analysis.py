@@ -145,6 +145,9 @@ def heldout(args):
     methods = args.methods.split(",")
     if not set(methods) <= set(TRAINED):
         raise NanospecError(f"heldout --methods: choose from {', '.join(TRAINED)}, not {args.methods!r}")
+    missing = [d for d in args.drafters or [] if not any((Path(d) / f"{m}.safetensors").is_file() for m in methods)]
+    if missing:
+        raise NanospecError(f"heldout --drafters {missing[0]}: no {', '.join(methods)} drafter there")
     base = base_of(args.out)
     model, tok = load(base), load_tokenizer(base)
     held = held_out(model, tok, args.distill_prompts, args.new_tokens, args.also, chat_encoder(base))
