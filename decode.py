@@ -12,9 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from nanospec import DEFAULT_WEIGHTS, ArgumentParser, NanospecError, cli
+from nanospec import DEFAULT_WEIGHTS, ArgumentParser, NanospecError, check_device, cli
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.engine import AR, check_prompt, check_room, generate, shapes
 from nanospec.io import chat
@@ -89,8 +87,7 @@ def parse_args(argv=None):
 
 
 def setup(args):
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")
+    check_device(args.device)
     if args.device == "cuda":  # exact mode's programs as CUDA graphs (NANOSPEC_CUDA_GRAPHS=0: eager)
         cuda_layer.register()
     if not args.weights and not DEFAULT_WEIGHTS.is_dir():

@@ -14,9 +14,7 @@
 import sys
 from pathlib import Path
 
-import torch
-
-from nanospec import ArgumentParser, NanospecError, cli
+from nanospec import ArgumentParser, NanospecError, check_device, cli
 from nanospec.io.sources import resolve
 from nanospec.methods import bita, hidden_transfer, medusa, propd, sdsat, sdsat_full
 from nanospec.training import pretrain
@@ -79,8 +77,7 @@ def parse_args(argv=None):
                                 "and not for --method tokenizer or base")
         args.out = str(resolve(args.weights, log=sys.stderr))
     args.out = args.out or str(ROOT / "weights" / args.name)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")
+    check_device(args.device)
     return args
 
 

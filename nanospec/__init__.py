@@ -10,6 +10,13 @@ class NanospecError(Exception):
     """Bad input (weights, prompt, options). Entry scripts print the message as one line."""
 
 
+def check_device(device: str) -> None:
+    """A command line's --device: cuda where there is none is bad input, one line, not a deep traceback."""
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")
+
+
 def cli(main) -> None:
     """Run an entry script's main(): bad input ends as one `error:` line and exit code 2."""
     try:

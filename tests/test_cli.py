@@ -256,3 +256,13 @@ def test_every_command_line_defaults_to_the_shipped_model(monkeypatch):
     monkeypatch.setattr(engines, "run", run)
     code, _, err = call(compare.main, "--engine", "transformers")
     assert code == 2 and seen == [str(DEFAULT_WEIGHTS)], err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
+def test_every_device_option_refuses_cuda_without_one_in_one_line():
+    """decode.py (above), train.py and the teacher-forced data's command share one check (nanospec.check_device)."""
+    import train
+    from nanospec.training import forced
+    for main, args in [(train.main, ["--method", "sdsat"]), (forced.main, ["--weights", "weights/pylm"])]:
+        code, _, err = call(main, *args, "--device", "cuda")
+        assert code == 2 and err == "error: --device cuda: no CUDA device is available; use --device cpu\n", err

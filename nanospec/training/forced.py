@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from .. import ArgumentParser, NanospecError, cli
+from .. import ArgumentParser, check_device, cli
 from ..io.files import atomic_write, fingerprint
 from ..io.sources import base_of
 from ..io.tokenizer import load_tokenizer
@@ -128,8 +128,7 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")
+    check_device(args.device)
     base = base_of(args.weights)
     model = load(base, device=args.device)
     data = forced(model, load_tokenizer(base), args.positions, args.window)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ... import NanospecError
+from ... import NanospecError, check_device
 from ...io.checkpoint import DTYPES, load, load_args
 from ...io.files import fingerprint
 from ...io.sources import base_of, resolve
@@ -99,8 +99,7 @@ def run(args) -> list[dict]:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     weights = resolve(args.weights, log=sys.stderr)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise NanospecError("--device cuda: no CUDA device is available; use --device cpu")
+    check_device(args.device)
     settings = args.settings.split(",") if args.settings else list(SETTINGS)
     for s in settings:
         if s not in SETTINGS:
