@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .. import DEFAULT_WEIGHTS, ArgumentParser, NanospecError, cli
 from ..bench import bench, load_prompts
-from ..io.checkpoint import load, load_trained
+from ..io.checkpoint import load
 from ..io.sources import base_of, resolve
 from ..io.tokenizer import load_tokenizer
 from ..training.data import chat_encoder, distill, distill_args, distill_prompts
@@ -132,8 +132,7 @@ def drafter_accuracy(model, weights, method: str, held: list) -> list[list[float
     if method == "bita":
         items, opts = [labelled(d) for d in held], SimpleNamespace(batch_size=8, groups=32)  # its trainer's
         return bita.accuracy(model, bita.load_bita(model, weights).tune, items, opts)
-    delta, meta = load_trained(model, Path(weights) / "sdsat.safetensors", sdsat.TRAIN,
-                               lambda meta: sdsat.Delta(model, meta["rank"], meta["tokens"]))
+    delta, meta = sdsat.load_delta(model, weights)
     return sdsat.accuracy(model, delta, held, SimpleNamespace(window=meta["window"], diverse=meta["tokens"] > 1))
 
 

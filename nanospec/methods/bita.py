@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from .. import NanospecError
 from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
-from ..io.files import fingerprint, hardware
+from ..io.files import fingerprint
 from ..training.data import distill_args
 from ..training.forced import labelled, start, targets, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
@@ -258,7 +258,6 @@ def train(args):
         print(f"mask {i + 1} (token t+{i + 2}): held-out top-1 {a[0]:.3f}, top-5 {sum(a):.3f}")
     meta = {"base_fingerprint": fingerprint(model), "masks": args.masks, "prompts": args.prompts,
             "prompting": args.prompting, "acc": acc,
-            "trained": {"steps": ckpt.total, "positions": points, "forced": args.forced,
-                        "seconds": round(prog.elapsed), "hardware": hardware(model.embed.weight.device)}}
+            "trained": {"positions": points, "forced": args.forced} | ckpt.record()}
     save_drafter(out / filename(args.prompting), tune, meta)
     print(f"wrote {out / filename(args.prompting)}")

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from .. import NanospecError
 from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
-from ..io.files import fingerprint, hardware
+from ..io.files import fingerprint
 from ..training.data import distill_args
 from ..training.forced import start, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
@@ -276,7 +276,6 @@ def train(args):
               f"top-5 {sum(a[:5]):.3f}")
     meta = {"base_fingerprint": fingerprint(model), "layers": tr.layers, "attention": args.attention,
             "acc": acc, "tree": choose_tree(acc, args.tree_size),
-            "trained": {"steps": ckpt.total, "positions": positions, "forced": args.forced,
-                        "seconds": round(prog.elapsed), "hardware": hardware(model.embed.weight.device)}}
+            "trained": {"positions": positions, "forced": args.forced} | ckpt.record()}
     save_drafter(out / "hidden_transfer.safetensors", tr, meta)
     print(f"wrote {out / 'hidden_transfer.safetensors'}: steps at layers {tr.layers}")

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from .. import NanospecError
 from ..drafter import Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
-from ..io.files import fingerprint, hardware
+from ..io.files import fingerprint
 from ..training.data import distill_args
 from ..training.forced import labelled, targets, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
@@ -280,8 +280,6 @@ def train(args):
     tree = choose_tree(acc, args.tree_size)
     meta = {"base_fingerprint": fingerprint(model), "heads": args.heads, "shared": args.shared_head,
             "layers": args.head_layers, "token": args.token_input, "draft_vocab": args.draft_vocab, "acc": acc,
-            "tree": tree, "trained": {"positions": len(h_tr), "forced": args.forced, "steps": ckpt.total,
-                                      "seconds": round(prog.elapsed),
-                                      "hardware": hardware(model.embed.weight.device)}}
+            "tree": tree, "trained": {"positions": len(h_tr), "forced": args.forced} | ckpt.record()}
     save_drafter(out / "medusa.safetensors", heads, meta)
     print(f"wrote {out / 'medusa.safetensors'}: {args.heads} heads, tree of {len(tree)} nodes")

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from .. import NanospecError
 from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
-from ..io.files import fingerprint, hardware
+from ..io.files import fingerprint
 from ..training.data import distill_args
 from ..training.forced import forced_items, targets
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
@@ -183,10 +183,14 @@ class SDSAT(Ranked):
                 + (f"; {planned}" if planned else ""))
 
 
+def load_delta(model, weights) -> tuple[Delta, dict]:
+    """The trained update and its file's metadata (its window and token count: how it was trained)."""
+    return load_trained(model, Path(weights) / "sdsat.safetensors", TRAIN,
+                        lambda meta: Delta(model, meta["rank"], meta["tokens"]))
+
+
 def load_sdsat(model, weights, k=5, width=1) -> SDSAT:
-    delta, _ = load_trained(model, Path(weights) / "sdsat.safetensors", TRAIN,
-                            lambda meta: Delta(model, meta["rank"], meta["tokens"]))
-    return SDSAT(delta, k, width)
+    return SDSAT(load_delta(model, weights)[0], k, width)
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -295,8 +299,7 @@ def train(args):
     acc = accuracy(model, delta, held, args)
     for j, a in enumerate(acc):
         print(f"adaptive token {j + 1} (token t+{j + 2}): held-out top-1 {a[0]:.3f}, top-5 {sum(a):.3f}")
-    trained = {k: getattr(args, k) for k in ("forced", "seq_len", "batch_size", "lr")} | {"steps": ckpt.total}
-    trained |= {"seconds": round(prog.elapsed), "hardware": hardware(model.embed.weight.device)}
+    trained = {k: getattr(args, k) for k in ("forced", "seq_len", "batch_size", "lr")} | ckpt.record()
     meta = {"base_fingerprint": fingerprint(model), "rank": args.rank, "tokens": len(delta.embed), "acc": acc,
             "window": args.window, "mask_rate": args.mask_rate, "trained": trained}
     save_drafter(out / "sdsat.safetensors", delta, meta)

@@ -7,7 +7,7 @@ import torch
 
 from .. import NanospecError
 from ..io.checkpoint import load
-from ..io.files import atomic_write
+from ..io.files import atomic_write, hardware
 from ..io.sources import base_of
 from ..io.tokenizer import load_tokenizer
 from ..model import Block, Llama
@@ -220,3 +220,8 @@ class Checkpoint:
                                        "gens": [g.get_state() for g in self.gens], "step": step,
                                        "steps": self.total, "seconds": self.prog.elapsed, "config": self.config,
                                        "records": self.records})
+
+    def record(self) -> dict:
+        """What a trained module's metadata says of its run: the steps it ran, the seconds they took and where."""
+        device = next(self.module.parameters()).device
+        return {"steps": self.total, "seconds": round(self.prog.elapsed), "hardware": hardware(device)}
