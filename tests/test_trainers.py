@@ -14,6 +14,7 @@ from helpers import call, check_exact, random_model
 from nanospec.io.checkpoint import load, save
 from nanospec.methods import analysis, bita, hidden_transfer, load_drafter, medusa, model_dir, propd, sdsat
 from nanospec.model import ModelArgs
+from second_device import SHOWN, second_device
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "weights" / "pylm" / "tokenizer.model"
@@ -28,21 +29,27 @@ SMALL = {  # each trainer's options, cut to seconds
 }
 
 
-def test_trainers_write_loadable_drafters(tmp_path, device, monkeypatch):
-    """On the device under test (`pytest --device cuda`: train.py --device cuda, the base model and every trained
-    module on it); the drafters decode on the CPU."""
+def train_all(tmp_path, monkeypatch, device, *more) -> list[set[str]]:
+    """train.py for every drafter on a tiny base model written to tmp_path; the devices of each module a trainer
+    writes: medusa's heads and its early head, propd's, bita's, the maps, sdsat's update."""
     from nanospec.io import checkpoint
     model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
     save(model, tmp_path, tokenizer_model=TOKENIZER)
-    trained_on = []  # the device of each module a trainer writes
+    trained_on = []
     for m in (medusa, propd, bita, hidden_transfer, sdsat):
         monkeypatch.setattr(m, "save_drafter", lambda path, module, meta: trained_on.append(
             {p.device.type for p in module.parameters()}) or checkpoint.save_drafter(path, module, meta))
     for method, opts in SMALL.items():
         code, out, err = call(train.main, "--method", method, "--out", tmp_path, "--distill-prompts", 6,
-                              "--new-tokens", 8, "--device", device, *opts)
+                              "--new-tokens", 8, "--device", device, *opts, *more)
         assert code == 0, err[-2000:]
-    assert trained_on == [{device}] * 6  # medusa's heads and its early head, propd's, bita's, the maps, sdsat's
+    return trained_on
+
+
+def test_trainers_write_loadable_drafters(tmp_path, device, monkeypatch):
+    """On the device under test (`pytest --device cuda`: train.py --device cuda, the base model and every trained
+    module on it); the drafters decode on the CPU."""
+    assert train_all(tmp_path, monkeypatch, device) == [{device}] * 6
     code, out, err = call(analysis.main, "heldout", "--weights", tmp_path, "--distill-prompts", 6, "--new-tokens", 8)
     rows = [line.split(" | ")[1] for line in out.splitlines() if line.startswith(f"| {tmp_path} |")]
     assert code == 0 and rows == ["medusa", "hidden_transfer", "bita", "sdsat"], err[-2000:]
@@ -59,6 +66,33 @@ def test_trainers_write_loadable_drafters(tmp_path, device, monkeypatch):
     assert code == 0, err[-2000:]
     tuned = load(model_dir(["sdsat_full"], tmp_path))
     check_exact(tuned, [1, 400, 401, 402], load_drafter("sdsat_full:k=3", tuned, tmp_path), 12)
+
+
+def test_trainers_train_on_the_device_they_are_given(tmp_path, monkeypatch):
+    """train.py --device cuda on the second-device stand-in (second_device.py), with .ci/gpu-train's teacher-forced
+    data and time limit: every op keeps to one device, as on a GPU, and every module a trainer writes was there."""
+    with second_device(monkeypatch):
+        trained_on = train_all(tmp_path, monkeypatch, "cuda", "--forced", 600, "--time-limit", 60,
+                               "--cache", tmp_path / "ckpt")
+        code, out, err = call(train.main, "--method", "sdsat_full", "--out", tmp_path, "--steps", 2, "--batch-size", 2,
+                              "--seq-len", 32, "--max-files", 2, "--eval-windows", 2, "--distill-prompts", 6,
+                              "--new-tokens", 8, "--device", "cuda")
+    assert trained_on == [{SHOWN.type}] * 6 and code == 0, err[-2000:]
+
+
+def test_the_stand_in_catches_a_trainer_that_leaves_tensors_on_the_host(tmp_path, monkeypatch):
+    """Planted: Hidden Transfer's batches made on the host (an op mixes devices), then the base model loaded there
+    whatever --device says (session 14's fault: every module stays on the host)."""
+    from nanospec.training import loop
+    pack = hidden_transfer.pack
+    with second_device(monkeypatch):
+        monkeypatch.setattr(hidden_transfer, "pack", lambda *args, **kwargs: pack(*args[:4]))
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            train_all(tmp_path, monkeypatch, "cuda")
+        monkeypatch.setattr(hidden_transfer, "pack", pack)
+        load = loop.load
+        monkeypatch.setattr(loop, "load", lambda path, dtype=torch.float32, device="cpu": load(path, dtype))
+        assert train_all(tmp_path, monkeypatch, "cuda") == [{"cpu"}] * 6
 
 
 @pytest.mark.parametrize("method, opts", [("hidden_transfer", ["--layers", 1]),

@@ -1,0 +1,110 @@
+"""A second device on the CPU (tests): what a command puts on "cuda" computes on the host but stands apart, and an op
+that mixes it with host tensors fails as it does on a GPU. So a CPU-only suite sees a tensor that `--device cuda` left
+behind: a model, a batch, a module a trainer writes.
+
+Its tensors wrap host tensors and show the device "lazy", which nothing here uses: autograd asks a tensor's device for
+its stream, and a CPU build of torch has no CUDA device to ask, while lazy answers. CUDA's own exceptions are kept: a
+0-dim host tensor is a scalar, indices may stay on the host, a copy crosses devices; `.numpy()` of a device tensor is
+refused."""
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+SHOWN = torch.device("lazy")  # what the stand-in's tensors say their device is
+aten = torch.ops.aten
+CROSSING = {aten.copy_, aten._to_copy}
+HOST_INDICES = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+
+
+class OnDevice(torch.Tensor):
+    """A host tensor that stands on the second device."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        t = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(), dtype=inner.dtype,
+                                               storage_offset=inner.storage_offset(), device=SHOWN)
+        t.inner = inner
+        return t
+
+    def __reduce_ex__(self, protocol):  # torch.save: as its host tensor
+        return self.inner.__reduce_ex__(protocol)
+
+    def __repr__(self, **kwargs):
+        return f"OnDevice({self.inner!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return NotImplemented  # Device (the mode) runs every op
+
+
+def to_device(d) -> bool:
+    return d is not None and torch.device(d).type in ("cuda", SHOWN.type)
+
+
+class Device(TorchDispatchMode):
+    """Every op: refuse a mix of device and host tensors (as CUDA does), run it on the host, and put its outputs on the
+    device where an input was there or its `device` says so."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        on = any(isinstance(t, OnDevice) for t in tensors)
+        host = [t for t in tensors if not isinstance(t, OnDevice) and t.dim() > 0]
+        if func.overloadpacket in HOST_INDICES and isinstance(args[0], OnDevice):
+            host = [t for t in host if not any(t is i for i in args[1])]
+        if on and host and func.overloadpacket not in CROSSING:
+            raise RuntimeError(f"{func}: Expected all tensors to be on the same device, but found at least two "
+                               "devices, cuda:0 and cpu! (the second-device stand-in)")
+        made_there = to_device(kwargs.get("device"))
+        if made_there:
+            kwargs["device"] = torch.device("cpu")
+        out = func(*tree_map(lambda t: t.inner if isinstance(t, OnDevice) else t, args), **kwargs)
+        if func.overloadpacket is aten._to_copy and "device" in kwargs and not made_there:
+            return out  # to the host
+        if func.overloadpacket is aten.copy_ and not isinstance(args[0], OnDevice):
+            return args[0]
+        if not (on or made_there):
+            return out
+        given = {id(t.inner): t for t in tensors if isinstance(t, OnDevice)}  # in place: the same tensor back
+
+        def there(t):
+            return t if type(t) is not torch.Tensor else given[id(t)] if id(t) in given else OnDevice(t)
+        return tree_map(there, out)
+
+
+class Moves(TorchFunctionMode):
+    """What checks for a CUDA build before it reaches an op: Tensor.to and .cuda, factories given a device, .tolist."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.to, torch.Tensor.cuda):
+            parsed = (SHOWN, None) if func is torch.Tensor.cuda else torch._C._nn._parse_to(*args[1:], **kwargs)
+            device, dtype = parsed[:2]
+            if to_device(device):
+                t = args[0] if isinstance(args[0], OnDevice) else aten._to_copy(args[0], device=SHOWN)
+                return t if dtype is None else t.to(dtype)
+        elif to_device(kwargs.get("device")):
+            with torch._C.DisableTorchFunction():
+                out = func(*args, **{**kwargs, "device": "cpu"})
+            return tree_map(lambda t: aten._to_copy(t, device=SHOWN) if isinstance(t, torch.Tensor) else t, out)
+        elif func is torch.Tensor.tolist and isinstance(args[0], OnDevice):
+            return args[0].inner.tolist()
+        elif func is torch.Tensor.numpy and isinstance(args[0], OnDevice):
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
+                            "host memory first. (the second-device stand-in)")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def second_device(monkeypatch):
+    """Within: `--device cuda` runs on the stand-in (torch.cuda says a device is there, and its sync waits for
+    nothing)."""
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "the second-device stand-in")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    with Device(), Moves():
+        yield
