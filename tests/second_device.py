@@ -5,7 +5,9 @@ behind: a model, a batch, a module a trainer writes.
 Its tensors wrap host tensors and show the device "lazy", which nothing here uses: autograd asks a tensor's device for
 its stream, and a CPU build of torch has no CUDA device to ask, while lazy answers. CUDA's own exceptions are kept: a
 0-dim host tensor is a scalar, indices may stay on the host, a copy crosses devices; `.numpy()` of a device tensor is
-refused."""
+refused. What it leaves out: code that asks for a "cuda" device type sees "lazy" (no CUDA graphs, no block batch, and
+not the CPU's exact layout either, so bits are the GPU's own check); inference_mode runs as no_grad; torch.compile
+does not run on it."""
 import contextlib
 
 import torch
@@ -76,7 +78,8 @@ class Device(TorchDispatchMode):
 
 
 class Moves(TorchFunctionMode):
-    """What checks for a CUDA build before it reaches an op: Tensor.to and .cuda, factories given a device, .tolist."""
+    """What checks for a CUDA build before it reaches an op: Tensor.to and .cuda, torch.tensor given a device; and
+    .tolist and .numpy, which read the data."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -86,16 +89,35 @@ class Moves(TorchFunctionMode):
             if to_device(device):
                 t = args[0] if isinstance(args[0], OnDevice) else aten._to_copy(args[0], device=SHOWN)
                 return t if dtype is None else t.to(dtype)
-        elif to_device(kwargs.get("device")):
+        elif func in (torch.tensor, torch.as_tensor) and to_device(kwargs.get("device")):  # made, then moved
             with torch._C.DisableTorchFunction():
                 out = func(*args, **{**kwargs, "device": "cpu"})
             return tree_map(lambda t: aten._to_copy(t, device=SHOWN) if isinstance(t, torch.Tensor) else t, out)
+        elif func is torch.Tensor.new_tensor and isinstance(args[0], OnDevice) and "device" not in kwargs:
+            return aten._to_copy(args[0].inner.new_tensor(*args[1:], **kwargs), device=SHOWN)
+        elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and isinstance(args[0], OnDevice):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)  # a list index: made on the host
+            index = tuple(torch.tensor(i) if isinstance(i, list) else i for i in index)
+            return func(args[0], index if isinstance(args[1], tuple) else index[0], *args[2:])
         elif func is torch.Tensor.tolist and isinstance(args[0], OnDevice):
             return args[0].inner.tolist()
         elif func is torch.Tensor.numpy and isinstance(args[0], OnDevice):
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
                             "host memory first. (the second-device stand-in)")
         return func(*args, **kwargs)
+
+
+class NoGrad:
+    """inference_mode's context as no_grad: inference tensors refuse a wrapper's version counter."""
+
+    def __init__(self, enabled=True):
+        self.ctx = torch.no_grad() if enabled else contextlib.nullcontext()
+
+    def __enter__(self):
+        self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        self.ctx.__exit__(*exc)
 
 
 @contextlib.contextmanager
@@ -106,5 +128,6 @@ def second_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "the second-device stand-in")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch._C, "_InferenceMode", NoGrad)
     with Device(), Moves():
         yield

@@ -3,7 +3,14 @@ the host computes."""
 import pytest
 import torch
 
+from helpers import peek, random_model
+from nanospec.engine import generate
+from nanospec.methods.lookahead import Lookahead
 from second_device import SHOWN, OnDevice, second_device
+from test_batch import batch_drafter
+from test_edges import ARGS, METHODS
+
+PROMPTS = [[3, 9, 4, 1, 7, 12, 5], [5, 2, 8, 8, 1, 12, 30, 4, 11, 2]]
 
 
 def test_the_stand_in_keeps_cudas_rules(tmp_path, monkeypatch):
@@ -42,3 +49,32 @@ def test_the_stand_in_trains_as_the_host_does(monkeypatch):
     with second_device(monkeypatch):
         there, on_device = steps("cuda")
     assert host == {"cpu"} and there == {SHOWN.type} and torch.equal(on_host, on_device)
+
+
+def test_every_method_decodes_on_the_second_device(monkeypatch):
+    """`--device cuda`'s placement, seen on the CPU: every method decodes a batch with its drafts accepted, in exact
+    and fast mode, and no op mixes devices. (Its bits are the GPU's check: exact mode's CPU layout is the host's.)"""
+    N = 12
+    with second_device(monkeypatch):
+        model = random_model(ARGS, seed=4, device="cuda")
+        alone = [generate(model, p, max_new_tokens=N, eos_id=-1) for p in PROMPTS]
+        for name in METHODS:
+            d = batch_drafter(name, model)
+            if isinstance(d, Lookahead):
+                d.warm_up([p[-1:] + a.tokens for p, a in zip(PROMPTS, alone)])
+            else:
+                peek(d, {tuple(p): a.tokens for p, a in zip(PROMPTS, alone)}, 0.9, seed=1)
+            for exact in (True, False):
+                out = generate(model, PROMPTS, d, max_new_tokens=N, exact=exact, eos_id=-1)
+                assert [len(o.tokens) for o in out] == [N, N] and sum(o.steps for o in out) < 2 * N, (name, exact)
+
+
+def test_the_stand_in_catches_a_draft_made_on_the_host(monkeypatch):
+    """Planted: the tree's gather index made on the host (Template.gather ignoring its device)."""
+    from nanospec.tree import Template
+    gather = Template.gather.__wrapped__
+    monkeypatch.setattr(Template, "gather", lambda self, R, device: gather(self, R, "cpu"))
+    with second_device(monkeypatch):
+        model = random_model(ARGS, seed=4, device="cuda")
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            generate(model, PROMPTS, batch_drafter("medusa", model), max_new_tokens=4, eos_id=-1)
