@@ -84,10 +84,12 @@ class Moves(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (torch.Tensor.to, torch.Tensor.cuda):
-            parsed = (SHOWN, None) if func is torch.Tensor.cuda else torch._C._nn._parse_to(*args[1:], **kwargs)
+            rest = {k: v for k, v in kwargs.items() if k != "copy"}
+            parsed = (SHOWN, None) if func is torch.Tensor.cuda else torch._C._nn._parse_to(*args[1:], **rest)
             device, dtype = parsed[:2]
             if to_device(device):
-                t = args[0] if isinstance(args[0], OnDevice) else aten._to_copy(args[0], device=SHOWN)
+                there = isinstance(args[0], OnDevice) and not kwargs.get("copy")
+                t = args[0] if there else aten._to_copy(args[0], device=SHOWN)
                 return t if dtype is None else t.to(dtype)
         elif func in (torch.tensor, torch.as_tensor) and to_device(kwargs.get("device")):  # made, then moved
             with torch._C.DisableTorchFunction():

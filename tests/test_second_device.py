@@ -1,9 +1,11 @@
 """The second-device stand-in (second_device.py) refuses what CUDA refuses, allows what CUDA allows, and computes what
 the host computes."""
+import json
+
 import pytest
 import torch
 
-from helpers import peek, random_model
+from helpers import call, decode_main, peek, random_model
 from nanospec.engine import generate
 from nanospec.methods.lookahead import Lookahead
 from second_device import SHOWN, OnDevice, second_device
@@ -78,3 +80,18 @@ def test_the_stand_in_catches_a_draft_made_on_the_host(monkeypatch):
         model = random_model(ARGS, seed=4, device="cuda")
         with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
             generate(model, PROMPTS, batch_drafter("medusa", model), max_new_tokens=4, eos_id=-1)
+
+
+def test_decode_py_runs_on_the_second_device(weights, tmp_path, monkeypatch):
+    """decode.py --device cuda end to end on the stand-in: a checked decode and a bench, their own tensors (prompts,
+    checks, the planner's measures) kept to one device."""
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))  # the stand-in's row costs stay out of the user's cache
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]))
+    with second_device(monkeypatch):
+        code, out, err = call(decode_main, "--weights", weights, "--device", "cuda", "--method", "lookahead",
+                              "--prompt", "def f(x):", "--max-new-tokens", 12, "--check")
+        assert code == 0 and "identical" in err, err[-2000:]
+        code, out, err = call(decode_main, "--weights", weights, "--device", "cuda", "--bench", "--methods",
+                              "ar,lookahead", "--prompts", prompts, "--batch", "1,2", "--max-new-tokens", 12, "--json")
+    assert code == 0 and [r["mismatches"] for r in json.loads(out.splitlines()[-1])["results"]] == [0] * 4, err[-2000:]
