@@ -10,6 +10,7 @@ not the CPU's exact layout either, so bits are the GPU's own check); inference_m
 does not run on it."""
 import contextlib
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -123,13 +124,14 @@ class NoGrad:
 
 
 @contextlib.contextmanager
-def second_device(monkeypatch):
+def second_device():
     """Within: `--device cuda` runs on the stand-in (torch.cuda says a device is there, and its sync waits for
     nothing)."""
-    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "the second-device stand-in")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch._C, "_InferenceMode", NoGrad)
-    with Device(), Moves():
-        yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "_lazy_init", lambda: None)
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        patch.setattr(torch.cuda, "get_device_name", lambda device=None: "the second-device stand-in")
+        patch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        patch.setattr(torch._C, "_InferenceMode", NoGrad)
+        with Device(), Moves():
+            yield

@@ -15,10 +15,12 @@ from test_edges import ARGS, METHODS
 PROMPTS = [[3, 9, 4, 1, 7, 12, 5], [5, 2, 8, 8, 1, 12, 30, 4, 11, 2]]
 
 
-def test_the_stand_in_keeps_cudas_rules(tmp_path, monkeypatch):
-    with second_device(monkeypatch):
+def test_the_stand_in_keeps_cudas_rules(tmp_path):
+    available = torch.cuda.is_available
+    with second_device():
         x = torch.arange(4.0).to("cuda")
         assert x.device == SHOWN and torch.zeros(2, device="cuda").device == SHOWN and x.cuda() is x
+        assert torch.nn.Linear(2, 2).to(device="cuda", dtype=torch.bfloat16).weight.device == SHOWN
         with pytest.raises(RuntimeError, match="same device"):
             x + torch.ones(4)  # a host tensor in a device op
         with pytest.raises(RuntimeError, match="same device"):
@@ -26,17 +28,17 @@ def test_the_stand_in_keeps_cudas_rules(tmp_path, monkeypatch):
         with pytest.raises(TypeError, match="numpy"):
             x.numpy()
         assert (x * torch.tensor(2.0)).device == SHOWN  # a 0-dim host tensor is a scalar
-        assert x[torch.tensor([1, 3])].tolist() == [1.0, 3.0]  # host indices into a device tensor
+        assert x[torch.tensor([1, 3])].tolist() == x[[1, 3]].tolist() == [1.0, 3.0]  # host indices, device data
         back = x.cpu()
         assert type(back) is torch.Tensor and back.device.type == "cpu" and back.tolist() == [0.0, 1.0, 2.0, 3.0]
         y = torch.zeros(4)
         y.copy_(x)  # copies cross
         assert y.tolist() == back.tolist() and type(x.to(torch.bfloat16)) is OnDevice
         torch.save({"x": x}, tmp_path / "x.pt")
-    assert torch.equal(torch.load(tmp_path / "x.pt")["x"], back)
+    assert torch.equal(torch.load(tmp_path / "x.pt")["x"], back) and torch.cuda.is_available is available
 
 
-def test_the_stand_in_trains_as_the_host_does(monkeypatch):
+def test_the_stand_in_trains_as_the_host_does():
     """A module moved there takes the same steps, bit for bit, as on the host."""
     def steps(device):
         torch.manual_seed(0)
@@ -48,16 +50,16 @@ def test_the_stand_in_trains_as_the_host_does(monkeypatch):
             opt.zero_grad()
         return {p.device.type for p in lin.parameters()}, lin.weight.detach().cpu()
     host, on_host = steps("cpu")
-    with second_device(monkeypatch):
+    with second_device():
         there, on_device = steps("cuda")
     assert host == {"cpu"} and there == {SHOWN.type} and torch.equal(on_host, on_device)
 
 
-def test_every_method_decodes_on_the_second_device(monkeypatch):
+def test_every_method_decodes_on_the_second_device():
     """`--device cuda`'s placement, seen on the CPU: every method decodes a batch with its drafts accepted, in exact
     and fast mode, and no op mixes devices. (Its bits are the GPU's check: exact mode's CPU layout is the host's.)"""
     N = 12
-    with second_device(monkeypatch):
+    with second_device():
         model = random_model(ARGS, seed=4, device="cuda")
         alone = [generate(model, p, max_new_tokens=N, eos_id=-1) for p in PROMPTS]
         for name in METHODS:
@@ -76,7 +78,7 @@ def test_the_stand_in_catches_a_draft_made_on_the_host(monkeypatch):
     from nanospec.tree import Template
     gather = Template.gather.__wrapped__
     monkeypatch.setattr(Template, "gather", lambda self, R, device: gather(self, R, "cpu"))
-    with second_device(monkeypatch):
+    with second_device():
         model = random_model(ARGS, seed=4, device="cuda")
         with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
             generate(model, PROMPTS, batch_drafter("medusa", model), max_new_tokens=4, eos_id=-1)
@@ -88,7 +90,7 @@ def test_decode_py_runs_on_the_second_device(weights, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))  # the stand-in's row costs stay out of the user's cache
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]))
-    with second_device(monkeypatch):
+    with second_device():
         code, out, err = call(decode_main, "--weights", weights, "--device", "cuda", "--method", "lookahead",
                               "--prompt", "def f(x):", "--max-new-tokens", 12, "--check")
         assert code == 0 and "identical" in err, err[-2000:]

@@ -71,7 +71,7 @@ def test_trainers_write_loadable_drafters(tmp_path, device, monkeypatch):
 def test_trainers_train_on_the_device_they_are_given(tmp_path, monkeypatch):
     """train.py --device cuda on the second-device stand-in (second_device.py), with .ci/gpu-train's teacher-forced
     data and time limit: every op keeps to one device, as on a GPU, and every module a trainer writes was there."""
-    with second_device(monkeypatch):
+    with second_device():
         trained_on = train_all(tmp_path, monkeypatch, "cuda", "--forced", 600, "--time-limit", 60,
                                "--cache", tmp_path / "ckpt")
         code, out, err = call(train.main, "--method", "sdsat_full", "--out", tmp_path, "--steps", 2, "--batch-size", 2,
@@ -85,7 +85,7 @@ def test_the_stand_in_catches_a_trainer_that_leaves_tensors_on_the_host(tmp_path
     whatever --device says (session 14's fault: every module stays on the host)."""
     from nanospec.training import loop
     pack = hidden_transfer.pack
-    with second_device(monkeypatch):
+    with second_device():
         monkeypatch.setattr(hidden_transfer, "pack", lambda *args, **kwargs: pack(*args[:4]))
         with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
             train_all(tmp_path, monkeypatch, "cuda")
