@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nanospec import cli
 from nanospec.cache import KVCache
 from nanospec.engine import Decoding, Drafter, generate, program, shapes, stack
+from nanospec.methods.lookahead import Lookahead
 from nanospec.model import Block, Llama, ModelArgs
 from nanospec.tree import Sampler, Tree
 from nanospec.tuning.costs import Measured
@@ -185,6 +186,15 @@ def peek(drafter, truths, p: float = 0.9, seed: int = 0):
         return tree
     drafter.draft = drafting
     return drafter
+
+
+def prime(drafter, prompts, alone, p: float = 0.9, seed: int = 0):
+    """Drafts that carry AR's own tokens (alone: each prompt's AR output), so they get accepted: Lookahead's pool
+    warmed up with them, any other drafter peeking at them with probability p (peek)."""
+    if isinstance(drafter, Lookahead):
+        drafter.warm_up([q[-1:] + a.tokens for q, a in zip(prompts, alone) if a.tokens])
+    else:
+        peek(drafter, {tuple(q): a.tokens for q, a in zip(prompts, alone)}, p, seed)
 
 
 class KeepTruth(torch.nn.Module):

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import peek, random_model
+from helpers import prime, random_model
 from nanospec import engine
 from nanospec import model as model_mod
 from nanospec.engine import generate, shapes
@@ -30,10 +30,8 @@ def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=N
     kw = dict(max_new_tokens=n, exact=exact, Q=Q, n_slots=S, eos_id=EOS, record_logits=True, block_batch=block_batch,
               **(sampling or {}))
     alone = [generate(model, p, **kw) for p in prompts]
-    if isinstance(d, Lookahead):
-        d.warm_up([p[-1:] + a.tokens for p, a in zip(prompts, alone) if a.tokens])
-    elif peeking and d is not engine.AR:
-        peek(d, {tuple(p): a.tokens for p, a in zip(prompts, alone)}, max(peeking), seed)
+    if isinstance(d, Lookahead) or peeking and d is not engine.AR:
+        prime(d, prompts, alone, max(peeking, default=0.0), seed)
     batch = generate(model, prompts, d, batch=rows, **kw)
     assert len(batch) == len(prompts)
     for i, (a, b) in enumerate(zip(alone, batch)):

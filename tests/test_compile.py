@@ -7,10 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import peek, random_model
+from helpers import prime, random_model
 from nanospec import NanospecError
 from nanospec.engine import AR, generate, shapes
-from nanospec.methods.lookahead import Lookahead
 from nanospec.tuning import compiled
 from test_batch import batch_drafter
 from test_edges import ARGS, METHODS
@@ -32,10 +31,7 @@ def test_every_method_compiled_is_bitwise_ar_compiled(dtype, device):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs, "AR ran no compiled layer"
     accepted = 0
     for name, d in drafters.items():
-        if isinstance(d, Lookahead):
-            d.warm_up([p[-1:] + a.tokens for p, a in zip(PROMPTS, alone)])
-        else:
-            peek(d, {tuple(p): a.tokens for p, a in zip(PROMPTS, alone)}, 0.9, seed=1)
+        prime(d, PROMPTS, alone, seed=1)
         for a, b in zip(alone, generate(model, PROMPTS, d, **kw)):
             assert b.tokens == a.tokens and torch.equal(b.logits, a.logits), name
             accepted += len(b.tokens) - b.steps

@@ -5,9 +5,8 @@ import json
 import pytest
 import torch
 
-from helpers import call, decode_main, peek, random_model
+from helpers import call, decode_main, prime, random_model
 from nanospec.engine import generate
-from nanospec.methods.lookahead import Lookahead
 from second_device import SHOWN, OnDevice, second_device
 from test_batch import batch_drafter
 from test_edges import ARGS, METHODS
@@ -64,10 +63,7 @@ def test_every_method_decodes_on_the_second_device():
         alone = [generate(model, p, max_new_tokens=N, eos_id=-1) for p in PROMPTS]
         for name in METHODS:
             d = batch_drafter(name, model)
-            if isinstance(d, Lookahead):
-                d.warm_up([p[-1:] + a.tokens for p, a in zip(PROMPTS, alone)])
-            else:
-                peek(d, {tuple(p): a.tokens for p, a in zip(PROMPTS, alone)}, 0.9, seed=1)
+            prime(d, PROMPTS, alone, seed=1)
             for exact in (True, False):
                 out = generate(model, PROMPTS, d, max_new_tokens=N, exact=exact, eos_id=-1)
                 assert [len(o.tokens) for o in out] == [N, N] and sum(o.steps for o in out) < 2 * N, (name, exact)
