@@ -28,7 +28,7 @@ from nanospec.tuning import compiled
 from nanospec.tuning import cuda as cuda_layer
 from nanospec.tuning import products as kernels
 from nanospec.tuning.costs import measure as measure_costs
-from nanospec.tuning.cuda import ops_per_layer
+from nanospec.tuning.counts import step_counts
 from nanospec.tuning.planner import Tuned, own_sizes
 
 
@@ -199,8 +199,10 @@ def main(argv=None):
         drafters = [load_drafter(m, model, weights) for m in methods]
         if own_model:
             note_own_model(weights)
-        print("[bench] counting each method's exact step ops (a trace, before any tuning)", file=sys.stderr, flush=True)
-        ops = [ops_per_layer(model, d) for d in drafters]
+        print("[bench] counting what each method's exact step costs a GPU (a small cache, before any tuning)",
+              file=sys.stderr, flush=True)
+        counts = {B: {m: step_counts(model, lambda there, m=m: load_drafter(m, there, weights), d, B)
+                      for m, d in zip(methods, drafters)} for B in batches}
         tune(args, model, exact, drafters)
         peers = transformers_peers(weights, dtype, args.device) if args.peers else ()
         results = []
@@ -208,7 +210,8 @@ def main(argv=None):
             fresh = copy.deepcopy(drafters) if len(batches) > 1 else drafters
             results += bench(model, prompts, fresh, exact=exact, max_new_tokens=args.max_new_tokens, eos_id=args.eos_id,
                              sampling=sampling, profile=args.profile, peers=peers, batch=B,
-                             block_batch=args.block_batch, ops=ops)
+                             block_batch=args.block_batch,
+                             counts={d.name: counts[B][m] for m, d in zip(methods, fresh)})
             print(table([r for r in results if r["batch"] == B]), flush=True)
         if args.compile:
             info["compile_s"] = report_compiles()
@@ -261,8 +264,8 @@ def parse_batches(text: str) -> list[int]:
 def decode_batch(args, model, tok, drafter, texts, prompts, B, info, exact, sampling, meta, entries) -> int:
     """Prompts decoded B at a time, a stopped one's row taking the next prompt (each output as if
     decoded alone), printed in turn."""
-    Q, S = shapes([drafter, AR], max(map(len, prompts)), args.max_new_tokens, args.block, args.max_len)
-    kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S, eos_id=args.eos_id,
+    Q, S, W = shapes([drafter, AR], max(map(len, prompts)), args.max_new_tokens, args.block, args.max_len)
+    kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S, tail=W, eos_id=args.eos_id,
               record_logits=args.check or meta is not None, block_batch=args.block_batch, **sampling)
     t = time.perf_counter()
     outs = generate(model, prompts, drafter, batch=B, **kw)

@@ -23,6 +23,8 @@ import torch
 from . import NanospecError, engine
 from .engine import Decoding, Drafter, Output, generate, shapes
 
+COUNTS = ("ops_per_layer", "step_mb", "launches_per_step", "syncs_per_step")  # tuning.counts, per method
+
 
 def load_prompts(path) -> list[str]:
     path = Path(path)
@@ -59,37 +61,41 @@ def first_difference(out, ref) -> str:
 
 def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=False,
           max_new_tokens=128, eos_id=None, sampling=None, profile=False, peers=(), batch=1,
-          block_batch=None, ops=None) -> list[dict]:
+          block_batch=None, counts=None) -> list[dict]:
     """Run every drafter over every prompt (batch at a time: twice, in order and in reverse, each run's
     outputs counted; the budgets reported are the first run's); one result dict per drafter. Per step:
     step_ms (wall time), forward_ms (the step's device program, synchronised on a GPU) and host_ms,
     the rest: drafting, tree building, read-back, commit. profile: print each method's top host-side costs.
-    ops: per drafter, its exact step's non-view ops per layer (tuning.cuda.ops_per_layer), reported beside."""
+    counts: per method, what its exact step costs a GPU (tuning.counts: ops_per_layer, step_mb, launches_per_step,
+    syncs_per_step), reported beside."""
     sampling = sampling or {}
     everyone = [Drafter()] + drafters
 
-    def run(d, prompt, exact, n=max_new_tokens, alone=False, rows=None):
+    def run(d, prompt, exact, n=max_new_tokens, alone=False, rows=None, at=None):
         """prompt: one prompt, or several (a list of Outputs back), decoded rows at a time; alone: a
-        reference for a batch's prompt, at the batch's shapes."""
+        reference for a batch's prompt, at the batch's shapes; at: the drafter whose shapes it runs at
+        (default: d's own)."""
         longest = max(map(len, prompt if isinstance(prompt[0], list) else prompts if alone else [prompt]))
-        Q, S = shapes(everyone, longest, max_new_tokens)  # same shapes for every run of a prompt
-        return generate(model, prompt, d, max_new_tokens=n, exact=exact, Q=Q, n_slots=S, eos_id=eos_id,
+        Q, S, W = shapes([at or d], longest, max_new_tokens)  # the method's own; its AR reference's too
+        return generate(model, prompt, d, max_new_tokens=n, exact=exact, Q=Q, n_slots=S, tail=W, eos_id=eos_id,
                         record_logits=exact, batch=rows, block_batch=block_batch if exact else None, **sampling)
 
-    def own_ar(prompt, n=max_new_tokens):  # exact AR at its own smallest block: a baseline, not a reference
-        Q, S = shapes([Drafter()], len(prompt), max_new_tokens)
-        return generate(model, prompt, max_new_tokens=n, exact=True, Q=Q, n_slots=S, eos_id=eos_id,
-                        block_batch=block_batch, **sampling)
+    refs = {}  # (the method's shapes, prompt) -> AR at them: the bitwise reference
+
+    def reference(d, prompt, alone=False):
+        key = shapes([d], max(map(len, prompts)) if alone else len(prompt), max_new_tokens) if exact else None
+        if (key, tuple(prompt)) not in refs:
+            refs[key, tuple(prompt)] = run(Drafter(), prompt, exact, alone=alone, at=d)
+        return refs[key, tuple(prompt)]
 
     # Warm-up: first calls pay for allocation, kernel selection and (on a GPU) graph capture, once
     # per cache size: one prompt of each size, on a copy of each drafter so no state leaks.
-    sizes = {shapes([Drafter()], len(p), max_new_tokens) + shapes(everyone, len(p), max_new_tokens): p
-             for p in prompts}
+    sizes = {tuple(shapes([d], len(p), max_new_tokens) for d in everyone): p for p in prompts}
     for p in sizes.values():
         for d in everyone:
             run(copy.deepcopy(d), p, exact, n=min(8, max_new_tokens))
-        if exact:
-            own_ar(p, n=min(8, max_new_tokens))
+            if exact:
+                run(Drafter(), p, exact, n=min(8, max_new_tokens), at=d)
     eos = model.args.eos_id if eos_id is None else eos_id
     for peer in peers:
         peer.generate(prompts[0], min(8, max_new_tokens), eos)
@@ -97,10 +103,10 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     # (frequent on shared CPUs) hit every method alike.
     t0 = time.perf_counter()
     base = {"fast AR": [], "exact AR": []} if exact else {"fast AR": []}
-    ref, outs, peer_outs = [], [[] for _ in drafters], [[] for _ in peers]
+    ref, outs, peer_outs = [[] for _ in drafters], [[] for _ in drafters], [[] for _ in peers]
     if batch > 1:  # references: each prompt alone; timings: every prompt, batch at a time, AR's as well
         base.pop("exact AR", None)
-        ref = [run(Drafter(), p, exact, alone=True) for p in prompts]
+        ref = [[reference(d, p, alone=True) for p in prompts] * 2 for d in drafters]
         order = [(Drafter(), base["fast AR"])] + list(zip(drafters, outs))
         again = [(copy.deepcopy(d), o) for d, o in order]  # as fresh as the first time (a trie, a planner)
         for d, o in order + again[::-1]:  # twice, the second time in reverse: a drift in the machine's
@@ -109,14 +115,13 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
             o += batched(got, time.perf_counter() - ts - got[0].prefill_s)
             print(f"[bench] batch {batch}: {d.name} {sum(len(x.tokens) for x in o) / sum(x.steps for x in o):.2f} "
                   f"tokens/step, {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-        ref = ref * 2
     for i, p in enumerate(prompts if batch == 1 else ()):
         base["fast AR"].append(run(Drafter(), p, False))
         if exact:
-            base["exact AR"].append(own_ar(p))
-        ref.append(base["fast AR"][-1] if not exact else run(Drafter(), p, True))
-        for d, o in zip(drafters, outs):
+            base["exact AR"].append(run(Drafter(), p, True))  # at its own smallest block: a baseline
+        for d, o, r in zip(drafters, outs, ref):
             o.append(run(d, p, exact))
+            r.append(base["fast AR"][-1] if not exact else reference(d, p))
         for peer, o in zip(peers, peer_outs):  # another engine: its own EOS rule, so its output is cut as ours
             ts = time.perf_counter()
             tokens = peer.generate(p, max_new_tokens, eos)
@@ -134,7 +139,7 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     print("[bench] " + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in speeds.items()) +
           f" over {len(prompts)} prompts; speedups are against {baseline}", file=sys.stderr, flush=True)
     results = []
-    for i, (d, runs) in enumerate(zip(drafters, outs)):
+    for d, runs, against in zip(drafters, outs, ref):
         new = sum(len(o.tokens) for o in runs)
         steps = sum(o.steps for o in runs)
         step_ms = 1000 * sum(o.decode_s for o in runs) / steps
@@ -145,19 +150,21 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         results.append(dict(method=d.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=steps,
                             mean_accepted=round(new / steps, 3), step_ms=round(step_ms, 3), forward_ms=round(fwd_ms, 3),
                             host_ms=round(step_ms - fwd_ms, 3), kernel_ms=None if kernel is None else round(kernel, 3),
-                            ops_per_layer=None if ops is None else round(ops[i], 1),
+                            block=shapes([d], max(map(len, prompts)), max_new_tokens)[0] if exact else None,
+                            **{k: (counts or {}).get(d.name, {}).get(k) for k in COUNTS},
                             tokens_per_s=round(tps(runs), 2),
                             speedup=round(tps(runs) / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
-                            mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(runs, ref)),
+                            mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(runs, against)),
                             notes=d.report()))
     for peer, runs in zip(peers, peer_outs):
         new = sum(len(o.tokens) for o in runs)
         results.append(dict(method=peer.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=None,
                             mean_accepted=None,
-                            step_ms=None, forward_ms=None, host_ms=None, kernel_ms=None, ops_per_layer=None,
+                            step_ms=None, forward_ms=None, host_ms=None, kernel_ms=None, block=None,
+                            **{k: None for k in COUNTS},
                             tokens_per_s=round(tps(runs), 2),
                             speedup=round(tps(runs) / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
-                            mismatches=sum(o.tokens != r.tokens for o, r in zip(runs, ref)), notes=""))
+                            mismatches=sum(o.tokens != r.tokens for o, r in zip(runs, base["fast AR"])), notes=""))
     return results
 
 
@@ -243,7 +250,7 @@ def host_profile(run, drafter, prompt, top: int = 12) -> str:
 
 def table(results: list[dict]) -> str:
     cols = ["method", "batch", "prompts", "new_tokens", "steps", "mean_accepted", "step_ms", "forward_ms", "host_ms",
-            "kernel_ms", "ops_per_layer", "tokens_per_s", "speedup", "mismatches"]
+            "kernel_ms", "block", *COUNTS, "tokens_per_s", "speedup", "mismatches"]
     rows = [cols] + [["-" if r.get(c) is None else str(r[c]) for c in cols] for r in results]
     w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     notes = [f"{r['method']}: {r['notes']}" for r in results if r.get("notes")]

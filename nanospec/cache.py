@@ -2,20 +2,24 @@
 for padding rows, and rollback that moves a step's accepted entries into place."""
 import torch
 
+from .model import grain
+
 
 class KVCache:
     """A static KV cache, S slots per sequence and layer: 0..capacity-1 hold the sequence (committed tokens, then a
     step's scratch rows), then a method's reserved slots (BiTA's prompt keys), last the trash slot padding rows use."""
 
-    def __init__(self, n_layers, batch, n_slots, n_kv_heads, head_dim, dtype, device):
-        shape = (n_layers, batch, n_kv_heads, n_slots, head_dim)
+    def __init__(self, n_layers, batch, n_slots, n_kv_heads, head_dim, dtype, device, grain=(1, 1)):
+        """grain: the multiples of (slots, head width) its buffers are laid out at (a device's exact layout,
+        model.grain): the padding slots are never visible, the padding columns stay zero."""
+        shape = (n_layers, batch, n_kv_heads, n_slots - n_slots % -grain[0], head_dim - head_dim % -grain[1])
         self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.n_slots, self.trash, self.n_reserved = n_slots, n_slots - 1, 0
 
     @classmethod
     def for_model(cls, model, n_slots, batch=1):
         a, w = model.args, model.embed.weight
-        return cls(a.n_layers, batch, n_slots, a.kv_heads, a.hd, w.dtype, w.device)
+        return cls(a.n_layers, batch, n_slots, a.kv_heads, a.hd, w.dtype, w.device, grain(w))
 
     @property
     def capacity(self) -> int:

@@ -43,9 +43,10 @@ class Forward:
         self.exact = ctx.exact
 
     @classmethod
-    def on_cache(cls, model, block: Block, cache, exact: bool, seqs=None) -> "Forward":
-        """seqs (B,): the cache rows of the block's sequences (None: the cache's rows in order)."""
-        return cls(model, block, model.context(block, cache.n_slots, exact, seqs), cache.layer)
+    def on_cache(cls, model, block: Block, cache, exact: bool, seqs=None, tail: int = 1) -> "Forward":
+        """seqs (B,): the cache rows of the block's sequences (None: the cache's rows in order); tail: exact
+        mode's keys gathered per row (sizes.shapes' W)."""
+        return cls(model, block, model.context(block, cache.k.shape[-2], exact, seqs, tail), cache.layer)
 
     @classmethod
     def training(cls, model, tokens, pos, vis, prefix=None) -> "Forward":
@@ -132,6 +133,12 @@ class Drafter:
     planner = None      # the draft budget per step (planner.py); None: the method's static tree
     nested = False      # unranked drafts only: the first s+1 nodes of a budget-B tree are its budget-s tree
 
+    @property
+    def max_depth(self) -> int:
+        """The most draft tokens on one path of its trees (exact mode gathers 1 + this many keys per row in
+        canonical order: sizes.shapes): a chain of max_rows nodes, unless the drafter knows better."""
+        return self.max_rows - 1
+
     def plan(self, planner) -> "Drafter":
         """Size each step's tree with planner: ranked drafters may then use any of their top-R ranks."""
         self.planner = planner
@@ -201,6 +208,10 @@ class Ranked(Drafter):
     verifies, and on a CPU every row costs a step a little."""
     ahead = 0  # depths the method's own rows draft (0: none, Medusa's heads draft from the tree's rows)
     now = 0    # of them, this step's
+
+    @property
+    def max_depth(self) -> int:  # a tree over ranked candidates is at most one node per depth deep
+        return len(self.topk)
 
     def own(self, budget: int | None = None) -> int:
         """Depths drafted by this step's own rows (budget: a planned step's, for its price)."""

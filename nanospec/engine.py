@@ -1,14 +1,20 @@
-"""The decoding loop: prefill, then steps (step: draft -> lay out -> forward -> verify -> commit) until a stop.
+"""The decoding loop: prefill, then steps until a stop. A step: draft, lay out, forward and verify, read back, commit.
 
-A method is a Drafter (drafter.py: the contract, one hook per step of the paper). The core does the rest: it trims
-a tree to the cache's room, pads exact-mode blocks, verifies on the device and takes the next candidates' top-k
-there (greedy), all as one device program (a device layer may capture it: Programs), and reads back the accepted
-path and the candidates once (tree.pack): one host-device sync per step.
+- draft: each sequence's drafter proposes a tree, on the host (drafter.py: the contract, one hook per step of a paper).
+- lay out: the trees become rows (tree.py), trimmed to the cache's room, exact mode's padded to Q rows; a group's rows
+  and nodes are one packed host tensor, copied to the device once.
+- forward and verify: one device program per group: the method's forward, then (greedy) each sequence's verification,
+  its next candidates' top-k, and the commit's moves of its accepted keys into place (a device layer may capture it:
+  Programs).
+- read back: the accepted paths and next candidates (tree.pack), the step's one host-device sync.
+- commit: each sequence's cursor and tokens advance, on the host (sampling verifies there, and moves the keys after).
 
-In exact mode every forward runs Q rows per sequence on a cache of S slots: runs compared bitwise share Q and S
-(sizes.shapes). With a block batch of N (sizes.block_batch), every exact forward runs N sequences' blocks, idle ones
-padded, so a product's total rows (a library may pick its kernel by them) never change.
+In exact mode every forward runs Q rows per sequence on a cache of S slots, each row gathering its last W keys
+(sizes.shapes): runs compared bitwise share them. With a block batch of N (sizes.block_batch), every exact forward
+runs N sequences' blocks, idle ones padded, so a product's total rows (a library may pick its kernel by them) never
+change.
 """
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +30,7 @@ from .tree import Layout, Sampler, Tree, accept, layout, pack, step_layout, unpa
 from .tree import verify as tree_verify
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
+HOST = torch.device("cpu")  # where a step is drafted and laid out
 
 
 class Programs:
@@ -43,43 +50,54 @@ PROGRAMS: dict[str, Programs] = {}  # device type -> a device layer's Programs f
 COMPILE = None  # compile=True: fn(model) compiling exact mode's layer (tuning/compiled.py registers it)
 
 
+def packed(tensors) -> tuple[torch.Tensor, tuple]:
+    """Host integer tensors as one (what a program copies to the device at once), and their shapes."""
+    return torch.cat([t.reshape(-1).long() for t in tensors]), tuple(tuple(t.shape) for t in tensors)
+
+
+def unpacked(flat: torch.Tensor, shapes: tuple) -> list[torch.Tensor]:
+    """packed's tensors again, as views of flat (inside a program: no copy)."""
+    return [x.view(s) for x, s in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
+
+
 class Decoding:
     """The state of one sequence's generation, handed to its drafter at every step. A batch is a
     Decoding per sequence on one cache, each with its own cache row (seq) and cursor (cur)."""
 
     def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None,
                  sampler: Sampler | None = None, seq: int = 0, block_batch: int | None = None,
-                 programs: Programs = EAGER):
+                 programs: Programs = EAGER, tail: int | None = None):
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
+        self.tail = tail or Q      # exact mode: the keys each row gathers in canonical order (sizes.shapes' W)
         self.N = block_batch if exact else None  # exact forwards run N sequences' blocks (None: the live ones)
         self.reserved = reserved   # the drafter's own cache slots (e.g. BiTA's prompt keys)
         self.device = model.embed.weight.device
         self.sampler = sampler or Sampler()
         self.prompt = prompt
         self.seq = seq             # this sequence's cache row
-        self.seqs = None if cache.k.shape[1] == 1 else torch.tensor([seq], device=self.device)
+        self.seqs = None if cache.k.shape[1] == 1 else torch.tensor([seq])
         self.out: list[int] = []   # tokens emitted so far
         self.last = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
         self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
-        self.forward_s = 0.0       # time in forwards (synchronised; in a batch, its share), for the benchmark
-        self.cands = self.lists = None  # the next candidates its last accepted node drafted (step())
+        self.forward_s = 0.0       # time from a step's launch to its read-back (in a batch, its share)
+        self.cands = self.lists = None  # the next candidates its last accepted node drafted, (D, R) and as lists
         self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
-        self.cuda, self.programs = self.device.type == "cuda", programs
+        self.programs = programs
 
     def block(self, tree: Tree, hosts=(), M: int = 0, reserved: bool = False, chained: bool = True, n=0) -> Block:
-        """The tree's rows at the current position, on the device, then filler nodes up to n (token 0,
+        """The tree's rows at the current position, on the host, then filler nodes up to n (token 0,
         children of the root, never verified: a batch's trees share one layout), then (M > 0) a group
         of M rows after each host node (tree.group_rows; reserved: they also see the drafter's reserved
         slots). Laid out once per shape at position 0 (tree.step_layout) and moved to cur."""
         parents = tree.parents + (0,) * (n - len(tree))
         b, seq = step_layout(parents, tuple(hosts), M, self.reserved_slots if reserved else (), chained,
-                             self.cache.capacity, self.device)
+                             self.cache.capacity, None)
         tokens, cur = F.pad(self.tokens(tree), (0, len(b) - len(tree))).view(1, -1), self.cur
         return Block(tokens, b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
 
-    def tokens(self, tree: Tree) -> torch.Tensor:  # on the device (drafted there already, or sent from the host)
-        t = tree.tokens
-        return t if torch.is_tensor(t) and t.device == self.device else torch.as_tensor(t, device=self.device)
+    @staticmethod
+    def tokens(tree: Tree) -> torch.Tensor:  # on the host
+        return torch.as_tensor(tree.tokens, device=HOST)
 
     def keep(self, keys=None, values=None, embeds=None) -> None:
         """Fill the drafter's reserved cache slots: with per-layer keys and values as given, or with
@@ -89,7 +107,7 @@ class Decoding:
         if embeds is None:
             for i, kv in enumerate(zip(keys, values)):
                 for c, x in zip(self.cache.layer(i), kv):
-                    c[s:s + 1, :, slots] = x
+                    c[s:s + 1, :, slots.to(c.device), :x.shape[-1]] = x  # a cache's head width may be padded
             return
         P = len(slots)
         extra = torch.where(torch.arange(P)[None] <= torch.arange(P)[:, None], slots[None], -1)
@@ -109,14 +127,17 @@ class Decoding:
         return (AR, tree.prefix(1)) if drafter.size(m) > self.room else (drafter, tree.prefix(m))
 
     def prepare(self, drafter: Drafter, tree: Tree, largest: int) -> tuple[Block, Nodes]:
-        """A step's rows and nodes on the device, laid out for its group's largest tree; exact mode pads both to Q."""
+        """A step's rows and nodes, on the host, laid out for its group's largest tree; exact mode pads both to Q."""
         n = len(tree)
-        tokens, real = self.tokens(tree), ones(n, self.device)
-        block = drafter.rows(self, Tree(tokens, tree.parents), largest)  # the tokens go to the device once
+        tokens, real = self.tokens(tree), ones(n, HOST)
+        block = drafter.rows(self, Tree(tokens, tree.parents), largest)
         # rows write slots cur..cur+len-1: past the capacity lie the reserved slots and the trash slot
         assert len(block) <= self.room, f"a step of {len(block)} rows overruns the cache ({self.room} slots left)"
-        lay = layout(tree.parents, self.device)
+        lay = layout(tree.parents)
         if self.exact:
+            if lay.anc.shape[-1] > self.tail:  # its deepest row's keys would not all be gathered in canonical order
+                raise NanospecError(f"a path of {lay.anc.shape[-1]} nodes exceeds exact mode's tail of {self.tail} "
+                                    f"keys ({drafter.name}'s max_depth is {drafter.max_depth})")
             block, lay = self.fixed(block), lay.pad(self.Q)
             tokens, real = F.pad(tokens, (0, self.Q - n), value=-1), F.pad(real, (0, self.Q - n))
         return block, Nodes(tokens, lay, real, largest)
@@ -136,24 +157,26 @@ class Decoding:
         n = len(block)
         if int(block.slots.max()) >= self.cache.trash:  # the sequence's slots, then the drafter's reserved ones
             raise NanospecError(f"a step of {n} rows does not fit the cache at {self.cur} tokens")
-        model, cache, exact = self.model, self.cache, self.exact
-        block = self.fixed(block) if exact else block.to(self.device)
+        model, cache, exact, tail = self.model, self.cache, self.exact, self.tail
+        block = self.fixed(block) if exact else block
         if embeds is not None and exact:
             embeds = F.pad(embeds, (0, 0, 0, self.Q - n))
-
-        def run(embeds, seqs, *b):
-            f = Forward.on_cache(model, Block(*b), cache, exact, seqs)
-            x = f.embed() if embeds is None else embeds
-            return f.logits(f.norm(f.layers(x)), len(f.block))
         seqs, at = self.seqs, 0
         if self.N:  # N sequences' blocks, this one's at its cache row
-            (block, _, seqs), at = stack([self], [block.to(self.device)], [self.idle()[1]]), self.seq
+            (block, _, seqs), at = stack([self], [block], [self.idle()[1]]), self.seq
             embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, at, self.N - 1 - at))
-        args = (embeds, seqs, block.tokens, block.pos, block.slots, block.prefix, block.extra)
-        return self.launch(("run",), run, args)[at, :n]
+        fields = [block.tokens, block.pos, block.slots, block.prefix, block.extra] + ([] if seqs is None else [seqs])
+        flat, spec = packed(fields)
+
+        def run(flat, embeds):
+            b = unpacked(flat, spec)
+            f = Forward.on_cache(model, Block(*b[:5]), cache, exact, b[5] if len(b) > 5 else None, tail)
+            x = f.embed() if embeds is None else embeds
+            return f.logits(f.norm(f.layers(x)), len(f.block))
+        return self.launch(("run", spec), run, (flat, embeds))[at, :n]
 
     def idle(self) -> tuple[Block, Nodes]:  # a padding sequence's block and nodes (drafter.idle)
-        return idle(self.Q, self.cache.trash, self.cache.n_slots, self.device)
+        return idle(self.Q, self.cache.trash, self.cache.n_slots, HOST)
 
     def launch(self, key, fn, args):  # fn(*args) on the device, as the generation's Programs run it
         return self.programs.run(self.cache, key, fn, args, self.device)
@@ -166,21 +189,23 @@ class Decoding:
             self.run(Tree.chain(part[0], part[1:]).block(self.cur))
             self.cur += len(part)
 
-    def commit(self, path: list[int], tokens: list[int]) -> None:
-        """Keep the accepted path's keys (node i sits at slot cur+i) and emit its tokens."""
-        self.cache.compact([self.cur + i for i in path], self.cur, self.seq)
+    def commit(self, path: list[int], tokens: list[int], moved: bool = True) -> None:
+        """The accepted path's tokens emitted and its keys kept: node i sits at slot cur+i, and its
+        entries move to cur, cur+1, ... (moved: the step's program did it already, as greedy steps do)."""
+        if not moved:
+            self.cache.compact([self.cur + i for i in path], self.cur, self.seq)
         self.cur += len(path)
         self.out += tokens
         self.last = tokens[-1]
 
     def sync(self):
-        if self.cuda:
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
 
 def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
-    """A group's rows and nodes as one batch: each sequence padded to the group's longest (exact
-    mode's are Q rows already). A fast-mode padding row writes the trash slot and sees slot 0 of its
+    """A group's rows and nodes as one batch, on the host: each sequence padded to the group's longest
+    (exact mode's are Q rows already). A fast-mode padding row writes the trash slot and sees slot 0 of its
     own sequence, so it widens no attention. Also the group's cache rows (None: the cache's own order).
     With a block batch of N, every cache row's sequence, in order: the group's, and idle ones."""
     d, n = decs[0], nodes[0].n  # every sequence's tree laid out for the group's largest
@@ -191,11 +216,11 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
         x = nodes[0]
         return blocks[0], Nodes(x.tokens[None], x.lay.at(None), x.real[None], x.n), d.seqs
     T, N, E = max(map(len, blocks)), max(len(x.tokens) for x in nodes), max(b.extra.shape[-1] for b in blocks)
-    dev, rows = d.device, []
+    rows = []
     for b in blocks:
         if len(b) < T:  # exact mode's blocks are Q rows already
-            z = torch.zeros(1, T - len(b), dtype=torch.long, device=dev)
-            b = Block.cat(b, Block(z, z, torch.full((T - len(b),), d.cache.trash, device=dev), z + 1, z[..., None] - 1))
+            z = torch.zeros(1, T - len(b), dtype=torch.long)
+            b = Block.cat(b, Block(z, z, torch.full((T - len(b),), d.cache.trash), z + 1, z[..., None] - 1))
         extra = F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)
         rows.append(Block(b.tokens, b.pos, b.slots[None], b.prefix, extra))
     block = Block(*(torch.cat([getattr(b, f) for b in rows]) for f in ("tokens", "pos", "slots", "prefix", "extra")))
@@ -203,27 +228,50 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
     batch = Nodes(pad([x.tokens for x in nodes], -1), Layout.stack([x.lay for x in nodes], N),
                   pad([x.real for x in nodes], False), n)
     seqs = list(range(d.N)) if d.N else [x.seq for x in decs]  # a block batch: every cache row, in order
-    return block, batch, None if seqs == list(range(d.cache.k.shape[1])) else torch.tensor(seqs, device=dev)
+    return block, batch, None if seqs == list(range(d.cache.k.shape[1])) else torch.tensor(seqs)
 
 
-def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs):
-    """A step's device program for a group of sequences (batch dim first), and its seconds: the method's
-    forward, then (greedy) each sequence's verification and next candidates' top-k, packed as rows of
-    one tensor. Exact mode: fixed shapes, one program per method, shape key and group size (one CUDA
-    graph each where a device layer captures them)."""
-    model, cache, exact, greedy = d.model, d.cache, d.exact, d.sampler.greedy
+def settle(cache: KVCache, rows, cur, path) -> None:
+    """The commit's moves, on the device: each sequence's accepted path (node i at slot cur + i) moved to slots
+    cur, cur+1, ... of its cache row, every layer at once (past the path's end, each slot onto itself)."""
+    dst = cur[:, None] + torch.arange(path.shape[-1], device=path.device)  # (B, E)
+    src = torch.where(path >= 0, cur[:, None] + path, dst)
+    for c in (cache.k, cache.v):  # (layers, B, Hkv, S, D): the gather copies first, so overlap is safe
+        c[:, rows[:, None], :, dst] = c[:, rows[:, None], :, src]
+
+
+def program(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, seqs):
+    """A step's device program for a group of sequences (batch dim first), launched, and its start time: the
+    method's forward, then (greedy) each sequence's verification, next candidates' top-k and commit's moves,
+    packed as rows of one tensor. Its inputs are one host tensor, copied to the device once. Exact mode: fixed
+    shapes, one program per method, shape key and group size (one CUDA graph each where a device layer captures
+    them)."""
+    d = decs[0]
+    model, cache, exact, greedy, tail = d.model, d.cache, d.exact, d.sampler.greedy, d.tail
     R = max(drafter.topk, default=1)
+    at = {x.seq: x.cur for x in decs} if d.N else dict(enumerate(x.cur for x in decs))
+    cur = torch.tensor([at.get(r, 0) for r in range(len(block.tokens))])  # idle sequences: slot 0 onto itself
+    lay = nodes.lay
+    fields = [block.tokens, block.pos, block.slots, block.prefix, block.extra, nodes.tokens, lay.parent, lay.depth,
+              lay.index, lay.anc, nodes.real, cur] + ([] if seqs is None else [seqs])
+    flat, spec = packed(fields)
+    moves = greedy and drafter.max_rows > 1  # AR's path is its root alone, already in place
 
-    def run(tokens, pos, slots, prefix, extra, seqs, node_tokens, parent, depth, index, anc, real):
-        f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact, seqs)
+    def run(flat):
+        tokens, pos, slots, prefix, extra, node_tokens, parent, depth, index, anc, real, cur, *seqs = unpacked(
+            flat, spec)
+        seqs = seqs[0] if seqs else None
+        f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact, seqs, tail)
         lay = Layout(parent, depth, index, anc)
-        out = drafter.forward(f, Nodes(node_tokens, lay, real, nodes.n))
+        out = drafter.forward(f, Nodes(node_tokens, lay, real.bool(), nodes.n))
         N = node_tokens.shape[-1]  # drafts may cover the real nodes only (a path ends on one): depths are padded
         if out.depths is not None and out.depths.shape[1] < N:
             out.depths = F.pad(out.depths, (0, N - out.depths.shape[1]))
         if not greedy:
             return out.logits, out.drafts, out.depths, out.alive
         path, emitted = accept(node_tokens, lay, out.logits, out.alive)  # (B, E) each
+        if moves:
+            settle(cache, torch.arange(len(cur), device=cur.device) if seqs is None else seqs, cur, path)
         if out.drafts is None:
             return pack(path, emitted), out.logits
         last = path.max(-1).values  # each path's deepest node (indices grow along a path)
@@ -231,22 +279,16 @@ def program(d: Decoding, drafter: Drafter, block: Block, nodes: Nodes, seqs):
         cands = drafter.propose(out.drafts[b, last]).topk(R, dim=-1).indices  # (B, K, R): one product for all
         depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])
         return pack(path, emitted, depth, cands), out.logits
-    lay = nodes.lay
-    args = (*(block.tokens, block.pos, block.slots, block.prefix, block.extra), seqs,
-            nodes.tokens, lay.parent, lay.depth, lay.index, lay.anc, nodes.real)
-    key = ("step", id(drafter), drafter.shape_key(nodes) if exact else None, greedy)  # a capture keeps drafter alive
-    d.sync()
+    key = ("step", id(drafter), drafter.shape_key(nodes) if exact else None, greedy, spec)  # a capture keeps drafter
     t0 = time.perf_counter()
-    res = d.launch(key, run, args)
-    d.sync()
-    return res, time.perf_counter() - t0
+    return d.launch(key, run, (flat,)), t0
 
 
 def step(live: list[Decoding], drafter: Drafter, record: bool):
-    """One step of every live sequence, in order: plan the budget, draft each tree, lay the trees out as
-    rows, run the forward and verify on the device (one program per group of one drafter and layout),
-    read the accepted paths back once, commit them. Returns the budget, per sequence (tree, path,
-    emitted tokens, their logits if record, the whole draft) and the step's rows."""
+    """One step of every live sequence: draft each tree, lay the trees out as rows (a group of one drafter and
+    layout at a time), run the forward and verify on the device, read the accepted paths back once, commit
+    them. Returns the budget, per sequence (tree, path, emitted tokens, their logits if record, the whole
+    draft) and the step's rows."""
     budget, template = drafter.planner.budget(live) if drafter.planner is not None else (None, None)
     stepper = drafter if budget != 0 else AR  # budget 0: drafting does not pay, an AR step
     wide = drafter.nested and budget is not None  # drafted whole, AR steps too: the planner scores every prefix
@@ -261,23 +303,23 @@ def step(live: list[Decoding], drafter: Drafter, record: bool):
         decs, trees = [m[0] for m in members], [m[1] for m in members]
         n = max(map(len, trees))  # lay out: one layout for the group, smaller trees get filler nodes
         block, nodes, seqs = stack(decs, *zip(*(x.prepare(s, t, n) for x, t in zip(decs, trees))))
-        found = verify(decs, s, trees, program(decs[0], s, block, nodes, seqs), nodes, record)  # forward, verify
-        for d, tree, (path, emitted, logits) in zip(decs, trees, found):  # commit
-            d.commit(path, emitted)
+        launched = program(decs, s, block, nodes, seqs)  # forward and verify
+        for d, tree, (path, emitted, logits) in zip(decs, trees, read_back(decs, s, trees, launched, nodes, record)):
+            d.commit(path, emitted, moved=d.sampler.greedy)  # commit
             drafter.accepted(d, tree, path)
             results[d], rows = (tree, path, emitted, logits, drafted[d]), rows + s.size(len(tree))
     return budget, results, rows
 
 
-def verify(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launched, nodes: Nodes, record: bool):
-    """A group's step program's results (launched: with its seconds) read back once: greedy, each sequence's
+def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launched, nodes: Nodes, record: bool):
+    """A group's step program's results read back once (launched: with its start time): greedy, each sequence's
     path and next candidates, verified on the device; sampling verifies on the host. Per sequence: (path,
-    emitted tokens, their logits if record); its next candidates go to cands (D, R) and lists."""
-    d, (res, took) = decs[0], launched
+    emitted tokens, their logits if record); its next candidates go to cands (D, R) and lists, on the host."""
+    d, (res, t0) = decs[0], launched
     at = [x.seq for x in decs] if d.N else list(range(len(decs)))  # each sequence's index in the batch
     if d.sampler.greedy:
-        packed, logits = res
-        head = packed.tolist()  # the step's one read-back
+        packed_, logits = res
+        head = packed_.tolist()  # the step's one read-back
     else:  # sampling verifies on the host: the logits are read back anyway
         logits, drafts, depths, alive = res
         found = [tree_verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
@@ -285,13 +327,14 @@ def verify(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launched, 
         if drafts is not None:  # each path's end drafts: one product for the batch, as greedy's
             ends = torch.tensor([path[-1] for path, _ in found], device=drafts.device)
             top = drafter.propose(drafts[torch.tensor(at, device=ends.device), ends])
-            top = top.topk(max(drafter.topk), dim=-1).indices  # (B, K, R)
+            top = top.topk(max(drafter.topk), dim=-1).indices.cpu()  # (B, K, R)
+    took = time.perf_counter() - t0
     results = []
     for b, x in enumerate(decs):
-        x.forward_s += took / len(decs)  # its share of the step's forward
+        x.forward_s += took / len(decs)  # its share of the step's program
         if d.sampler.greedy:
             E = nodes.lay.anc.shape[-1]
-            path, emitted, x.cands, x.lists = unpack(head[at[b]], packed[at[b]], E, max(drafter.topk, default=1))
+            path, emitted, x.cands, x.lists = unpack(head[at[b]], E, max(drafter.topk, default=1))
         else:
             (path, emitted), x.cands, x.lists = found[b], None, None
             depth = 0 if drafts is None else int(depths[at[b], path[-1]]) if depths is not None else top.shape[1]
@@ -323,13 +366,14 @@ class Output:
 
 @torch.inference_mode()
 def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=128, exact=False,
-             Q=None, n_slots=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-             eos_id=None, record_logits=False, batch=None, block_batch=None, compile=False):
+             Q=None, n_slots=None, tail=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+             eos_id=None, record_logits=False, batch=None, block_batch=None, compile=False, programs=None):
     """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of prompts is a
     batch: one Output each, every sequence as if decoded alone (its own sampling stream from seed). batch: the
     sequences decoded at once (None: all); a stopped one's cache row takes the next prompt (continuous batching).
-    Q, n_slots: exact mode's block and cache size S (default: sizes.shapes); block_batch: its sequences' blocks
-    per forward (default: sizes.block_batch); eos_id None: the model's, -1: none. compile: see tuning/compiled.py."""
+    Q, n_slots, tail: exact mode's shapes (default: sizes.shapes); block_batch: its sequences' blocks
+    per forward (default: sizes.block_batch); eos_id None: the model's, -1: none. compile: see tuning/compiled.py.
+    programs: how exact mode's device programs run (default: the device's in PROGRAMS, else as they are)."""
     drafter = drafter or AR
     if compile:
         if not exact or COMPILE is None:
@@ -337,11 +381,12 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         COMPILE(model)
     many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
     prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if many else [prompt])]
-    Q, S = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots)
+    Q, S, W = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots)
+    W = tail or W
     eos = model.args.eos_id if eos_id is None else eos_id
     rows = min(batch or len(prompts), len(prompts))
     N = sizes.block_batch(block_batch, rows, exact, model.embed.weight.device)
-    programs = PROGRAMS.get(model.embed.weight.device.type, EAGER) if exact else EAGER
+    programs = (programs or PROGRAMS.get(model.embed.weight.device.type, EAGER)) if exact else EAGER
     cache = programs.cache(model, S, N or rows)
     reserved = cache.reserve(drafter.reserved_slots)
     check_room(max(map(len, prompts)), cache.capacity)
@@ -354,8 +399,8 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         p, t = next(waiting, None), time.perf_counter()
         if p is None:
             return []
-        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq, block_batch=N, programs=programs,  # a stream each
-                     sampler=Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1))
+        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq, block_batch=N, programs=programs, tail=W,
+                     sampler=Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1))  # a stream each
         d.prefill(p[:-1])
         drafter.start(d)
         d.sync()

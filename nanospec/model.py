@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # Fast mode's SDPA backends, explicit: on CUDA PyTorch may pick cuDNN, which replans per key length.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # Exact mode's CPU layout (aligned rows, rowwise elementwise ops, keys padded to 32 slots) applies on a CPU;
-# tuning.cuda.ops_per_layer turns it off to count the program a GPU runs.
+# tuning.counts turns it off to count the program a GPU runs.
 CPU_LAYOUT = True
 
 
@@ -103,10 +103,10 @@ class Context:
     sin: torch.Tensor                  # signed: -sin on the first half of a head (see apply_rope)
     slots: torch.Tensor
     exact: bool
-    idx: torch.Tensor | None = None    # exact: (B, T, Sp) canonical slot order per row (hidden ones: slot 0)
-    bias: torch.Tensor | None = None   # exact: (B*T*Hkv, 1, Sp) the scores' mask, 0 where visible, else -inf
+    tail: torch.Tensor | None = None   # exact: (B, 1, T, W) the slots of each row's last W keys, canonical order
+    bias: tuple | None = None          # exact: the scores' masks (0 visible, -inf not): in place, then the tail
     b: torch.Tensor | None = None      # (B, 1, 1, 1) the cache rows (the writes' index), and in exact mode
-    h: torch.Tensor | None = None      # (1, 1, Hkv, 1) the key heads: with b, the keys' gather indices
+    h: torch.Tensor | None = None      # (1, Hkv, 1, 1) the key heads: with b, the tail's gather indices
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
     seqs: torch.Tensor | None = None   # (B,) the cache rows of the block's sequences; None: 0..B-1
@@ -136,13 +136,13 @@ class Context:
     def select(self, rows: torch.Tensor) -> "Context":
         """The context of a subset of rows (e.g. survivors of pruning), sliced rather than rebuilt."""
         pick = lambda t: None if t is None else t[:, rows]
-        return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact, pick(self.idx),
-                       None, self.b, self.h, pick(self.mask), self.L, self.seqs)  # fast mode: no bias
+        return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact, None, None, self.b,
+                       self.h, pick(self.mask), self.L, self.seqs)  # fast mode only
 
     def write(self, kc, vc, k, v):
         """Store the rows' keys and values (B, T, Hkv, D) in their sequences' cache rows; returns (kc, vc)."""
         b = None if self.seqs is None and self.slots.dim() == 1 else self.b.view(-1, 1)
-        for c, x in ((kc, k), (vc, v)):
+        for c, x in ((kc[..., :k.shape[-1]], k), (vc[..., :v.shape[-1]], v)):  # a cache's head width may be padded
             if b is None:  # one row of slots for the batch: the faster copy
                 c.index_copy_(2, self.slots, x.transpose(1, 2))
             else:
@@ -161,6 +161,12 @@ def aligned(x):
     products run one kernel for every row of a fixed shape: x as it is."""
     pad = aligned_pad(x)
     return F.pad(x, (0, pad))[..., :x.shape[-1]] if pad else x
+
+
+def grain(x) -> tuple[int, int]:
+    """The multiples exact mode lays out a cache's slots and head width, and a row's gathered keys, at for x's
+    dtype and device: on a CPU every score and value row 64-byte aligned (see `aligned`); elsewhere none."""
+    return (32, 64 // x.element_size()) if cpu_layout(x) else (1, 1)
 
 
 def rowwise(fn, x):
@@ -213,23 +219,33 @@ class RMSNorm(nn.Module):
 
 
 def attend_exact(q, kc, vc, ctx):
-    """q (B, T, Hkv, G, D), query head h * G + g using key head h; kc, vc (B, Hkv, S, D). Each row reduces over
-    its own keys in canonical order: one batched product per row and key head, scaled and masked in its epilogue."""
-    (B, T, Hkv, G, D), Sp = q.shape, ctx.idx.shape[-1]
-    k, v = (c[ctx.b, ctx.h, ctx.idx[:, :, None, :]] for c in (kc, vc))  # (B, T, Hkv, Sp, D): row t's keys in order
-    q = aligned(q).reshape(-1, G, D)
-    att = torch.baddbmm(ctx.bias, q, k.reshape(-1, Sp, D).transpose(1, 2), alpha=D ** -0.5)  # (B*T*Hkv, G, Sp)
+    """q (B, T, Hkv, G, D), query head h * G + g using key head h; kc, vc (B, Hkv, S, D') (D' >= D: a cache's
+    head width may be padded). Each row reduces over its keys in canonical order, split where its position alone
+    says: the keys before its last W are read in place, in slot order; the last W are gathered, in canonical
+    order. AR's row at the same position splits at the same key, so a tree row's scores, softmax and weighted
+    sums are AR's bit for bit, and no row copies more than W keys of the cache."""
+    (B, T, Hkv, G, D), (S, Dc), W = q.shape, kc.shape[-2:], ctx.tail.shape[-1]
+    q = F.pad(q.transpose(1, 2), (0, Dc - D)) if Dc > D else q.transpose(1, 2).contiguous()  # (B, Hkv, T, G, D')
+    kt, vt = (c[ctx.b, ctx.h, ctx.tail] for c in (kc, vc))  # (B, Hkv, T, W, D'): the tails, canonical order
+    if ctx.seqs is not None:  # a subset of the cache's rows: theirs alone
+        kc, vc = kc.index_select(0, ctx.seqs), vc.index_select(0, ctx.seqs)
+    scale, (bias_in, bias_tail), L = D ** -0.5, ctx.bias, S + W
+    att = q.new_empty(B, Hkv, T, G, L)  # the scores: the keys read in place, then the tail's, scaled and masked
+    torch.baddbmm(bias_in, q.view(-1, T * G, Dc), kc.view(-1, S, Dc).transpose(1, 2), alpha=scale,
+                  out=att.view(-1, T * G, L)[..., :S])
+    torch.baddbmm(bias_tail, q.view(-1, G, Dc), kt.view(-1, W, Dc).transpose(1, 2), alpha=scale,
+                  out=att.view(-1, G, L)[..., S:])
     att = F.softmax(att, dim=-1)  # one kernel: bf16's is computed in fp32 and rounded once, as HF's upcast is
-    if pad := aligned_pad(v):  # CPU: zero columns give each row's output block an aligned start too
-        v = F.pad(v, (0, pad))
-    return torch.bmm(att, v.reshape(-1, Sp, D + pad))[..., :D].reshape(B, T, Hkv * G * D)
+    y = torch.bmm(att[..., :S].reshape(-1, T * G, S), vc.view(-1, S, Dc))  # the keys read in place, then the tail's
+    y = torch.baddbmm(y.view(-1, G, Dc), att[..., S:].reshape(-1, G, W), vt.view(-1, W, Dc))  # (B*Hkv*T, G, D')
+    return y.view(B, Hkv, T, G, Dc)[..., :D].transpose(1, 2).contiguous().view(B, T, Hkv * G * D)
 
 
 def attend_fast(q, kc, vc, ctx):
     """SDPA over cache slots 0..L-1; query heads folded into rows so GQA needs no key copy."""
     B, T, Hkv, G, D = q.shape
     seqs = slice(None) if ctx.seqs is None else ctx.seqs
-    k, v = kc[seqs, :, :ctx.L], vc[seqs, :, :ctx.L]  # (B, Hkv, L, D)
+    k, v = kc[seqs, :, :ctx.L, :D], vc[seqs, :, :ctx.L, :D]  # (B, Hkv, L, D): a cache's head width may be padded
     q = q.permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
     mask = ctx.mask
     if mask is not None:
@@ -335,21 +351,31 @@ class Llama(nn.Module):
         f = rowwise if exact else lambda fn, x: fn(x)
         return f(torch.cos, freqs).to(dt), (f(torch.sin, freqs) * self.signs).to(dt)
 
-    def context(self, block: Block, n_slots: int, exact: bool, seqs=None) -> Context:
+    def context(self, block: Block, n_slots: int, exact: bool, seqs=None, tail: int = 1) -> Context:
+        """The block's attention inputs. n_slots: the cache's (its physical slots); tail: in exact mode the keys each
+        row gathers in canonical order (at least the deepest row's ancestors and itself; the rest it reads in place)."""
         ctx = Context(*self.rope(block.pos, exact), block.slots, exact, seqs=seqs)
         prefix, extra = block.prefix[..., None], block.extra
         ctx.b = (torch.arange(len(extra), device=extra.device) if seqs is None else seqs)[:, None, None, None]
-        if exact:
-            # on a CPU each row's keys padded to 32 slots, every row's slice 64-byte aligned (see `aligned`)
-            Sp = -(-n_slots // 32) * 32 if cpu_layout(extra) else n_slots
-            j = torch.arange(Sp, device=extra.device)
-            ext = F.pad(extra, (0, Sp - extra.shape[-1]), value=-1)  # (B, T, Sp)
-            idx = torch.where(j < prefix, j, ext.gather(-1, (j - prefix).clamp(min=0)))
-            (B, T, _), Hkv, dev = idx.shape, self.args.kv_heads, idx.device
-            ctx.idx = idx.clamp(min=0)
-            visible = idx[:, :, None, None].expand(B, T, Hkv, 1, Sp) >= 0  # one per key head: baddbmm's batch
-            ctx.bias = visible.to(self.embed.weight.dtype).log().view(B * T * Hkv, 1, Sp)  # log 1 = 0, log 0 = -inf
-            ctx.h = torch.arange(Hkv, device=dev)[None, None, :, None]
+        if exact:  # canonical order: committed slots 0..prefix-1, then extra; its last `tail` keys are gathered
+            tail -= tail % -grain(extra.new_empty(0, dtype=self.embed.weight.dtype))[0]
+            (B, T, E), dev = extra.shape, extra.device
+            Hkv, G = self.args.kv_heads, self.args.n_heads // self.args.kv_heads
+            e = torch.arange(E, device=dev)
+            start = prefix + ((extra >= 0) * (e + 1)).amax(-1, keepdim=True) - tail  # (B, T, 1) the tail's start
+            k = start + torch.arange(tail, device=dev)  # (B, T, W) the tail's canonical indices
+            at = torch.where(k < prefix, k, extra.gather(-1, (k - prefix).clamp(0, E - 1)))
+            at = torch.where(k < 0, -1, at)
+            # in place: committed slots below the tail's start, and any extra before it (rows that see more extra
+            # keys than the tail holds, never a verified row's), in slot order; column n_slots collects the rest
+            j = torch.arange(n_slots + 1, device=dev)
+            before = torch.where((e < start - prefix) & (extra >= 0), extra, n_slots)
+            seen = (j < torch.minimum(start, prefix)).scatter_(-1, before, True)[..., :n_slots]
+            dt = self.embed.weight.dtype  # the masks as the scores' biases: log 1 = 0, log 0 = -inf
+            bias_in = seen.to(dt).log()[:, None, :, None].expand(B, Hkv, T, G, n_slots).reshape(B * Hkv, T * G, -1)
+            bias_tail = (at >= 0).to(dt).log()[:, None, :, None].expand(B, Hkv, T, 1, tail).reshape(-1, 1, tail)
+            ctx.tail, ctx.bias = at.clamp(min=0)[:, None], (bias_in, bias_tail)
+            ctx.h = torch.arange(Hkv, device=dev)[None, :, None, None]
         else:
             ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)
             # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
@@ -358,10 +384,10 @@ class Llama(nn.Module):
             ctx.mask = None if bool(mask.all()) else mask
         return ctx
 
-    def forward(self, block: Block, cache=None, exact: bool = False):
+    def forward(self, block: Block, cache=None, exact: bool = False, tail: int = 1):
         """Logits (B, T, V) for the block's rows. cache=None (training): row t's key is slot t, so the
         block's slots must be 0..T-1 and visibility refers to rows (training.causal: a plain LM block)."""
-        ctx = self.context(block, cache.n_slots if cache else len(block), exact)
+        ctx = self.context(block, cache.k.shape[-2] if cache else len(block), exact, tail=tail)
         x = self.embed(block.tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, *(cache.layer(i) if cache else (None, None)))

@@ -235,16 +235,16 @@ def pack(path, emitted, depth=None, cands=None) -> torch.Tensor:
     return torch.cat([path, emitted] + ([depth[:, None], cands.flatten(1)] if cands is not None else []), -1)
 
 
-def unpack(head: list, packed: torch.Tensor, E: int, R: int):
-    """pack's results, read back once (head: packed as a host list): (path, emitted tokens, the candidates
-    of the depths drafted as (D, R) left on the device and as lists on the host, or None and None)."""
+def unpack(head: list, E: int, R: int):
+    """pack's results for one sequence, read back (head: its row as a host list): (path, emitted tokens, the
+    candidates of the depths drafted as a host tensor (D, R) and as lists, or None and None)."""
     path = [i for i in head[:E] if i >= 0]
     emitted = head[E:E + len(path)]
     depth = head[2 * E] if len(head) > 2 * E else 0
     if not depth:
         return path, emitted, None, None
-    flat = head[2 * E + 1:]
-    return path, emitted, packed[2 * E + 1:].view(-1, R)[:depth], [flat[d * R:(d + 1) * R] for d in range(depth)]
+    lists = [head[2 * E + 1 + d * R:2 * E + 1 + (d + 1) * R] for d in range(depth)]
+    return path, emitted, torch.tensor(lists), lists
 
 
 class Sampler:

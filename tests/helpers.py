@@ -128,7 +128,7 @@ def one_forward(model, drafter, tree, prompt, exact, plain=False):
     drafter.start(dec)
     d = Drafter() if plain else drafter
     block, nodes, seqs = stack([dec], *([x] for x in dec.prepare(d, tree, len(tree))))
-    (logits, drafts, _, _), _ = program(dec, d, block, nodes, seqs)
+    (logits, drafts, _, _), _ = program([dec], d, block, nodes, seqs)
     return logits[0, :len(tree)], None if drafts is None else drafts[0, :len(tree)]
 
 
@@ -140,10 +140,10 @@ def check_exact(model, prompt, drafter, n: int, sampling=None, fast: bool = True
     peeking > 0: the drafter's own candidates carry AR's tokens (see `peek`), so its forward
     runs on accepted drafts. tight: a cache just large enough for the prompt and the n new
     tokens, so the last steps run with almost no room (the engine must trim the trees)."""
-    Q, S = shapes([drafter], len(prompt), n)
+    Q, S, W = shapes([drafter], len(prompt), n)
     if tight:
         S = len(prompt) + n + drafter.reserved_slots + 1
-    kw = dict(max_new_tokens=n, Q=Q, n_slots=S, eos_id=-1, record_logits=True, **(sampling or {}))
+    kw = dict(max_new_tokens=n, Q=Q, n_slots=S, tail=W, eos_id=-1, record_logits=True, **(sampling or {}))
     ar = generate(model, prompt, exact=True, **kw)
     if peeking:
         peek(drafter, ar.tokens, peeking, seed)
@@ -321,7 +321,7 @@ class Adversary(Drafter):
                 seen = [self.slots.tolist() + s for s in seen]
             rows = Block(torch.randint(0, self.V, (1, e)), torch.full((1, e), cur + r.randrange(4)),
                          torch.arange(cur + n, cur + n + e), torch.full((1, e), cur), torch.tensor([seen]))
-            block = Block.cat(block, rows.to(dec.device))
+            block = Block.cat(block, rows)  # laid out on the host, as the engine's
         return block
 
 

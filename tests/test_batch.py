@@ -26,9 +26,9 @@ def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=N
     drafts carry AR's tokens (their acceptance). rows: the sequences decoded at once (None: all).
     block_batch: every exact forward runs that many sequences' blocks, alone and in the batch."""
     d = d or engine.AR
-    Q, S = shapes([d], max(map(len, prompts)), n)
-    kw = dict(max_new_tokens=n, exact=exact, Q=Q, n_slots=S, eos_id=EOS, record_logits=True, block_batch=block_batch,
-              **(sampling or {}))
+    Q, S, W = shapes([d], max(map(len, prompts)), n)
+    kw = dict(max_new_tokens=n, exact=exact, Q=Q, n_slots=S, tail=W, eos_id=EOS, record_logits=True,
+              block_batch=block_batch, **(sampling or {}))
     alone = [generate(model, p, **kw) for p in prompts]
     if isinstance(d, Lookahead) or peeking and d is not engine.AR:
         prime(d, prompts, alone, max(peeking, default=0.0), seed)

@@ -24,8 +24,8 @@ def test_every_method_compiled_is_bitwise_ar_compiled(dtype, device):
     """On CUDA (`pytest --device cuda`) the compiled layer runs inside the step programs' CUDA graphs."""
     model = random_model(ARGS, seed=4, dtype=dtype, device=device)
     drafters = {name: batch_drafter(name, model) for name in METHODS}
-    Q, S = shapes([AR] + list(drafters.values()), max(map(len, PROMPTS)), N)
-    kw = dict(max_new_tokens=N, exact=True, Q=Q, n_slots=S, eos_id=-1, record_logits=True, compile=True)
+    Q, S, W = shapes([AR] + list(drafters.values()), max(map(len, PROMPTS)), N)
+    kw = dict(max_new_tokens=N, exact=True, Q=Q, n_slots=S, tail=W, eos_id=-1, record_logits=True, compile=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     alone = [generate(model, p, **kw) for p in PROMPTS]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs, "AR ran no compiled layer"
@@ -54,9 +54,9 @@ def test_more_layers_and_other_weights_compile_nothing_new():
     for n_layers in (3, 5):
         model = random_model(replace(ARGS, n_layers=n_layers), seed=n_layers)
         d = batch_drafter("sdsat", model)
-        Q, S = shapes([AR, d], max(map(len, PROMPTS)), N)
+        Q, S, W = shapes([AR, d], max(map(len, PROMPTS)), N)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        generate(model, PROMPTS[0], d, Q=Q, n_slots=S, **kw)
+        generate(model, PROMPTS[0], d, Q=Q, n_slots=S, tail=W, **kw)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 

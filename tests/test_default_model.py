@@ -54,8 +54,8 @@ def test_transformers_gives_the_same_logits(model):
 def test_exact_tree_decoding_on_the_default_model(dtype, device):
     model = load(W, dtype).to(device)
     prompt = Tokenizer(W / "tokenizer.model").encode(PROMPT)
-    Q, S = shapes([Adversary([], 1, max_nodes=12)], len(prompt), 24)
-    kw = dict(max_new_tokens=24, exact=True, Q=Q, n_slots=S, eos_id=-1, record_logits=True)
+    Q, S, tail = shapes([Adversary([], 1, max_nodes=12)], len(prompt), 24)
+    kw = dict(max_new_tokens=24, exact=True, Q=Q, n_slots=S, tail=tail, eos_id=-1, record_logits=True)
     ar = generate(model, prompt, **kw)
     adv = generate(model, prompt, Adversary(ar.tokens, model.args.vocab_size, seed=1), **kw)
     assert adv.tokens == ar.tokens and torch.equal(adv.logits, ar.logits) and adv.steps < ar.steps
@@ -105,8 +105,8 @@ def tokens_per_step(spec: str) -> float:
     for text in load_prompts(W / "prompts.jsonl")[:4]:
         prompt = tok.encode(text)
         d = load_drafter(spec, model, W)
-        Q, S = shapes([d], len(prompt), 64)
-        out = generate(model, prompt, d, max_new_tokens=64, exact=True, Q=Q, n_slots=S, eos_id=-1)
+        Q, S, tail = shapes([d], len(prompt), 64)
+        out = generate(model, prompt, d, max_new_tokens=64, exact=True, Q=Q, n_slots=S, tail=tail, eos_id=-1)
         tokens, steps = tokens + len(out.tokens), steps + out.steps
     return tokens / steps
 
@@ -128,8 +128,8 @@ def test_shipped_drafters_in_fast_mode_give_ar_tokens(spec, device):
     steps = 0
     for text in load_prompts(W / "prompts.jsonl")[:2]:
         prompt = tok.encode(text)
-        Q, S = shapes([d], len(prompt), 32)
-        kw = dict(max_new_tokens=32, Q=Q, n_slots=S)
+        Q, S, tail = shapes([d], len(prompt), 32)
+        kw = dict(max_new_tokens=32, Q=Q, n_slots=S, tail=tail)
         out, ar = generate(model, prompt, d, **kw), generate(model, prompt, **kw)
         assert out.tokens == ar.tokens
         steps += out.steps

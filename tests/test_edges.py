@@ -104,8 +104,9 @@ def test_lookahead_in_a_near_full_cache(exact, device):
     model = random_model(ARGS, seed=11, device=device)
     prompt = [3, 9, 4, 1, 7, 12, 5] * 3
     d = Lookahead(decoding_length=12, branch_length=6)
-    Q, _ = shapes([d], len(prompt), 40)
-    kw = dict(max_new_tokens=40, exact=exact, Q=Q, n_slots=len(prompt) + 40 + 1, eos_id=-1, record_logits=True)
+    Q, _, W = shapes([d], len(prompt), 40)
+    kw = dict(max_new_tokens=40, exact=exact, Q=Q, n_slots=len(prompt) + 40 + 1, tail=W, eos_id=-1,
+              record_logits=True)
     ar = generate(model, prompt, **kw)
     d.warm_up([prompt[-1:] + ar.tokens])  # the trie knows the continuation: long drafts to the very end
     out = generate(model, prompt, d, **kw)
@@ -128,8 +129,8 @@ def test_a_full_cache_stops_every_method_where_ar_stops(device, name, seed, plen
     prompt = torch.randint(0, ARGS.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     n = room + 16
     d = Lookahead(decoding_length=12, branch_length=6) if name == "lookahead" else drafter(name, model)
-    Q, _ = shapes([d], plen, n)
-    kw = dict(max_new_tokens=n, exact=exact, Q=Q, eos_id=-1, record_logits=True)
+    Q, _, W = shapes([d], plen, n)
+    kw = dict(max_new_tokens=n, exact=exact, Q=Q, tail=W, eos_id=-1, record_logits=True)
     capacity = plen - 1 + room  # the prompt but its last token, then `room` new tokens
     ar = generate(model, prompt, n_slots=capacity + 1, **kw)
     if name == "lookahead":

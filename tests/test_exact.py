@@ -13,8 +13,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def run_pair(model, prompt, exact, draft_seed, n_new=20, extra_rows=0, reserved=0, **sampling):
     """AR and an adversarial drafter on the same prompt, with the same Q and S."""
     probe = Adversary([], 1, max_nodes=12, extra_rows=extra_rows, reserved=reserved)
-    Q, S = shapes([probe], len(prompt), n_new)
-    kw = dict(max_new_tokens=n_new, exact=exact, Q=Q, n_slots=S, eos_id=-1, record_logits=True, **sampling)
+    Q, S, W = shapes([probe], len(prompt), n_new)
+    kw = dict(max_new_tokens=n_new, exact=exact, Q=Q, n_slots=S, tail=W, eos_id=-1, record_logits=True, **sampling)
     ar = generate(model, prompt, **kw)
     adv = Adversary(ar.tokens, model.args.vocab_size, draft_seed, 12, extra_rows, reserved)
     return ar, generate(model, prompt, adv, **kw)
@@ -71,9 +71,10 @@ def test_stops_on_eos_like_ar(device):
     ref = generate(model, [1, 2, 3], max_new_tokens=60, eos_id=-1)
     eos = ref.tokens[7]  # a token AR emits: stop there
     model.args.eos_id = eos
-    Q, S = shapes([Adversary([], 1)], 3, 60)
-    ar = generate(model, [1, 2, 3], max_new_tokens=60, exact=True, Q=Q, n_slots=S)
-    adv = generate(model, [1, 2, 3], Adversary(ref.tokens, 12, 5), max_new_tokens=60, exact=True, Q=Q, n_slots=S)
+    Q, S, W = shapes([Adversary([], 1)], 3, 60)
+    ar = generate(model, [1, 2, 3], max_new_tokens=60, exact=True, Q=Q, n_slots=S, tail=W)
+    adv = generate(model, [1, 2, 3], Adversary(ref.tokens, 12, 5), max_new_tokens=60, exact=True, Q=Q, n_slots=S,
+                   tail=W)
     assert ar.stop == adv.stop == "eos"
     assert ar.tokens == adv.tokens == ref.tokens[:ref.tokens.index(eos) + 1]
 

@@ -26,8 +26,8 @@ ARGS = ModelArgs(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hid
 
 
 def run(model, prompt, drafter=None, n=24):
-    Q, S = shapes([Adversary([], 1, max_nodes=12, extra_rows=3)], len(prompt), n)
-    return generate(model, prompt, drafter, max_new_tokens=n, exact=True, Q=Q, n_slots=S, eos_id=-1,
+    Q, S, W = shapes([Adversary([], 1, max_nodes=12, extra_rows=3)], len(prompt), n)
+    return generate(model, prompt, drafter, max_new_tokens=n, exact=True, Q=Q, n_slots=S, tail=W, eos_id=-1,
                     record_logits=True)
 
 
@@ -88,8 +88,8 @@ def test_every_method_replays_as_a_graph(name, monkeypatch):
     drafts accepted; no op inside reads a device value on the host."""
     model = random_model(EDGE_ARGS, seed=11)
     prompt = [3, 9, 4, 1, 7, 12, 5] * 2
-    Q, S = shapes([drafter("bita-deep", model)], len(prompt), 24)
-    kw = dict(max_new_tokens=24, exact=True, Q=Q, n_slots=S, eos_id=-1, record_logits=True)
+    Q, S, _ = shapes([drafter("bita-deep", model)], len(prompt), 24)
+    kw = dict(max_new_tokens=24, exact=True, Q=Q, n_slots=S, tail=Q, eos_id=-1, record_logits=True)  # any path fits
     ar = generate(model, prompt, **kw)
     if name == "lookahead":
         d = Lookahead(decoding_length=8)
@@ -120,9 +120,9 @@ def test_sampled_steps_replay_as_graphs(name, monkeypatch):
     nothing): replayed, it samples what AR samples, bit for bit (on an H100 its None crashed the replay)."""
     model = random_model(EDGE_ARGS, seed=11)
     prompt = [3, 9, 4, 1, 7, 12, 5]
-    Q, S = shapes([drafter("bita-deep", model)], len(prompt), 16)
-    kw = dict(max_new_tokens=16, exact=True, Q=Q, n_slots=S, eos_id=-1, record_logits=True, temperature=1.0,
-              top_p=0.9, seed=3)
+    Q, S, _ = shapes([drafter("bita-deep", model)], len(prompt), 16)
+    kw = dict(max_new_tokens=16, exact=True, Q=Q, n_slots=S, tail=Q, eos_id=-1, record_logits=True, temperature=1.0,
+              top_p=0.9, seed=3)  # tail: any path fits the block
     ar = generate(model, prompt, **kw)
     d = Drafter() if name == "ar" else peek(drafter(name, model), ar.tokens, 0.9, seed=2)
     monkeypatch.setitem(engine.PROGRAMS, "cpu", graphs.Simulated())

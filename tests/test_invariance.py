@@ -83,7 +83,7 @@ def test_a_lone_sequence_runs_the_whole_block(monkeypatch):
         shapes_seen.add(tuple(block.tokens.shape))
         return on_cache(cls, model, block, *a, **k)
     monkeypatch.setattr(drafter_mod.Forward, "on_cache", classmethod(spy))
-    Q, S = shapes([batch_drafter("medusa", model)], 20, 8)
+    Q, S, W = shapes([batch_drafter("medusa", model)], 20, 8)
     generate(model, list(range(1, 21)), batch_drafter("medusa", model), max_new_tokens=8, exact=True, Q=Q,
              n_slots=S, block_batch=3)
     assert shapes_seen == {(3, Q)}

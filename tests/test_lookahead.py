@@ -172,8 +172,8 @@ def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, str
     d = Lookahead(decoding_length=dl, branch_length=rng.randint(2, 8), strategy=strategy, capacity=rng.randint(4, 64))
     # adversarial trie: junk responses next to the model's own continuation
     sampling = dict(temperature=1.0, top_k=0, top_p=0.9, seed=seed) if sampled else {}
-    Q, S = shapes([d], plen, 24)
-    kw = dict(max_new_tokens=24, Q=Q, n_slots=S, eos_id=-1, record_logits=True, **sampling)
+    Q, S, W = shapes([d], plen, 24)
+    kw = dict(max_new_tokens=24, Q=Q, n_slots=S, tail=W, eos_id=-1, record_logits=True, **sampling)
     ar = generate(model, prompt, exact=True, **kw)
     d.warm_up([[rng.randrange(args.vocab_size) for _ in range(10)] for _ in range(5)] + [prompt[-1:] + ar.tokens[:12]])
     # the second request meets the trie the first one grew; fast mode's tokens are only
@@ -194,8 +194,8 @@ def test_drafts_get_accepted(device, strategy):
                          device=device)
     prompt = list(range(10)) * 3
     d = Lookahead(decoding_length=8, strategy=strategy)
-    Q, S = shapes([d], len(prompt), 40)
-    kw = dict(max_new_tokens=40, Q=Q, n_slots=S, eos_id=-1, record_logits=True, exact=True)
+    Q, S, W = shapes([d], len(prompt), 40)
+    kw = dict(max_new_tokens=40, Q=Q, n_slots=S, tail=W, eos_id=-1, record_logits=True, exact=True)
     ar = generate(model, prompt, **kw)
     first = generate(model, prompt, d, **kw)   # learns from its own output on the fly
     again = generate(model, prompt, d, **kw)   # the global trie remembers the first response

@@ -8,12 +8,15 @@ import pytest
 import torch
 
 from helpers import random_model
+from nanospec import engine
 from nanospec import model as llama
-from nanospec.tuning.cuda import step_ops
+from nanospec.model import ModelArgs
+from nanospec.sizes import shapes
+from nanospec.tuning.counts import host_work, step_mb, step_ops
 from test_batch import batch_drafter
 from test_edges import ARGS, METHODS
 
-AR_PER_LAYER = {torch.float32: 29, torch.bfloat16: 33}  # bf16: RMSNorm's and softmax's casts
+AR_PER_LAYER = {torch.float32: 33, torch.bfloat16: 37}  # bf16: RMSNorm's casts
 EXTRA = {"sdsat": 16}  # SDSAT updates every product of its adaptive rows; the others may add 6
 
 
@@ -40,3 +43,60 @@ def test_an_op_added_to_every_layer_is_counted(monkeypatch):
 @pytest.mark.parametrize("name", METHODS)
 def test_a_methods_layers_cost_at_most_a_few_ops_more_than_ars(name):
     assert per_layer(name) <= AR_PER_LAYER[torch.float32] + EXTRA.get(name, 6)
+
+
+# --- what a step writes, and what it launches outside its program ------------------------------------------------
+
+MB_ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=32, vocab_size=64, hidden_dim=64)
+
+
+def written_per_row_and_slot(name) -> float:
+    """The bytes a step's program writes per cache slot and row of its block, as a multiple of the cache's own
+    bytes per slot: how its MB grow from a cache of 64 slots to 128 (the weights' and the rows' activations do
+    not grow), over its block's rows. A copy of the cache for each row is 1 or more."""
+    model = random_model(MB_ARGS, seed=0)
+    d = batch_drafter(name, model)
+    mb = [step_mb(model, d, S) for S in (64, 128)]
+    a, Q = model.args, shapes([d or engine.AR], 32, 3)[0]
+    cache = 2 * a.n_layers * a.kv_heads * a.hd * 4 / 1e6  # MB per slot: keys and values, every layer
+    return (mb[1] - mb[0]) / 64 / cache / Q
+
+
+@pytest.mark.parametrize("name", ["ar"] + METHODS)
+def test_a_step_writes_no_copy_of_the_cache_per_row(name):
+    """Exact attention reads the cache in place: what a step writes per slot is its scores and masks (a few
+    numbers per row of the block), far below a copy of the cache for each of its rows."""
+    assert written_per_row_and_slot(name) < 0.5
+
+
+def test_a_copy_of_the_cache_per_row_is_counted(monkeypatch):
+    attend = llama.attend_exact
+
+    def copying(q, kc, vc, ctx):  # planted: every row's own copy of its sequence's keys and values
+        for c in (kc, vc):
+            c.unsqueeze(1).expand(-1, q.shape[1], -1, -1, -1).contiguous()
+        return attend(q, kc, vc, ctx)
+    monkeypatch.setattr(llama, "attend_exact", copying)
+    assert written_per_row_and_slot("ar") > 1
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("name", ["ar"] + METHODS)
+def test_a_step_launches_little_outside_its_program(name, batch):
+    """At the CUDA defaults, on the second-device stand-in: a step's inputs go to the device as one copy, its
+    program is one launch, its results come back in one read-back, the step's one sync."""
+    model = random_model(ARGS, seed=0)
+    launches, syncs = host_work(model, lambda m: batch_drafter(name, m), batch, steps=(3, 6))
+    assert launches <= 8 and syncs == 1
+
+
+def test_an_eager_op_in_the_commit_is_counted(monkeypatch):
+    commit = engine.Decoding.commit
+
+    def eager(self, *a, **k):  # planted: a device op per sequence and step outside the program
+        self.cache.k[0, self.seq, 0, 0].add_(0)
+        return commit(self, *a, **k)
+    model = random_model(ARGS, seed=0)
+    before = host_work(model, lambda m: batch_drafter("medusa", m), 1, steps=(3, 6))
+    monkeypatch.setattr(engine.Decoding, "commit", eager)
+    assert host_work(model, lambda m: batch_drafter("medusa", m), 1, steps=(3, 6)) == (before[0] + 1, before[1])

@@ -7,7 +7,7 @@ import torch
 
 from helpers import call, decode_main, prime, random_model
 from nanospec.engine import generate
-from second_device import SHOWN, OnDevice, second_device
+from nanospec.tuning.second_device import SHOWN, OnDevice, second_device
 from test_batch import batch_drafter
 from test_edges import ARGS, METHODS
 
@@ -69,11 +69,15 @@ def test_every_method_decodes_on_the_second_device():
                 assert [len(o.tokens) for o in out] == [N, N] and sum(o.steps for o in out) < 2 * N, (name, exact)
 
 
-def test_the_stand_in_catches_a_draft_made_on_the_host(monkeypatch):
-    """Planted: the tree's gather index made on the host (Template.gather ignoring its device)."""
-    from nanospec.tree import Template
-    gather = Template.gather.__wrapped__
-    monkeypatch.setattr(Template, "gather", lambda self, R, device: gather(self, R, "cpu"))
+def test_the_stand_in_catches_a_host_index_in_a_program(monkeypatch):
+    """Planted: the commit's moves, inside the step's program, indexed by a tensor made on the host."""
+    from nanospec import engine
+
+    def settle(cache, rows, cur, path):
+        dst = cur[:, None] + torch.arange(path.shape[-1])  # the fault: no device
+        for c in (cache.k, cache.v):
+            c[:, rows[:, None], :, dst] = c[:, rows[:, None], :, torch.where(path >= 0, cur[:, None] + path, dst)]
+    monkeypatch.setattr(engine, "settle", settle)
     with second_device():
         model = random_model(ARGS, seed=4, device="cuda")
         with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):

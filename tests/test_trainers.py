@@ -14,7 +14,7 @@ from helpers import call, check_exact, random_model
 from nanospec.io.checkpoint import load, save
 from nanospec.methods import analysis, bita, hidden_transfer, load_drafter, medusa, model_dir, propd, sdsat
 from nanospec.model import ModelArgs
-from second_device import SHOWN, second_device
+from nanospec.tuning.second_device import SHOWN, second_device
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "weights" / "pylm" / "tokenizer.model"

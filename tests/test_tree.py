@@ -32,20 +32,25 @@ def test_product_and_sparse_templates():
     assert Tree.chain(5, [6, 7]).parents == (-1, 0, 1)
 
 
-@given(branches_st, st.integers(0, 30))
-def test_block_rows_see_exactly_prefix_ancestors_and_self(branches, cur):
+@given(branches_st, st.integers(0, 30), st.integers(1, 12))
+def test_block_rows_see_exactly_prefix_ancestors_and_self(branches, cur, tail):
     t = from_branches(9, branches)
     blk = t.block(cur)
     assert blk.slots.tolist() == list(range(cur, cur + len(t)))
     model = Llama(ModelArgs(dim=8, n_layers=1, n_heads=2, vocab_size=10, hidden_dim=8))
     S = cur + len(t) + 1
-    exact, fast = model.context(blk, S, True), model.context(blk, S, False)
+    exact, fast = model.context(blk, S, True, tail=tail), model.context(blk, S, False)
+    (bias_in, bias_tail), W = exact.bias, exact.tail.shape[-1]
     for i in range(len(t)):
         path = path_to(t, i)
         assert blk.pos[0, i] == cur + len(path) - 1
         canonical = list(range(cur)) + [cur + a for a in path]  # committed, ancestors by depth, self
-        visible = exact.bias.view(1, len(t), -1, exact.idx.shape[-1])[0, i, 0] == 0  # each key head's alike
-        assert exact.idx[0, i][visible].tolist() == canonical
+        # exact mode: the keys read in place, in slot order, then the gathered tail (each key head's alike)
+        in_place = (bias_in.reshape(1, -1, len(t), 1, S)[0, 0, i, 0] == 0).nonzero().flatten().tolist()
+        gathered = exact.tail[0, 0, i][bias_tail.reshape(1, -1, len(t), W)[0, 0, i] == 0].tolist()
+        assert in_place + gathered == canonical
+        if len(path) <= tail:  # the row's ancestors and itself all in the tail: AR's split at its position
+            assert in_place == list(range(cur + len(path) - W)) if cur + len(path) > W else in_place == []
         mask = fast.mask if fast.mask is not None else torch.ones(1, len(t), fast.L, dtype=torch.bool)
         assert mask[0, i].nonzero().flatten().tolist() == canonical
 

@@ -23,7 +23,6 @@ and a tensor made without a device (`torch.zeros(n)`: on a GPU a host tensor ins
 program; NoHostTensors). A program that would break under a real graph, by any of these or by
 reading state its key does not name, fails there too.
 """
-import copy
 import os
 import sysconfig
 import traceback
@@ -32,16 +31,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import model as llama
 from ..cache import KVCache
-from ..engine import AR, PROGRAMS, Programs, generate
+from ..engine import PROGRAMS, Programs
 
 ENABLED = os.environ.get("NANOSPEC_CUDA_GRAPHS", "1") != "0"
-
-
-def _clone(out):
-    """A program's outputs copied out of the graph's buffers (a tuple may hold None: e.g. a sampled step's drafts)."""
-    return tuple(None if o is None else o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
 
 class Graph:
@@ -63,11 +56,12 @@ class Graph:
             self.out = fn(*self.args)
 
     def __call__(self, args):
+        """The outputs, valid until the next replay overwrites them (the engine reads a step's back at once)."""
         for static, a in zip(self.args, args):
             if static is not None:
                 static.copy_(a, non_blocking=True)
         self.graph.replay()
-        return _clone(self.out)  # the next replay overwrites self.out
+        return self.out
 
 
 class Strict(TorchDispatchMode):
@@ -126,7 +120,7 @@ class Traced:
         for static, a in zip(self.args, args):
             if static is not None:
                 static.copy_(a)
-        return _clone(self.gm(*self.args))
+        return self.gm(*self.args)
 
     def __reduce_ex__(self, protocol):  # what copy.deepcopy and pickle call
         raise TypeError("cannot pickle 'CUDAGraph' object: the stand-in refuses a copy, as a captured graph does "
@@ -174,49 +168,3 @@ def register(enabled: bool = ENABLED) -> None:
         PROGRAMS["cuda"] = Graphs()
     else:
         PROGRAMS.pop("cuda", None)
-
-
-def ops(gm) -> int:
-    """The non-view aten ops of a traced program: the kernels one eager run of it launches on a GPU."""
-    return sum(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and not n.target.is_view
-               for n in gm.graph.nodes)
-
-
-class Counted(Programs):
-    """Each program traced once by the CPU stand-in (Traced) and replayed, on a new cache; traced: by
-    (key, shapes)."""
-
-    def __init__(self):
-        self.traced = {}
-
-    def run(self, cache, key, fn, args, device):
-        key = shaped(key, args)
-        if key not in self.traced:
-            self.traced[key] = Traced(fn, args, device)
-        return self.traced[key](args)
-
-
-def step_ops(model, drafter=None, steps: int = 4) -> int:
-    """The non-view aten ops of one exact step of drafter's (AR's: None), its largest program: what a step
-    launches on a GPU without graphs, counted from its trace as a GPU runs it (without the CPU's exact
-    layout: model.CPU_LAYOUT), so the same figure on any machine."""
-    drafter = copy.deepcopy(drafter or AR)  # the count leaves a method's state (its trie, its planner) as it was
-    device, counted = model.embed.weight.device.type, Counted()
-    before, layout = PROGRAMS.get(device), llama.CPU_LAYOUT
-    PROGRAMS[device], llama.CPU_LAYOUT = counted, False
-    try:
-        generate(model, list(range(1, 9)), drafter, max_new_tokens=steps, exact=True, eos_id=-1)
-    finally:
-        llama.CPU_LAYOUT = layout
-        if before is None:
-            del PROGRAMS[device]
-        else:
-            PROGRAMS[device] = before
-    programs = {k[0]: ops(t.gm) for k, t in counted.traced.items() if k[0][0] == "step"}  # program key -> ops
-    mine = [n for k, n in programs.items() if k[1] == id(drafter)]
-    return max(mine or programs.values())
-
-
-def ops_per_layer(model, drafter=None) -> float:
-    """step_ops divided by the model's layers: the bench's figure."""
-    return step_ops(model, drafter) / model.args.n_layers

@@ -1,6 +1,7 @@
-"""A second device on the CPU (tests): what a command puts on "cuda" computes on the host but stands apart, and an op
-that mixes it with host tensors fails as it does on a GPU. So a CPU-only suite sees a tensor that `--device cuda` left
-behind: a model, a batch, a module a trainer writes.
+"""A second device on the CPU: what a command puts on "cuda" computes on the host but stands apart, and an op that
+mixes it with host tensors fails as it does on a GPU. So a CPU-only suite sees a tensor that `--device cuda` left
+behind (a model, a batch, a module a trainer writes), and the work a step does on the device around its program,
+launches and syncs, is counted the same on any machine (counts.py).
 
 Its tensors wrap host tensors and show the device "lazy", which nothing here uses: autograd asks a tensor's device for
 its stream, and a CPU build of torch has no CUDA device to ask, while lazy answers. CUDA's own exceptions are kept: a
@@ -10,7 +11,6 @@ not the CPU's exact layout either, so bits are the GPU's own check); inference_m
 does not run on it."""
 import contextlib
 
-import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -49,12 +49,20 @@ def to_device(d) -> bool:
 
 class Device(TorchDispatchMode):
     """Every op: refuse a mix of device and host tensors (as CUDA does), run it on the host, and put its outputs on the
-    device where an input was there or its `device` says so."""
+    device where an input was there or its `device` says so. Tally counts what reaches the device."""
+
+    def __init__(self, tally: "Tally | None" = None):
+        super().__init__()
+        self.tally = tally
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         on = any(isinstance(t, OnDevice) for t in tensors)
+        if self.tally is not None and (on or to_device(kwargs.get("device"))) and not func.is_view:
+            copy = func.overloadpacket
+            self.tally.op(func, on and (copy is aten._to_copy and "device" in kwargs and not to_device(kwargs["device"])
+                                        or copy is aten.copy_ and not isinstance(args[0], OnDevice)))
         host = [t for t in tensors if not isinstance(t, OnDevice) and t.dim() > 0]
         if func.overloadpacket in HOST_INDICES and isinstance(args[0], OnDevice):
             host = [t for t in host if not any(t is i for i in args[1])]
@@ -64,7 +72,8 @@ class Device(TorchDispatchMode):
         made_there = to_device(kwargs.get("device"))
         if made_there:
             kwargs["device"] = torch.device("cpu")
-        out = func(*tree_map(lambda t: t.inner if isinstance(t, OnDevice) else t, args), **kwargs)
+        inner = lambda t: t.inner if isinstance(t, OnDevice) else t  # noqa: E731
+        out = func(*tree_map(inner, args), **tree_map(inner, kwargs))
         if func.overloadpacket is aten._to_copy and "device" in kwargs and not made_there:
             return out  # to the host
         if func.overloadpacket is aten.copy_ and not isinstance(args[0], OnDevice):
@@ -81,6 +90,10 @@ class Device(TorchDispatchMode):
 class Moves(TorchFunctionMode):
     """What checks for a CUDA build before it reaches an op: Tensor.to and .cuda, torch.tensor given a device; and
     .tolist and .numpy, which read the data."""
+
+    def __init__(self, tally: "Tally | None" = None):
+        super().__init__()
+        self.tally = tally
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,6 +116,8 @@ class Moves(TorchFunctionMode):
             index = tuple(torch.tensor(i) if isinstance(i, list) else i for i in index)
             return func(args[0], index if isinstance(args[1], tuple) else index[0], *args[2:])
         elif func is torch.Tensor.tolist and isinstance(args[0], OnDevice):
+            if self.tally is not None:
+                self.tally.read()
             return args[0].inner.tolist()
         elif func is torch.Tensor.numpy and isinstance(args[0], OnDevice):
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
@@ -123,15 +138,61 @@ class NoGrad:
         self.ctx.__exit__(*exc)
 
 
+class Tally:
+    """What a run does on the device outside its programs: launches (ops on device tensors, copies to it or
+    from it) and syncs (a read of device data on the host: .tolist(), .item(), a copy to the host; a
+    synchronize). `inside` pauses the count while a program runs: it is one launch."""
+
+    def __init__(self):
+        self.launches = self.syncs = self.depth = 0
+
+    def op(self, func, to_host: bool) -> None:
+        if self.depth:
+            return
+        self.launches += 1
+        if to_host or func.overloadpacket is aten._local_scalar_dense:
+            self.syncs += 1
+
+    def read(self) -> None:  # .tolist() of device data: a copy to the host, and a wait for it
+        if not self.depth:
+            self.launches += 1
+            self.syncs += 1
+
+    def synchronize(self, device=None) -> None:
+        if not self.depth:
+            self.syncs += 1
+
+    @contextlib.contextmanager
+    def inside(self):
+        if not self.depth:
+            self.launches += 1
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+
 @contextlib.contextmanager
-def second_device():
+def patched(owner, name, value):
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+@contextlib.contextmanager
+def second_device(tally: Tally | None = None):
     """Within: `--device cuda` runs on the stand-in (torch.cuda says a device is there, and its sync waits for
-    nothing)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cuda, "_lazy_init", lambda: None)
-        patch.setattr(torch.cuda, "is_available", lambda: True)
-        patch.setattr(torch.cuda, "get_device_name", lambda device=None: "the second-device stand-in")
-        patch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-        patch.setattr(torch._C, "_InferenceMode", NoGrad)
-        with Device(), Moves():
+    nothing, or is counted by tally)."""
+    sync = tally.synchronize if tally is not None else lambda device=None: None
+    with contextlib.ExitStack() as stack:
+        for name, value in (("_lazy_init", lambda: None), ("is_available", lambda: True),
+                            ("get_device_name", lambda device=None: "the second-device stand-in"),
+                            ("synchronize", sync)):
+            stack.enter_context(patched(torch.cuda, name, value))
+        stack.enter_context(patched(torch._C, "_InferenceMode", NoGrad))
+        with Device(tally), Moves(tally):
             yield
