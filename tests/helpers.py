@@ -339,6 +339,15 @@ def decode_main(argv):
     return decode.main(argv)
 
 
+PRODUCT_FORMS = {  # a product's forms over n items of 16 rows: x (n, 16, K), w (N, K), b (n, 16, N) -> (n, 16, N)
+    "linear": lambda x, w, b: torch.nn.functional.linear(x, w),
+    "matmul": lambda x, w, b: x @ w.T,
+    "addmm": lambda x, w, b: torch.addmm(b.flatten(0, 1), x.flatten(0, 1), w.T).view(b.shape),
+    "bmm": lambda x, w, b: torch.bmm(x, w.T.expand(len(x), -1, -1)),
+    "baddbmm": lambda x, w, b: torch.baddbmm(b, x, w.T.expand(len(x), -1, -1), alpha=0.5),
+}
+
+
 class RowCountProducts(TorchDispatchMode):
     """The matrix products (F.linear, @, bmm, mm, and addmm/baddbmm's epilogue) as a library that picks its
     kernel by a product's total rows computes them, as cuBLAS does in fp32: the inner dimension summed in
@@ -367,3 +376,4 @@ class RowCountProducts(TorchDispatchMode):
         parts = max(1, min(K, 256 // (x.numel() // max(K, 1))))
         edges = [K * i // parts for i in range(parts + 1)]
         return sum(torch.matmul(x[..., a:b], y[..., a:b, :]) for a, b in zip(edges, edges[1:]))
+
