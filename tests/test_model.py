@@ -6,12 +6,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import full_logits, model_args, random_model
+from helpers import full_logits, model_args, random_model, rows_by_index
 from nanospec import NanospecError
 from nanospec.cache import KVCache
 from nanospec.engine import generate
 from nanospec.io.checkpoint import from_hf_config, load, load_args, save, to_hf_config
-from nanospec.model import Block, ModelArgs
+from nanospec.model import ModelArgs
 from nanospec.tree import Tree
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -148,14 +148,4 @@ def test_exact_rows_do_not_depend_on_their_index(device, dtype, args, seed, T):
     have at least 16 rows, as the engine's do: MKL computes the last rows of a GEMM with 5-11
     rows on another path.
     """
-    model = random_model(args, seed, dtype, device)
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, args.vocab_size, (1, T), generator=g)
-    pos = torch.randint(0, 500, (1, T), generator=g)
-    perm = torch.randperm(T, generator=g)
-    slots = torch.arange(T)
-
-    def logits(tok, p):
-        blk = Block(tok, p, slots, torch.zeros_like(p), slots.view(1, T, 1)).to(device)
-        return model(blk, None, exact=True)[0]
-    assert torch.equal(logits(tokens, pos)[perm], logits(tokens[:, perm], pos[:, perm]))
+    rows_by_index(random_model(args, seed, dtype, device), seed, T, device)
