@@ -11,7 +11,7 @@ from nanospec import NanospecError
 from nanospec.cache import KVCache
 from nanospec.engine import generate
 from nanospec.io.checkpoint import from_hf_config, load, load_args, save, to_hf_config
-from nanospec.model import ModelArgs
+from nanospec.model import Llama, ModelArgs
 from nanospec.tree import Tree
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -92,6 +92,28 @@ def test_save_load_roundtrip_bf16_is_exact_upcast(tmp_path):
     for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a.bfloat16().float(), b), k
     assert not list(tmp_path.glob(".*tmp*")), "atomic writes leave no temporary files"
+
+
+@pytest.mark.parametrize("cast", ["to", "load"])
+def test_a_bf16_model_rotates_with_fp32_rope_constants(tmp_path, cast):
+    """A model cast to bf16 (model.to, or loaded as bf16) computes RoPE's tables from constants made in fp32: its
+    tables, exact and fast, are bitwise those of a model never cast, rounded once, and over a long prompt its
+    logits stay within bf16's noise of the same weights computed in fp32. Constants cast with the weights pass
+    every test that compares the cast model with itself (its AR run shares them), and move late positions'
+    logits far beyond that noise."""
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, hidden_dim=48, rope_scaling=LLAMA3)
+    ref = random_model(args, seed=1).to(torch.bfloat16).float()  # bf16's weights, computed in fp32
+    if cast == "to":
+        model = random_model(args, seed=1, dtype=torch.bfloat16)
+    else:
+        save(ref, tmp_path)
+        model = load(tmp_path, torch.bfloat16)
+    pos = torch.arange(0, 8000, 7).view(1, -1)
+    for exact in (False, True):
+        fresh = Llama(args).rope(pos, exact)  # made at construction, in fp32
+        assert all(torch.equal(a, b.bfloat16()) for a, b in zip(model.rope(pos, exact), fresh))
+    ids = torch.randint(0, 61, (300,), generator=torch.Generator().manual_seed(0)).tolist()  # fast mode: bf16's
+    assert (full_logits(model, ids, False).float() - full_logits(ref, ids, False)).abs().max() < 0.3  # exact is slow
 
 
 def test_config_styles_and_errors(tmp_path):
