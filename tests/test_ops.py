@@ -7,8 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import random_model
+from helpers import AlignedProducts, full_logits, random_model
+from nanospec import engine
 from nanospec import model as llama
+from nanospec.tree import Tree
 from nanospec.tuning.cuda import step_ops
 from test_batch import batch_drafter
 from test_edges import ARGS, METHODS
@@ -40,3 +42,19 @@ def test_an_op_added_to_every_layer_is_counted(monkeypatch):
 @pytest.mark.parametrize("name", METHODS)
 def test_a_methods_layers_cost_at_most_a_few_ops_more_than_ars(name):
     assert per_layer(name) <= AR_PER_LAYER[torch.float32] + EXTRA.get(name, 6)
+
+
+def test_counting_leaves_exact_mode_as_it_found_it():
+    """step_ops counts a step as a GPU runs it, without the CPU's exact layout; afterwards exact mode runs as
+    before: the same programs, keys padded as before, the same bits under a BLAS whose bits follow a row's
+    alignment (AlignedProducts: without aligned rows they move)."""
+    model = random_model(replace(ARGS, n_layers=1), seed=0)
+
+    def exact_mode():
+        with AlignedProducts():
+            logits = full_logits(model, [3, 9, 4, 1, 7, 12, 5, 8], True)
+        return dict(engine.PROGRAMS), model.context(Tree.chain(3).block(0), 40, True).idx.shape, logits
+    programs, keys, logits = exact_mode()
+    step_ops(model, steps=1)
+    after = exact_mode()
+    assert after[:2] == (programs, keys) and torch.equal(after[2], logits)
