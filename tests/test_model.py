@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -11,7 +12,7 @@ from nanospec import NanospecError
 from nanospec.cache import KVCache
 from nanospec.engine import generate
 from nanospec.io.checkpoint import from_hf_config, load, load_args, save, to_hf_config
-from nanospec.model import Llama, ModelArgs
+from nanospec.model import Block, Llama, ModelArgs
 from nanospec.tree import Tree
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -158,6 +159,23 @@ def test_batch_rows_are_independent():
     both = model(blk, KVCache.for_model(model, 13, batch=2), False)
     torch.testing.assert_close(both[0], one[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both[1], one[1], rtol=1e-5, atol=1e-5)
+
+
+def test_exact_rows_read_their_keys_in_canonical_order():
+    """Each exact row gathers the committed prefix 0..prefix-1 in order, then its extra slots as given (a tree
+    node's ancestors by depth, itself last), then hidden padding: a root and two children after 5 committed
+    slots, and the same tree after 2, its rows seeing a reserved slot (9) first."""
+    model = random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=20, hidden_dim=24))
+    tree = Tree([9, 4, 8], [-1, 0, 0]).block(5)
+    paths = [[5], [5, 6], [5, 7]]
+    assert tree.extra[0].tolist() == [p + [-1] * (2 - len(p)) for p in paths]
+    extra = torch.stack([F.pad(tree.extra[0], (0, 1), value=-1), F.pad(tree.extra[0], (1, 0), value=9)])
+    block = Block(tree.tokens.expand(2, 3), tree.pos.expand(2, 3), tree.slots, torch.tensor([[5] * 3, [2] * 3]), extra)
+    ctx = model.context(block, 10, True)
+    for b, keys in enumerate([[list(range(5)) + p for p in paths], [[0, 1, 9] + p for p in paths]]):
+        for t, canonical in enumerate(keys):
+            seen, n = ctx.bias.view(2, 3, -1, ctx.idx.shape[-1])[b, t, 0] == 0, len(canonical)  # key head 0
+            assert ctx.idx[b, t, :n].tolist() == canonical and seen[:n].all() and not seen[n:].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
