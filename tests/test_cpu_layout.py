@@ -13,9 +13,10 @@ from nanospec.engine import generate, shapes
 from nanospec.model import ModelArgs
 from test_edges import ARGS
 
-# rows of odd length; SMALL's hidden rows pad to 32 elements, not 64 (bf16's two AVX-512 vectors)
+# rows of odd length; SMALL's hidden rows (23) fit in 32 elements, so row-wise calls padded to 32 rather than 64 (two
+# AVX-512 vectors of bf16) would leave a bf16 tail
 SMALL = ModelArgs(dim=19, n_layers=1, n_heads=3, n_kv_heads=1, head_dim=10, vocab_size=41, hidden_dim=23)
-ROWS = [(ARGS, 0, 20), (SMALL, 1, 37)]  # (model, seed, rows of the block)
+ROWS = [(ARGS, 0, 20), (SMALL, 1, 37)]  # (model args, seed, rows of the block)
 DTYPES = [torch.float32, torch.bfloat16]
 STAND_INS = {"aligned": AlignedProducts, "rowwise": SimdTails}  # the construction each stand-in proves
 IDENTITY = {"aligned": lambda x: x, "rowwise": lambda fn, x: fn(x)}
@@ -28,7 +29,7 @@ def without(monkeypatch):
 
 
 def misaligned(x):
-    """x's values in a buffer one element later: every row starts off a 64-byte boundary when x's do not."""
+    """x's values in a buffer one element later: rows that started on a 64-byte boundary start off it."""
     return torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape).copy_(x)
 
 
@@ -43,7 +44,7 @@ def test_the_alignment_stand_in_moves_a_misaligned_rows_bits(form, dtype):
     product = PRODUCT_FORMS[form]
     with AlignedProducts():
         aligned, moved, again = product(x, w, b), product(misaligned(x), w, b), product(misaligned(x), w, b)
-        odd = x[..., :95].contiguous()  # 380 or 190 bytes a row: row i starts aligned when i * 380 % 64 == 0
+        odd = x[..., :95].contiguous()  # 380 bytes a row (bf16: 190): only some rows start aligned
         rev = product(odd.flip(1), w[:, :95], b)
         fwd = product(odd, w[:, :95], b)
     assert torch.equal(aligned, product(x, w, b)) and torch.equal(moved, again)
@@ -72,6 +73,7 @@ def test_the_simd_stand_in_moves_the_bits_of_a_runs_tail(fn, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", STAND_INS)
 def test_exact_rows_do_not_depend_on_their_index_on_such_a_cpu(name, dtype):
+    """Exact mode's premise (helpers.rows_by_index) under each stand-in, for rows of odd lengths in fp32 and bf16."""
     with STAND_INS[name]():
         for args, seed, T in ROWS:
             rows_by_index(random_model(args, seed, dtype), seed, T)
