@@ -218,6 +218,7 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
+@torch.no_grad()  # inference only: the scores are written into one buffer (out=), which autograd does not follow
 def attend_exact(q, kc, vc, ctx):
     """q (B, T, Hkv, G, D), query head h * G + g using key head h; kc, vc (B, Hkv, S, D') (D' >= D: a cache's
     head width may be padded). Each row reduces over its keys in canonical order, split where its position alone

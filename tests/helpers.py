@@ -118,6 +118,33 @@ def full_logits(model, ids, exact):
     return model(Tree.chain(ids[0], ids[1:]).block(0, model.embed.weight.device), cache, exact)[0]
 
 
+def rows_by_index(model, seed: int, T: int, device="cpu"):
+    """Exact mode's premise, asserted: permuting a block's rows (each sees itself only, at a random position)
+    permutes their logits and their RoPE tables (which a row that sees itself alone does not feel), bitwise: a
+    row's results depend on its token and position alone."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.args.vocab_size, (1, T), generator=g)
+    pos = torch.randint(0, 500, (1, T), generator=g)
+    perm = torch.randperm(T, generator=g)
+    slots = torch.arange(T)
+
+    def rows(tok, p):
+        blk = Block(tok, p, slots, torch.zeros_like(p), slots.view(1, T, 1)).to(device)
+        ctx = model.context(blk, T, exact=True)
+        return model(blk, None, exact=True)[0], ctx.cos[0], ctx.sin[0]
+    for name, a, b in zip(("logits", "cos", "sin"), rows(tokens, pos), rows(tokens[:, perm], pos[:, perm])):
+        assert torch.equal(a[perm], b), f"a row's {name} depend on its index"
+
+
+def keys_in_order(ctx, b: int, t: int) -> list[int]:
+    """The cache slots exact row t of sequence b reduces over, in order (model.attend_exact): those it reads in
+    place, in slot order, then its gathered tail; key head 0's (every key head's alike)."""
+    (bias_in, bias_tail), (B, _, T, W), Hkv = ctx.bias, ctx.tail.shape, ctx.h.shape[1]
+    in_place = bias_in.reshape(B, Hkv, T, -1, bias_in.shape[-1])[b, 0, t, 0] == 0
+    gathered = bias_tail.reshape(B, Hkv, T, W)[b, 0, t] == 0
+    return in_place.nonzero().flatten().tolist() + ctx.tail[b, 0, t][gathered].tolist()
+
+
 def one_forward(model, drafter, tree, prompt, exact, plain=False):
     """The drafter's verification forward over one tree after prompt, unverified: (logits of the
     tree's nodes, drafts per node). plain=True: the tree's rows alone, through AR's forward."""
@@ -339,6 +366,15 @@ def decode_main(argv):
     return decode.main(argv)
 
 
+PRODUCT_FORMS = {  # a product's forms over n items of 16 rows: x (n, 16, K), w (N, K), b (n, 16, N) -> (n, 16, N)
+    "linear": lambda x, w, b: torch.nn.functional.linear(x, w),
+    "matmul": lambda x, w, b: x @ w.T,
+    "addmm": lambda x, w, b: torch.addmm(b.flatten(0, 1), x.flatten(0, 1), w.T).view(b.shape),
+    "bmm": lambda x, w, b: torch.bmm(x, w.T.expand(len(x), -1, -1)),
+    "baddbmm": lambda x, w, b: torch.baddbmm(b, x, w.T.expand(len(x), -1, -1), alpha=0.5),
+}
+
+
 class RowCountProducts(TorchDispatchMode):
     """The matrix products (F.linear, @, bmm, mm, and addmm/baddbmm's epilogue) as a library that picks its
     kernel by a product's total rows computes them, as cuBLAS does in fp32: the inner dimension summed in
@@ -367,3 +403,66 @@ class RowCountProducts(TorchDispatchMode):
         parts = max(1, min(K, 256 // (x.numel() // max(K, 1))))
         edges = [K * i // parts for i in range(parts + 1)]
         return sum(torch.matmul(x[..., a:b], y[..., a:b, :]) for a, b in zip(edges, edges[1:]))
+
+
+class AlignedProducts(TorchDispatchMode):
+    """The matrix products (mm, bmm, and addmm/baddbmm's epilogue) as a CPU BLAS that takes an alignment-dependent
+    path computes them: a row of the left matrix that starts 64-byte aligned runs the host's product; one that does
+    not first sums its elements up to the next 64-byte boundary (a peeled head loop), then the rest, and adds the
+    two in the output's dtype. A row's bits depend on its own inputs and on where it starts in memory, never on the
+    other rows' values: what exact mode's aligned rows (model.aligned) must make constant."""
+    aten = torch.ops.aten
+    PRODUCTS = {aten.mm.default, aten.bmm.default}
+    EPILOGUES = {aten.addmm.default, aten.baddbmm.default}  # input + alpha * (a @ b)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in self.EPILOGUES and set(kwargs) <= {"alpha"}:
+            x, y, put = args[1], args[2], lambda p: args[0] + kwargs.get("alpha", 1) * p
+        elif func in self.PRODUCTS and not kwargs:
+            x, y, put = args[0], args[1], lambda p: p
+        else:
+            return out
+        head = (64 - self.starts(x)) % 64 // x.element_size()  # a misaligned row's elements before the boundary
+        if not head.any():
+            return out
+        first = torch.arange(x.shape[-1]) < head[..., None]
+        peeled = put(x.masked_fill(~first, 0) @ y + x.masked_fill(first, 0) @ y)
+        return torch.where((head > 0)[..., None], peeled, out)
+
+    @staticmethod
+    def starts(x) -> torch.Tensor:
+        """Each row's start address modulo 64 bytes, x.shape[:-1]."""
+        at = torch.zeros(x.shape[:-1], dtype=torch.long)
+        for d, (n, s) in enumerate(zip(x.shape[:-1], x.stride()[:-1])):
+            at = at + torch.arange(n).view(-1, *[1] * (x.dim() - 2 - d)) * s
+        return (x.data_ptr() + at * x.element_size()) % 64
+
+
+class SimdTails(TorchDispatchMode):
+    """The elementwise kernels exact mode runs row-wise (silu, cos, sin: model.rowwise) as a CPU runs them: a call's
+    elements, in row-major order, split into threads' contiguous runs as PyTorch's parallel_for splits them (grain
+    32768, here always 4 threads), each run computed in SIMD chunks of two 64-byte vectors, and the elements past a
+    run's last whole chunk on a scalar path whose result lands one ulp above the SIMD path's. An element's bits
+    depend on its value and on its place in its call: what rowwise's padded rows and one-thread calls make constant."""
+    aten = torch.ops.aten
+    FUNCS = {aten.silu.default, aten.cos.default, aten.sin.default}
+    GRAIN, THREADS = 32768, 4
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func not in self.FUNCS:
+            return out
+        scalar = self.scalar(out.numel(), out.element_size()).view(out.shape)
+        return torch.where(scalar, torch.nextafter(out, out.new_tensor(torch.inf)), out)
+
+    @classmethod
+    def scalar(cls, n: int, element_size: int) -> torch.Tensor:
+        """(n,) bool: the elements of an n-element call that take the scalar path."""
+        tasks = max(1, min(cls.THREADS, -(-n // cls.GRAIN)))
+        run, chunk = -(-n // tasks), 128 // element_size
+        i = torch.arange(n)
+        start = i // run * run
+        end = (start + run).clamp(max=n)
+        return i >= end - (end - start) % chunk

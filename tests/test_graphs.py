@@ -195,6 +195,15 @@ def test_what_a_capture_refuses_is_refused_with_its_line(simulate, plant, what):
     assert what.startswith("reads") or "test_graphs.py" in str(e.value)  # the line that did it
 
 
+@pytest.mark.parametrize("factory", [torch.zeros, torch.ones, torch.empty, torch.arange])
+def test_a_factory_given_device_none_is_refused(factory):
+    """device=None names no device: the tensor lands on the host, as one made without the keyword does."""
+    x = torch.ones(3)
+    with pytest.raises(RuntimeError, match=f"torch.{factory.__name__} makes a tensor without a device"):
+        graphs.Traced(lambda x: x + factory(3, device=None), [x], "cpu")
+    graphs.Traced(lambda x: x + factory(3, device=x.device), [x], "cpu")  # given its device: traced
+
+
 @pytest.mark.parametrize("name", ["ar", "medusa", "propd", "propd-dynamic", "bita-deep", "bita-straight",
                                   "hidden_transfer", "sdsat", "lookahead"])
 def test_a_host_constant_planted_in_any_step_program_is_refused(name, simulate):

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import RowCountProducts, call, decode_main, random_model
+from helpers import PRODUCT_FORMS, RowCountProducts, call, decode_main, random_model
 from nanospec import NanospecError
 from nanospec.engine import generate, shapes
 from nanospec.sizes import CUDA_BLOCK_BATCH, block_batch
@@ -21,18 +21,19 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_stand_in_moves_a_rows_bits_with_the_total_rows(dtype):
-    """The detector detects: the same rows, alone and among others, differ in their last bits."""
+@pytest.mark.parametrize("form", PRODUCT_FORMS)
+def test_the_stand_in_moves_a_rows_bits_with_the_total_rows(form, dtype):
+    """The detector detects, in every form of a product: an item of a batch of 4 and the same item alone differ
+    in their last bits (a batched product's rows are all its items' rows, not one matrix's)."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(64, 96, generator=g).to(dtype), torch.randn(80, 96, generator=g).to(dtype)
+    x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((4, 16, 96), (80, 96), (4, 16, 80)))
+    product = PRODUCT_FORMS[form]
     with RowCountProducts():
-        full, part = torch.nn.functional.linear(x, w), torch.nn.functional.linear(x[:16], w)
-        again = torch.nn.functional.linear(x.clone(), w)
-        batched, single = x.view(4, 16, 96) @ w.T, x[None, :16] @ w.T
-    assert not torch.equal(full[:16], part) and not torch.equal(batched[0], single[0])
-    assert torch.equal(full, again)  # a function of the rows and their count, not of chance
-    ref = (x.float() @ w.float().T)
-    assert (full.float() - ref).abs().max() < 0.02 * ref.abs().max()  # still the product, to its dtype's precision
+        batched, single, again = product(x, w, b), product(x[:1], w, b[:1]), product(x.clone(), w, b)
+    assert not torch.equal(batched[0], single[0])
+    assert torch.equal(batched, again)  # a function of the rows and their count, not of chance
+    ref = product(x.float(), w.float(), b.float())
+    assert (batched.float() - ref).abs().max() < 0.02 * ref.abs().max()  # still the product, to its dtype's precision
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import check_exact, model_args, random_model, run_cli
+from helpers import check_exact, model_args, noisy, random_model, run_cli
 from nanospec import NanospecError
 from nanospec.engine import generate
 from nanospec.io.checkpoint import save, save_drafter
@@ -26,6 +27,44 @@ def test_untrained_heads_repeat_the_next_token_guess():
     out = heads(h)
     for k in range(3):
         assert torch.equal(out[k], model.lm_head(h))
+
+
+def distinct_heads(model, shared: bool, token: bool) -> Heads:
+    """Three heads that each draft something else: noisy blocks (and token maps, and own projections)."""
+    a = model.args
+    heads = Heads(a.dim, a.vocab_size, 3, model.lm_head if shared else None, token=model if token else None)
+    return noisy(heads.init_from(model.lm_head), 0, 0.3)
+
+
+@pytest.mark.parametrize("shared, token", [(False, False), (True, True)])
+def test_depth_k_proposes_head_ks_logits(shared, token):
+    """Medusa's proposals come in depth order: depth k (the token k + 1 after the next) is head k's block and
+    projection applied to the node's state (token heads: and to the embedding of the token it emits next)."""
+    model = random_model(TINY)
+    heads = distinct_heads(model, shared, token)
+    h = torch.randn(5, 32)
+    e = model.embed(model.lm_head(h).argmax(-1))
+    got = Medusa(heads, [(0,)]).propose(torch.stack([h, e], 1) if token else h[:, None])  # (B, K, V)
+    for k in range(3):
+        y = h + heads.tok[k](e) if token else h
+        y = y + F.silu(heads.res[k](y))
+        torch.testing.assert_close(got[:, k], (model.lm_head if shared else heads.proj[k])(y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=1.0, seed=1)])
+def test_a_steps_candidates_at_depth_k_are_its_proposals_at_depth_k(sampling):
+    """The engine keeps the proposals' depth order: a step's candidates per depth are the top ranks of what the
+    last step's accepted node proposed at that depth."""
+    model = random_model(TINY)
+    d = Medusa(distinct_heads(model, False, False), choose_tree([[0.5, 0.3, 0.2]] * 3, 8))
+    proposed, drafted = [], []
+    propose, draft = d.propose, d.draft
+    d.propose = lambda drafts: proposed.append(propose(drafts)) or proposed[-1]
+    d.draft = lambda dec, cands, *a: drafted.append(cands) or draft(dec, cands, *a)
+    generate(model, [1, 2, 3], d, max_new_tokens=8, eos_id=-1, **sampling)
+    assert drafted[0] is None and len(drafted) == len(proposed) > 3
+    for logits, cands in zip(proposed, drafted[1:]):
+        assert torch.equal(cands, logits[0].topk(cands.shape[1]).indices)
 
 
 def test_choose_tree_by_path_probability():

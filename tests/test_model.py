@@ -3,15 +3,16 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import full_logits, model_args, random_model
+from helpers import full_logits, keys_in_order, model_args, random_model, rows_by_index
 from nanospec import NanospecError
 from nanospec.cache import KVCache
 from nanospec.engine import generate
 from nanospec.io.checkpoint import from_hf_config, load, load_args, save, to_hf_config
-from nanospec.model import Block, ModelArgs
+from nanospec.model import Block, Llama, ModelArgs
 from nanospec.tree import Tree
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -94,6 +95,28 @@ def test_save_load_roundtrip_bf16_is_exact_upcast(tmp_path):
     assert not list(tmp_path.glob(".*tmp*")), "atomic writes leave no temporary files"
 
 
+@pytest.mark.parametrize("cast", ["to", "load"])
+def test_a_bf16_model_rotates_with_fp32_rope_constants(tmp_path, cast):
+    """A model cast to bf16 (model.to, or loaded as bf16) computes RoPE's tables from constants made in fp32: its
+    tables, exact and fast, are bitwise those of a model never cast, rounded once, and over a long prompt its
+    logits stay within bf16's noise of the same weights computed in fp32. Constants cast with the weights pass
+    every test that compares the cast model with itself (its AR run shares them), and move late positions'
+    logits far beyond that noise."""
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, hidden_dim=48, rope_scaling=LLAMA3)
+    ref = random_model(args, seed=1).to(torch.bfloat16).float()  # bf16's weights, computed in fp32
+    if cast == "to":
+        model = random_model(args, seed=1, dtype=torch.bfloat16)
+    else:
+        save(ref, tmp_path)
+        model = load(tmp_path, torch.bfloat16)
+    pos = torch.arange(0, 8000, 7).view(1, -1)
+    for exact in (False, True):
+        fresh = Llama(args).rope(pos, exact)  # made at construction, in fp32
+        assert all(torch.equal(a, b.bfloat16()) for a, b in zip(model.rope(pos, exact), fresh))
+    ids = torch.randint(0, 61, (300,), generator=torch.Generator().manual_seed(0)).tolist()  # fast mode: bf16's
+    assert (full_logits(model, ids, False).float() - full_logits(ref, ids, False)).abs().max() < 0.3  # exact is slow
+
+
 def test_config_styles_and_errors(tmp_path):
     base = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=10, intermediate_size=20)
     old = from_hf_config({**base, "rope_theta": 500.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
@@ -138,6 +161,23 @@ def test_batch_rows_are_independent():
     torch.testing.assert_close(both[1], one[1], rtol=1e-5, atol=1e-5)
 
 
+def test_exact_rows_read_their_keys_in_canonical_order():
+    """Each exact row reduces over the committed prefix 0..prefix-1 in order, then its extra slots as given (a tree
+    node's ancestors by depth, itself last), whatever its tail: a root and two children after 5 committed slots,
+    and the same tree after 2, its rows seeing a reserved slot (9) first."""
+    model = random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=20, hidden_dim=24))
+    tree = Tree([9, 4, 8], [-1, 0, 0]).block(5)
+    paths = [[5], [5, 6], [5, 7]]
+    assert tree.extra[0].tolist() == [p + [-1] * (2 - len(p)) for p in paths]
+    extra = torch.stack([F.pad(tree.extra[0], (0, 1), value=-1), F.pad(tree.extra[0], (1, 0), value=9)])
+    block = Block(tree.tokens.expand(2, 3), tree.pos.expand(2, 3), tree.slots, torch.tensor([[5] * 3, [2] * 3]), extra)
+    for tail in (1, 2, 16):  # all but itself read in place; a root's and its child's keys gathered; all gathered
+        ctx = model.context(block, 10, True, tail=tail)
+        for b, keys in enumerate([[list(range(5)) + p for p in paths], [[0, 1, 9] + p for p in paths]]):
+            for t, canonical in enumerate(keys):
+                assert keys_in_order(ctx, b, t) == canonical
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @given(args=model_args(), seed=st.integers(0, 2**16), T=st.integers(16, 48))
 def test_exact_rows_do_not_depend_on_their_index(device, dtype, args, seed, T):
@@ -148,14 +188,4 @@ def test_exact_rows_do_not_depend_on_their_index(device, dtype, args, seed, T):
     have at least 16 rows, as the engine's do: MKL computes the last rows of a GEMM with 5-11
     rows on another path.
     """
-    model = random_model(args, seed, dtype, device)
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, args.vocab_size, (1, T), generator=g)
-    pos = torch.randint(0, 500, (1, T), generator=g)
-    perm = torch.randperm(T, generator=g)
-    slots = torch.arange(T)
-
-    def logits(tok, p):
-        blk = Block(tok, p, slots, torch.zeros_like(p), slots.view(1, T, 1)).to(device)
-        return model(blk, None, exact=True)[0]
-    assert torch.equal(logits(tokens, pos)[perm], logits(tokens[:, perm], pos[:, perm]))
+    rows_by_index(random_model(args, seed, dtype, device), seed, T, device)

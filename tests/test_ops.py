@@ -1,4 +1,4 @@
-"""Exact mode's kernel count: the non-view aten ops of one step's program (tuning.cuda.step_ops), counted from
+"""Exact mode's kernel count: the non-view aten ops of one step's program (tuning.counts.step_ops), counted from
 the CPU stand-in's trace as a GPU runs it (RESULTS.md, "Kernels per step"). An op added to every layer moves
 AR's pinned count and fails here; each method's layers cost at most a few ops more than AR's, its own head's
 ops (which do not grow with the layers) apart."""
@@ -7,11 +7,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import random_model
+from helpers import AlignedProducts, full_logits, random_model
 from nanospec import engine
 from nanospec import model as llama
 from nanospec.model import ModelArgs
 from nanospec.sizes import shapes
+from nanospec.tree import Tree
 from nanospec.tuning.counts import host_work, step_mb, step_ops
 from test_batch import batch_drafter
 from test_edges import ARGS, METHODS
@@ -43,6 +44,22 @@ def test_an_op_added_to_every_layer_is_counted(monkeypatch):
 @pytest.mark.parametrize("name", METHODS)
 def test_a_methods_layers_cost_at_most_a_few_ops_more_than_ars(name):
     assert per_layer(name) <= AR_PER_LAYER[torch.float32] + EXTRA.get(name, 6)
+
+
+def test_counting_leaves_exact_mode_as_it_found_it():
+    """step_ops counts a step as a GPU runs it, without the CPU's exact layout; afterwards exact mode runs as
+    before: the same programs, keys padded as before, the same bits under a BLAS whose bits follow a row's
+    alignment (AlignedProducts: without aligned rows they move)."""
+    model = random_model(replace(ARGS, n_layers=1), seed=0)
+
+    def exact_mode():
+        with AlignedProducts():
+            logits = full_logits(model, [3, 9, 4, 1, 7, 12, 5, 8], True)
+        return dict(engine.PROGRAMS), model.context(Tree.chain(3).block(0), 40, True).tail.shape, logits
+    programs, keys, logits = exact_mode()
+    step_ops(model)
+    after = exact_mode()
+    assert after[:2] == (programs, keys) and torch.equal(after[2], logits)
 
 
 # --- what a step writes, and what it launches outside its program ------------------------------------------------

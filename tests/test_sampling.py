@@ -65,3 +65,11 @@ def test_top_p_keeps_the_smallest_head_reaching_p():
     f = freqs(temperature=2.0, top_p=0.85)
     assert set(f.nonzero().flatten().tolist()) == {0, 1, 2, 3}
     assert tv(f, renorm(p, 4)) < BOUND
+
+
+@pytest.mark.parametrize("top_p, keep", [(0.25, 1), (0.5, 2), (0.75, 3), (0.8, 4)])
+def test_top_p_at_its_boundary_keeps_no_more_than_reach_it(top_p, keep):
+    """Four equal logits (probabilities 1/4, sums exact): a head whose mass equals top_p reaches it, so the next
+    token is not kept (top_p = 0.5: two tokens, not three)."""
+    s = Sampler(temperature=1.0, top_p=top_p, seed=SEED, n=400)
+    assert {s.pick(torch.zeros(4), i) for i in range(400)} == set(range(keep))
