@@ -4,6 +4,7 @@ import contextlib
 import io
 import itertools
 import random
+from dataclasses import replace
 
 import torch
 from hypothesis import strategies as st
@@ -17,6 +18,15 @@ from nanospec.model import Block, Llama, ModelArgs
 from nanospec.tree import Sampler, Tree
 from nanospec.tuning.costs import Measured
 
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def family_args(args: ModelArgs, family: str, window: int = 6) -> ModelArgs:
+    """args as one of FAMILIES: llama as it is, mistral with a sliding window, qwen2 with q/k/v biases, qwen3 with
+    per-head q/k norms ("all": every switch at once, which no HF family has)."""
+    return replace(args, qkv_bias=family in ("qwen2", "all"), qk_norm=family in ("qwen3", "all"),
+                   sliding_window=window if family in ("mistral", "all") else None)
+
 
 def random_model(args: ModelArgs, seed=0, dtype=torch.float32, device="cpu") -> Llama:
     """A random Llama whose logits are spread out (std of a few units), so greedy near-ties are rare."""
@@ -26,6 +36,8 @@ def random_model(args: ModelArgs, seed=0, dtype=torch.float32, device="cpu") -> 
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, p.shape[1] ** -0.5 if "embed" not in name else 1.0)
+            elif name.endswith(".bias"):
+                p.normal_(0, 1)
             else:
                 p.uniform_(0.5, 1.5)  # norm weights
         if not args.tie_embeddings:
@@ -265,17 +277,19 @@ def call(main, *argv) -> tuple[int, str, str]:
 
 @st.composite
 def model_args(draw) -> ModelArgs:
-    """Tiny configs: MHA and GQA, odd sizes, optional rope scaling and tied embeddings."""
+    """Tiny configs of every family (a window from 1 slot up): MHA and GQA, odd sizes, optional rope scaling and
+    tied embeddings."""
     kv = draw(st.integers(1, 3))
     heads = kv * draw(st.integers(1, 3))
     scaling = draw(st.sampled_from([None, {"rope_type": "linear", "factor": 2.0},
                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}]))
-    return ModelArgs(dim=draw(st.integers(4, 20)) * 2 + 1, n_layers=draw(st.integers(1, 3)),
+    family, window = draw(st.sampled_from(FAMILIES)), draw(st.integers(1, 24))
+    return family_args(ModelArgs(dim=draw(st.integers(4, 20)) * 2 + 1, n_layers=draw(st.integers(1, 3)),
                      n_heads=heads, n_kv_heads=kv, head_dim=draw(st.sampled_from([2, 4, 6, 8, 10])),
                      vocab_size=draw(st.integers(5, 131)), hidden_dim=draw(st.integers(5, 61)),
                      rope_theta=draw(st.sampled_from([10000.0, 500.0])), rope_scaling=scaling,
-                     tie_embeddings=draw(st.booleans()), norm_eps=1e-5)
+                     tie_embeddings=draw(st.booleans()), norm_eps=1e-5), family, window)
 
 
 class Adversary(Drafter):
