@@ -9,10 +9,9 @@ batch's sequences each have their own cache row (a forward's seqs). Two modes:
 - fast: SDPA over the used part of the cache with a boolean mask, and each product as its layer runs it (a device
   layer may install faster forms on the layers: tuning/products.py).
 The families beside Llama are data in ModelArgs: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Mistral's sliding
-window. The window is visibility (Llama.context): a row at position p sees keys at positions > p - window, as
-transformers does. Column j of a row's canonical key order holds position j (committed slot j, then its path), so
-the rule, applied by column, holds for chains and trees of any depth, in both modes (a method's own rows after a
-tree hold their keys at columns >= positions: they see their own, and never fewer than the window's).
+window. The window is visibility, in both modes (Llama.context): a row at position p sees keys at positions
+> p - window, as transformers does. Committed slot j holds position j, a slot the block writes its row's position
+(trees of any depth); slots of a method's own keys (BiTA's prompt) hold none and stay visible.
 """
 import math
 from dataclasses import dataclass, fields
@@ -353,7 +352,10 @@ class Llama(nn.Module):
     def context(self, block: Block, n_slots: int, exact: bool, seqs=None) -> Context:
         ctx = Context(*self.rope(block.pos, exact), block.slots, exact, seqs=seqs)
         prefix, extra, W = block.prefix[..., None], block.extra, self.args.sliding_window
-        start = None if W is None else block.pos[..., None] - W  # the window hides columns <= start (docstring)
+        if W is not None:  # keys at positions <= start are out of the window (docstring)
+            start, B, dev = block.pos[..., None] - W, len(extra), extra.device
+            at = torch.full((B, n_slots), 1 << 62, device=dev).scatter_(1, block.slots.expand(B, -1), block.pos)
+            extra = extra.masked_fill(at.gather(1, extra.clamp(min=0).flatten(1)).view_as(extra) <= start, -1)
         ctx.b = (torch.arange(len(extra), device=extra.device) if seqs is None else seqs)[:, None, None, None]
         if exact:
             # on a CPU each row's keys padded to 32 slots, every row's slice 64-byte aligned (see `aligned`)
@@ -361,7 +363,7 @@ class Llama(nn.Module):
             j = torch.arange(Sp, device=extra.device)
             ext = F.pad(extra, (0, Sp - extra.shape[-1]), value=-1)  # (B, T, Sp)
             idx = torch.where(j < prefix, j, ext.gather(-1, (j - prefix).clamp(min=0)))
-            idx = idx if start is None else idx.masked_fill(j <= start, -1)
+            idx = idx if W is None else idx.masked_fill((j < prefix) & (j <= start), -1)
             (B, T, _), Hkv, dev = idx.shape, self.args.kv_heads, idx.device
             ctx.idx = idx.clamp(min=0)
             visible = idx[:, :, None, None].expand(B, T, Hkv, 1, Sp) >= 0  # one per key head: baddbmm's batch
@@ -371,10 +373,7 @@ class Llama(nn.Module):
             ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)
             # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
             j = torch.arange(L + 1, device=extra.device)
-            mask = j < prefix
-            if start is not None:  # committed slot j holds position j; extra entry k is column prefix + k
-                mask &= j > start
-                extra = extra.masked_fill(prefix + torch.arange(extra.shape[-1], device=j.device) <= start, -1)
+            mask = j < prefix if W is None else (j < prefix) & (j > start)
             mask = mask.scatter_(-1, torch.where(extra < 0, L, extra), True)[..., :L]
             ctx.mask = None if bool(mask.all()) else mask
         return ctx

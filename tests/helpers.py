@@ -3,11 +3,16 @@ drafters, planted faults, and in-process command lines."""
 import contextlib
 import io
 import itertools
+import json
 import random
 from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanospec import cli
@@ -18,7 +23,70 @@ from nanospec.model import Block, Llama, ModelArgs
 from nanospec.tree import Sampler, Tree
 from nanospec.tuning.costs import Measured
 
+ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@lru_cache(maxsize=None)
+def bpe(vocab_size: int = 400) -> tuple[list[str], list[str]]:
+    """(tokens in id order, merges) of a byte-level BPE trained on nanospec's own source."""
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator([p.read_text() for p in sorted((ROOT / "nanospec").glob("*.py"))], trainer)
+    model = json.loads(tk.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges
+
+
+HF_FAMILIES = {  # name: (its transformers config class, the settings beside the shared ones)
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 8}),  # shorter than the prompts: the window matters
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 128}),  # its own head_dim (transformers' GGUF reader assumes 128)
+    "qwen3-window": ("Qwen3Config", {"head_dim": 12, "use_sliding_window": True, "sliding_window": 8,
+                                     "max_window_layers": 0}),
+}
+PRE = {"llama": "llama-bpe", "mistral": "default", "qwen2": "qwen2", "qwen3": "qwen2"}  # each one's pre-tokenizer
+
+
+def hf_family(path: Path, name: str, seed: int = 0):
+    """A tiny random checkpoint of one of HF_FAMILIES as transformers writes it (save_pretrained), with a byte-level
+    BPE tokenizer.json split as the family's tokenizers split (bpe()'s vocabulary) and a ChatML template. Its
+    logits are spread out (std of a few units), so greedy near-ties are rare. Returns the transformers model."""
+    transformers = pytest.importorskip("transformers")
+    from nanospec.io.gguf_tokenizer import build
+    transformers.logging.set_verbosity_error()
+    tokens, merges = bpe()
+    cls, extra = HF_FAMILIES[name]
+    cfg = getattr(transformers, cls)(vocab_size=len(tokens), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=40, max_position_embeddings=256,
+                                     bos_token_id=1, eos_token_id=2, **extra)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+            else:
+                p.copy_(torch.randn_like(p) if n.endswith(".bias") else torch.rand_like(p) + 0.5)
+    hf.save_pretrained(path)
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": PRE[name.split("-")[0]],
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.token_type": [3 if t in SPECIALS else 1 for t in tokens],
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.chat_template": CHAT}
+    text, config = build(meta)
+    (path / "tokenizer.json").write_text(text, encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return hf
 
 
 def family_args(args: ModelArgs, family: str, window: int = 6) -> ModelArgs:
