@@ -63,10 +63,10 @@ def test_logits_are_transformers(checkpoints, name):
 def test_greedy_ids_are_transformers(checkpoints, name):
     hf, path = checkpoints[name]
     ours, prompt = load(path), IDS[:, :9]
-    ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False,
+    ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False,
                       eos_token_id=None, pad_token_id=0)[0, 9:].tolist()
     for exact in (False, True):
-        assert generate(ours, prompt[0].tolist(), max_new_tokens=30, exact=exact, eos_id=-1).tokens == ref
+        assert generate(ours, prompt[0].tolist(), max_new_tokens=20, exact=exact, eos_id=-1).tokens == ref
 
 
 def test_planted_faults_are_caught(checkpoints, monkeypatch):
@@ -100,20 +100,18 @@ def test_planted_faults_are_caught(checkpoints, monkeypatch):
 def test_decode_lookahead_check_is_identical(checkpoints, name, dtype):
     _, path = checkpoints[name]
     code, out, err = call(decode_main, "--weights", path, "--method", "lookahead", "--mode", "exact", "--check",
-                          "--dtype", dtype, "--prompt", PROMPTS[0], "--max-new-tokens", 24, "--json")
+                          "--dtype", dtype, "--prompt", PROMPTS[0], "--max-new-tokens", 16, "--json")
     assert code == 0 and "identical" in err, err
     assert json.loads(out.splitlines()[-1])["identical_to_ar"] is True
 
 
-def test_chat_template_renders_and_ends_the_turn_at_its_token(checkpoints):
+def test_chat_template_renders_and_ends_the_turn_at_its_token(checkpoints):  # decode --chat: test_chat.py
     from nanospec.io import chat
     from nanospec.io.tokenizer import load_tokenizer
     _, path = checkpoints["qwen3"]
     tok = load_tokenizer(path)
     ids, end = chat.prompt_ids(path, tok, "Say hi.")
     assert ids[0] == tok.token_id("<|im_start|>") and end == tok.token_id("<|im_end|>")
-    code, _, err = call(decode_main, "--weights", path, "--chat", "--prompt", "Say hi.", "--max-new-tokens", 8)
-    assert code == 0, err
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -122,10 +120,10 @@ def test_compare_with_transformers_is_identical(checkpoints, name, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in PROMPTS))
     code, out, err = call(compare.main, "--engine", "transformers", "--weights", path, "--prompts", prompts,
-                          "--dtype", "float32", "--settings", "greedy,prompt_lookup", "--max-new-tokens", 24, "--json")
+                          "--dtype", "float32", "--settings", "greedy", "--max-new-tokens", 16, "--json")
     assert code == 0, out + err
-    runs = json.loads(out.splitlines()[-1])["runs"]
-    assert len(runs) == 3 and all(r["summary"]["identical"] == len(PROMPTS) for r in runs), out
+    (run,) = json.loads(out.splitlines()[-1])["runs"]
+    assert run["summary"]["identical"] == len(PROMPTS), out
 
 
 @pytest.mark.parametrize("name", FAMILIES)
