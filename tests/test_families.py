@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import HF_FAMILIES, call, decode_main, full_logits, hf_family, run_cli
+from helpers import HF_FAMILIES, call, decode_main, family_args, full_logits, hf_family, random_model, run_cli
 from nanospec import model as llama
 from nanospec.engine import generate
-from nanospec.io.checkpoint import load, load_args, load_tensors
+from nanospec.io.checkpoint import from_hf_config, load, load_args, load_tensors, save, to_hf_config
 from nanospec.model import ModelArgs
 from nanospec.oracle import compare
 
@@ -93,6 +93,21 @@ def test_planted_faults_are_caught(checkpoints, monkeypatch):
     monkeypatch.setattr(llama.RMSNorm, "forward", unweighted)
     monkeypatch.setattr(llama, "apply_rope", lambda x, cos, sin: pending.pop() * rope(x, cos, sin))
     assert logits_gap(hf, load(path), exact=True) > 1e-2
+
+
+@pytest.mark.parametrize("name, window", [(f, 8) for f in FAMILIES] + [("qwen2", None), ("qwen3", None)])
+def test_our_checkpoints_of_each_family_load_in_transformers(tmp_path, name, window):
+    """save() writes the family's config.json (Qwen's window: every layer's), which transformers loads unchanged."""
+    args = family_args(ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=33, hidden_dim=30),
+                       name, window)
+    args = replace(args, sliding_window=window if name != "llama" else None)
+    assert from_hf_config(to_hf_config(args)) == args
+    model = random_model(args)
+    save(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(hf).__name__ == HF_FAMILIES[name][0].replace("Config", "ForCausalLM")
+    ids = list(range(33))
+    torch.testing.assert_close(full_logits(model, ids, False), hf(torch.tensor([ids])).logits[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -84,7 +84,7 @@ def simulate(monkeypatch):
 @pytest.mark.parametrize("name, family", [(n, "llama") for n in ["medusa", "propd", "propd-dynamic", "bita-deep",
                                                                   "bita-straight", "hidden_transfer", "sdsat",
                                                                   "lookahead", "adversary"]]
-                         + [("bita-deep", "all"), ("adversary", "all")])
+                         + [("adversary", "all")])
 def test_every_method_replays_as_a_graph(name, family, monkeypatch):
     """Each method's exact step, traced once per graph key and replayed: AR's logits bitwise, with
     drafts accepted; no op inside reads a device value on the host. Also with every family's switches
