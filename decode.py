@@ -39,8 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-file", help="read the prompt from this file")
     p.add_argument("--prompt-ids", help="comma-separated token ids instead of text (no BOS added)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--weights", default=None, help="HF Llama directory, FILE.gguf (converted once, cached) or a hub "
-                   f"id org/name (default: {DEFAULT_WEIGHTS.relative_to(Path(__file__).resolve().parent)})")
+    p.add_argument("--weights", default=None, help="HF directory (llama, mistral, qwen2, qwen3), FILE.gguf (converted "
+                   "once, cached) or a hub id org/name "
+                   f"(default: {DEFAULT_WEIGHTS.relative_to(Path(__file__).resolve().parent)})")
     p.add_argument("--drafters", help="the directory of the method's trained weights (default: the --weights "
                    "directory, else the shipped one trained for this model's fingerprint)")
     p.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template as one user "
@@ -92,7 +93,7 @@ def setup(args):
         cuda_layer.register()
     if not args.weights and not DEFAULT_WEIGHTS.is_dir():
         raise NanospecError(f"the default model ({DEFAULT_WEIGHTS}) is not in this checkout yet; "
-                            "pass --weights DIR with an HF Llama checkpoint")
+                            "pass --weights DIR with an HF checkpoint")
     if args.chat and args.prompt_ids is not None:
         raise NanospecError("--chat renders text: give --prompt, not --prompt-ids")
     if args.trace and args.bench:

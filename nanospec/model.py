@@ -8,6 +8,10 @@ batch's sequences each have their own cache row (a forward's seqs). Two modes:
   only on its own input and visible keys: in a fixed block of Q rows per sequence, a node's logits are bitwise AR's.
 - fast: SDPA over the used part of the cache with a boolean mask, and each product as its layer runs it (a device
   layer may install faster forms on the layers: tuning/products.py).
+The families beside Llama are data in ModelArgs: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Mistral's sliding
+window. The window is visibility, in both modes (Llama.context): a row at position p sees keys at positions
+> p - window, as transformers does. Committed slot j holds position j, a slot the block writes its row's position
+(trees of any depth); slots of a method's own keys (BiTA's prompt) hold none and stay visible.
 """
 import math
 from dataclasses import dataclass, fields
@@ -45,6 +49,9 @@ class ModelArgs:
     bos_id: int | None = 1
     eos_id: int | None = 2
     pad_id: int | None = None
+    qkv_bias: bool = False  # Qwen2: q, k and v projections with biases
+    qk_norm: bool = False  # Qwen3: an RMSNorm on each head of q and of k, before RoPE
+    sliding_window: int | None = None  # Mistral: a row at position p sees keys at positions > p - window
 
     def __post_init__(self):
         if self.n_heads % self.kv_heads:
@@ -117,13 +124,14 @@ class Context:
         return aligned(x) if self.exact else x
 
     def mm(self, layer, x, add=None):
-        """A bias-free layer's product, plus add (a residual) if given. Exact mode: one kernel on the rows folded
-        into one matrix, F.linear, or addmm with add in its epilogue (AR's kernel, whatever form a device layer
-        installed on the layer). Fast mode: the layer's forward as it runs (called directly: no hooks)."""
+        """A layer's product (with its bias, if any), plus add (a residual, bias-free layers) if given. Exact mode:
+        one kernel on the rows folded into one matrix, F.linear, or addmm with add in its epilogue (AR's kernel,
+        whatever form a device layer installed on the layer). Fast mode: the layer's forward as it runs (called
+        directly: no hooks)."""
         if not self.exact:
             y = layer.forward(x)
         elif add is None:
-            y = F.linear(x.flatten(0, -2), layer.weight).view(*x.shape[:-1], -1)
+            y = F.linear(x.flatten(0, -2), layer.weight, layer.bias).view(*x.shape[:-1], -1)
         else:
             y = torch.addmm(add.flatten(0, -2), x.flatten(0, -2), layer.weight.t()).view(add.shape)
         y = y if self.delta is None else self.delta(layer, x, y)
@@ -213,9 +221,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+    def forward(self, x, weight=None):  # weight: in place of its own (Attention: q's and k's at once)
+        xf, w = x.float(), self.weight if weight is None else weight
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 @torch.no_grad()  # inference only: the scores are written into one buffer (out=), which autograd does not follow
@@ -256,24 +264,26 @@ def attend_fast(q, kc, vc, ctx):
     return y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G * D)
 
 
-def fuse(module, name: str, dim: int, parts: dict[str, int], groups: int = 1) -> None:
-    """module.<name>: one bias-free product for the projections `parts` (name: output size), their weights' rows
+def fuse(module, name: str, dim: int, parts: dict[str, int], groups: int = 1, bias: bool = False) -> None:
+    """module.<name>: one product for the projections `parts` (name: output size), their weights' rows (and biases)
     concatenated in `groups` interleaved groups (each part's rows split in as many): one kernel, not len(parts).
     Checkpoints keep the parts, as HF names them: the state dict splits on save and joins on load."""
-    setattr(module, name, nn.Linear(dim, sum(parts.values()), bias=False))
+    setattr(module, name, nn.Linear(dim, sum(parts.values()), bias=bias))
     getattr(module, name).groups = groups
-    sizes = [n // groups for n in parts.values()]
+    sizes, leaves = [n // groups for n in parts.values()], (".weight", ".bias")[:1 + bias]
 
     def split(mod, state, prefix, meta):
-        w = state.pop(prefix + name + ".weight")
-        w = w.view(groups, -1, w.shape[-1]).split(sizes, 1)
-        state.update({prefix + p + ".weight": t.reshape(-1, t.shape[-1]) for p, t in zip(parts, w)})
+        for leaf in leaves:
+            w = state.pop(prefix + name + leaf)
+            w = w.view(groups, -1, *w.shape[1:]).split(sizes, 1)
+            state.update({prefix + p + leaf: t.reshape(-1, *t.shape[2:]) for p, t in zip(parts, w)})
 
     def join(state, prefix, *_):
-        keys = [prefix + p + ".weight" for p in parts]
-        if all(k in state for k in keys):
-            w = [state.pop(k) for k in keys]
-            state[prefix + name + ".weight"] = torch.cat([t.view(groups, -1, t.shape[-1]) for t in w], 1).flatten(0, 1)
+        for leaf in leaves:
+            keys = [prefix + p + leaf for p in parts]
+            if all(k in state for k in keys):
+                w = [state.pop(k) for k in keys]
+                state[prefix + name + leaf] = torch.cat([t.view(groups, -1, *t.shape[1:]) for t in w], 1).flatten(0, 1)
     module._register_state_dict_hook(split)
     module._register_load_state_dict_pre_hook(join)
 
@@ -284,14 +294,18 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.hd = args.n_heads, args.kv_heads, args.hd
         H, Hkv = args.n_heads * args.hd, args.kv_heads * args.hd
         # per key head: its G query heads, its key, its value (q and k then rotate at once; q needs no copy)
-        fuse(self, "qkv", args.dim, {"q_proj": H, "k_proj": Hkv, "v_proj": Hkv}, groups=args.kv_heads)
+        fuse(self, "qkv", args.dim, {"q_proj": H, "k_proj": Hkv, "v_proj": Hkv}, args.kv_heads, args.qkv_bias)
+        self.q_norm, self.k_norm = (RMSNorm(args.hd, args.norm_eps) for _ in "qk") if args.qk_norm else (None, None)
         self.o_proj = nn.Linear(H, args.dim, bias=False)
 
     def forward(self, x, ctx: Context, kc, vc, residual):
         B, T, _ = x.shape
         G = self.n_heads // self.n_kv
         qkv = ctx.mm(self.qkv, ctx.rows(x)).view(B, T, self.n_kv, G + 2, self.hd)
-        qk = apply_rope(qkv[:, :, :, :G + 1], ctx.cos, ctx.sin)  # (B, T, Hkv, G + 1, D)
+        qk = qkv[:, :, :, :G + 1]  # (B, T, Hkv, G + 1, D)
+        if self.q_norm is not None:  # each head of q and of k normed by its own weight, before RoPE
+            qk = self.q_norm(qk, torch.cat((self.q_norm.weight.expand(G, -1), self.k_norm.weight[None])))
+        qk = apply_rope(qk, ctx.cos, ctx.sin)
         q, k, v = qk[:, :, :, :G], qk[:, :, :, G], qkv[:, :, :, G + 1]
         # no cache (training): the rows' own keys are slots 0..T-1
         kc, vc = (k.transpose(1, 2), v.transpose(1, 2)) if kc is None else ctx.write(kc, vc, k, v)
@@ -356,7 +370,12 @@ class Llama(nn.Module):
         """The block's attention inputs. n_slots: the cache's (its physical slots); tail: in exact mode the keys each
         row gathers in canonical order (at least the deepest row's ancestors and itself; the rest it reads in place)."""
         ctx = Context(*self.rope(block.pos, exact), block.slots, exact, seqs=seqs)
-        prefix, extra = block.prefix[..., None], block.extra
+        prefix, extra, win = block.prefix[..., None], block.extra, self.args.sliding_window
+        gone = block.pos[..., None] - (win or 1 << 62)  # keys at positions <= gone are out of the window (docstring)
+        if win is not None:
+            B, dev = len(extra), extra.device
+            at = torch.full((B, n_slots), 1 << 62, device=dev).scatter_(1, block.slots.expand(B, -1), block.pos)
+            extra = extra.masked_fill(at.gather(1, extra.clamp(min=0).flatten(1)).view_as(extra) <= gone, -1)
         ctx.b = (torch.arange(len(extra), device=extra.device) if seqs is None else seqs)[:, None, None, None]
         if exact:  # canonical order: committed slots 0..prefix-1, then extra; its last `tail` keys are gathered
             tail -= tail % -grain(extra.new_empty(0, dtype=self.embed.weight.dtype))[0]
@@ -366,12 +385,12 @@ class Llama(nn.Module):
             start = prefix + ((extra >= 0) * (e + 1)).amax(-1, keepdim=True) - tail  # (B, T, 1) the tail's start
             k = start + torch.arange(tail, device=dev)  # (B, T, W) the tail's canonical indices
             at = torch.where(k < prefix, k, extra.gather(-1, (k - prefix).clamp(0, E - 1)))
-            at = torch.where(k < 0, -1, at)
+            at = torch.where((k < 0) | (k < prefix) & (k <= gone), -1, at)  # gone: out of the window
             # in place: committed slots below the tail's start, and any extra before it (rows that see more extra
             # keys than the tail holds, never a verified row's), in slot order; column n_slots collects the rest
             j = torch.arange(n_slots + 1, device=dev)
             before = torch.where((e < start - prefix) & (extra >= 0), extra, n_slots)
-            seen = (j < torch.minimum(start, prefix)).scatter_(-1, before, True)[..., :n_slots]
+            seen = ((j < torch.minimum(start, prefix)) & (j > gone)).scatter_(-1, before, True)[..., :n_slots]
             dt = self.embed.weight.dtype  # the masks as the scores' biases: log 1 = 0, log 0 = -inf
             bias_in = seen.to(dt).log()[:, None, :, None].expand(B, Hkv, T, G, n_slots).reshape(B * Hkv, T * G, -1)
             bias_tail = (at >= 0).to(dt).log()[:, None, :, None].expand(B, Hkv, T, 1, tail).reshape(-1, 1, tail)
@@ -380,7 +399,8 @@ class Llama(nn.Module):
         else:
             ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)
             # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
-            mask = torch.arange(L + 1, device=extra.device) < prefix
+            j = torch.arange(L + 1, device=extra.device)
+            mask = (j < prefix) & (j > gone)
             mask = mask.scatter_(-1, torch.where(extra < 0, L, extra), True)[..., :L]
             ctx.mask = None if bool(mask.all()) else mask
         return ctx

@@ -4,47 +4,26 @@ import pytest
 
 pytest.importorskip("gguf")  # an optional dependency: the tests that write GGUFs need it
 
-import json
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, quants
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from helpers import random_model
+from helpers import CHAT, SPECIALS, bpe, random_model  # noqa: F401 (CHAT, SPECIALS: as before)
 from nanospec.io.checkpoint import to_hf_name
 from nanospec.io.gguf_export import add_hyperparameters
 from nanospec.io.tokenizer import Tokenizer as SentencePiece
 from nanospec.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # the gguf library dequantizes these but cannot quantize them
 GGUF_NAMES = {v: k for k, v in {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}.items()}
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
-@lru_cache(maxsize=None)
-def bpe(vocab_size: int = 400) -> tuple[list[str], list[str]]:
-    """(tokens in id order, merges) of a byte-level BPE trained on nanospec's own source."""
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator([p.read_text() for p in sorted((ROOT / "nanospec").glob("*.py"))], trainer)
-    model = json.loads(tk.to_str())["model"]
-    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    return tokens, merges
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:

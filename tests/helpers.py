@@ -3,10 +3,16 @@ drafters, planted faults, and in-process command lines."""
 import contextlib
 import io
 import itertools
+import json
 import random
+from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanospec import cli
@@ -17,6 +23,78 @@ from nanospec.model import Block, Llama, ModelArgs
 from nanospec.tree import Sampler, Tree
 from nanospec.tuning.costs import Measured
 
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@lru_cache(maxsize=None)
+def bpe(vocab_size: int = 400) -> tuple[list[str], list[str]]:
+    """(tokens in id order, merges) of a byte-level BPE trained on nanospec's own source."""
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator([p.read_text() for p in sorted((ROOT / "nanospec").glob("*.py"))], trainer)
+    model = json.loads(tk.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges
+
+
+HF_FAMILIES = {  # name: (its transformers config class, the settings beside the shared ones)
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 8}),  # shorter than the prompts: the window matters
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 128}),  # its own head_dim (transformers' GGUF reader assumes 128)
+    "qwen3-window": ("Qwen3Config", {"head_dim": 12, "use_sliding_window": True, "sliding_window": 8,
+                                     "max_window_layers": 0}),
+}
+PRE = {"llama": "llama-bpe", "mistral": "default", "qwen2": "qwen2", "qwen3": "qwen2"}  # each one's pre-tokenizer
+
+
+def hf_family(path: Path, name: str, seed: int = 0):
+    """A tiny random checkpoint of one of HF_FAMILIES as transformers writes it (save_pretrained), with a byte-level
+    BPE tokenizer.json split as the family's tokenizers split (bpe()'s vocabulary) and a ChatML template. Its
+    logits are spread out (std of a few units), so greedy near-ties are rare. Returns the transformers model."""
+    transformers = pytest.importorskip("transformers")
+    from nanospec.io.gguf_tokenizer import build
+    transformers.logging.set_verbosity_error()
+    tokens, merges = bpe()
+    cls, extra = HF_FAMILIES[name]
+    cfg = getattr(transformers, cls)(vocab_size=len(tokens), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=40, max_position_embeddings=256,
+                                     bos_token_id=1, eos_token_id=2, **extra)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+            else:
+                p.copy_(torch.randn_like(p) if n.endswith(".bias") else torch.rand_like(p) + 0.5)
+    hf.save_pretrained(path)
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": PRE[name.split("-")[0]],
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.token_type": [3 if t in SPECIALS else 1 for t in tokens],
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.chat_template": CHAT}
+    text, config = build(meta)
+    (path / "tokenizer.json").write_text(text, encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return hf
+
+
+def family_args(args: ModelArgs, family: str, window: int = 6) -> ModelArgs:
+    """args as one of FAMILIES: llama as it is, mistral with a sliding window, qwen2 with q/k/v biases, qwen3 with
+    per-head q/k norms ("all": every switch at once, which no HF family has)."""
+    return replace(args, qkv_bias=family in ("qwen2", "all"), qk_norm=family in ("qwen3", "all"),
+                   sliding_window=window if family in ("mistral", "all") else None)
+
 
 def random_model(args: ModelArgs, seed=0, dtype=torch.float32, device="cpu") -> Llama:
     """A random Llama whose logits are spread out (std of a few units), so greedy near-ties are rare."""
@@ -26,6 +104,8 @@ def random_model(args: ModelArgs, seed=0, dtype=torch.float32, device="cpu") -> 
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, p.shape[1] ** -0.5 if "embed" not in name else 1.0)
+            elif name.endswith(".bias"):
+                p.normal_(0, 1)
             else:
                 p.uniform_(0.5, 1.5)  # norm weights
         if not args.tie_embeddings:
@@ -292,17 +372,19 @@ def call(main, *argv) -> tuple[int, str, str]:
 
 @st.composite
 def model_args(draw) -> ModelArgs:
-    """Tiny configs: MHA and GQA, odd sizes, optional rope scaling and tied embeddings."""
+    """Tiny configs of every family (a window from 1 slot up): MHA and GQA, odd sizes, optional rope scaling and
+    tied embeddings."""
     kv = draw(st.integers(1, 3))
     heads = kv * draw(st.integers(1, 3))
     scaling = draw(st.sampled_from([None, {"rope_type": "linear", "factor": 2.0},
                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}]))
-    return ModelArgs(dim=draw(st.integers(4, 20)) * 2 + 1, n_layers=draw(st.integers(1, 3)),
+    family, window = draw(st.sampled_from(FAMILIES)), draw(st.integers(1, 24))
+    return family_args(ModelArgs(dim=draw(st.integers(4, 20)) * 2 + 1, n_layers=draw(st.integers(1, 3)),
                      n_heads=heads, n_kv_heads=kv, head_dim=draw(st.sampled_from([2, 4, 6, 8, 10])),
                      vocab_size=draw(st.integers(5, 131)), hidden_dim=draw(st.integers(5, 61)),
                      rope_theta=draw(st.sampled_from([10000.0, 500.0])), rope_scaling=scaling,
-                     tie_embeddings=draw(st.booleans()), norm_eps=1e-5)
+                     tie_embeddings=draw(st.booleans()), norm_eps=1e-5), family, window)
 
 
 class Adversary(Drafter):

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import prime, random_model
+from helpers import FAMILIES, family_args, prime, random_model
 from nanospec import engine
 from nanospec import model as model_mod
 from nanospec.engine import generate, shapes
@@ -53,12 +53,14 @@ prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1
 @settings(max_examples=25, deadline=None)
 @given(name=st.sampled_from(["ar"] + METHODS), prompts=prompt_lists, n=st.integers(1, 24), seed=st.integers(0, 6),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), exact=st.booleans(), sampled=st.booleans(),
-       rows=st.none() | st.integers(1, 4))
-def test_each_sequence_of_a_batch_decodes_as_alone(device, name, prompts, n, seed, dtype, exact, sampled, rows):
+       rows=st.none() | st.integers(1, 4), family=st.sampled_from(FAMILIES), window=st.integers(1, 12))
+def test_each_sequence_of_a_batch_decodes_as_alone(device, name, prompts, n, seed, dtype, exact, sampled, rows, family,
+                                                   window):
     """Greedy, or sampled: each sequence draws from its own stream, the one it draws from alone; all
-    prompts at once, or `rows` at a time, each stopped one's row refilled with the next prompt."""
+    prompts at once, or `rows` at a time, each stopped one's row refilled with the next prompt. Any family."""
     # fast bf16: near-ties
-    model = random_model(ARGS, seed=seed, dtype=dtype if exact else torch.float32, device=device)
+    args = family_args(ARGS, family, window)
+    model = random_model(args, seed=seed, dtype=dtype if exact else torch.float32, device=device)
     d = batch_drafter(name, model)
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else None
     check_batch(model, prompts, d, n, exact, peeking=(0.9,), seed=seed, sampling=sampling, rows=rows)

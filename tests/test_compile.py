@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import prime, random_model
+from helpers import family_args, prime, random_model
 from nanospec import NanospecError
 from nanospec.engine import AR, generate, shapes
 from nanospec.tuning import compiled
@@ -39,6 +39,19 @@ def test_every_method_compiled_is_bitwise_ar_compiled(dtype, device):
         generate(model, PROMPTS, d, **kw)  # shapes seen: nothing compiles again (no graph per step or layer)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, name
     assert accepted > 0  # drafts were accepted: the methods' own rows ran
+
+
+def test_every_familys_switches_compile_bitwise():
+    """q/k/v biases, q/k norms and a window shorter than the prompt (every family's switches at once), compiled:
+    Medusa's logits bitwise AR's."""
+    model = random_model(family_args(ARGS, "all"), seed=4)
+    d, prompt = batch_drafter("medusa", model), PROMPTS[1]
+    Q, S, W = shapes([AR, d], len(prompt), N)
+    kw = dict(max_new_tokens=N, exact=True, Q=Q, n_slots=S, tail=W, eos_id=-1, record_logits=True, compile=True)
+    ar = generate(model, prompt, **kw)
+    prime(d, [prompt], [ar], seed=1)
+    out = generate(model, prompt, d, **kw)
+    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits) and out.steps < len(out.tokens)
 
 
 def test_compile_is_exact_modes():

@@ -83,8 +83,9 @@ def bad(tmp_path, cache, *args):
 
 
 def test_other_architecture_is_refused(tmp_path, cache):
-    path = write_gguf(tmp_path / "qwen.gguf", "F32", arch="qwen2")
-    assert "'qwen2' model" in bad(tmp_path, cache, "--weights", path)
+    path = write_gguf(tmp_path / "moe.gguf", "F32", arch="qwen2moe")
+    assert "the GGUF holds a 'qwen2moe' model; nanospec runs the architectures llama, qwen2, qwen3" in bad(
+        tmp_path, cache, "--weights", path)
 
 
 def test_unsupported_tensor_type_is_refused(tmp_path, cache):

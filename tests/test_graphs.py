@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from helpers import Adversary, peek, random_model
+from helpers import Adversary, family_args, peek, random_model
 from nanospec import engine
 from nanospec.engine import Drafter, generate, shapes
 from nanospec.methods import hidden_transfer
@@ -81,12 +81,15 @@ def simulate(monkeypatch):
     monkeypatch.setitem(engine.PROGRAMS, "cpu", graphs.Simulated())
 
 
-@pytest.mark.parametrize("name", ["medusa", "propd", "propd-dynamic", "bita-deep", "bita-straight",
-                                  "hidden_transfer", "sdsat", "lookahead", "adversary"])
-def test_every_method_replays_as_a_graph(name, monkeypatch):
+@pytest.mark.parametrize("name, family", [(n, "llama") for n in ["medusa", "propd", "propd-dynamic", "bita-deep",
+                                                                  "bita-straight", "hidden_transfer", "sdsat",
+                                                                  "lookahead", "adversary"]]
+                         + [("adversary", "all")])
+def test_every_method_replays_as_a_graph(name, family, monkeypatch):
     """Each method's exact step, traced once per graph key and replayed: AR's logits bitwise, with
-    drafts accepted; no op inside reads a device value on the host."""
-    model = random_model(EDGE_ARGS, seed=11)
+    drafts accepted; no op inside reads a device value on the host. Also with every family's switches
+    (q/k/v biases, q/k norms, a window shorter than the prompt)."""
+    model = random_model(family_args(EDGE_ARGS, family), seed=11)
     prompt = [3, 9, 4, 1, 7, 12, 5] * 2
     Q, S, _ = shapes([drafter("bita-deep", model)], len(prompt), 24)
     kw = dict(max_new_tokens=24, exact=True, Q=Q, n_slots=S, tail=Q, eos_id=-1, record_logits=True)  # any path fits

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import PRODUCT_FORMS, RowCountProducts, call, decode_main, random_model
+from helpers import FAMILIES, PRODUCT_FORMS, RowCountProducts, call, decode_main, family_args, random_model
 from nanospec import NanospecError
 from nanospec.engine import generate, shapes
 from nanospec.sizes import CUDA_BLOCK_BATCH, block_batch
@@ -51,11 +51,13 @@ prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1
 
 @settings(max_examples=20, deadline=None)
 @given(name=st.sampled_from(["ar"] + METHODS), prompts=prompt_lists, n=st.integers(1, 16), seed=st.integers(0, 6),
-       dtype=st.sampled_from(DTYPES), rows=st.none() | st.integers(1, 4), sampled=st.booleans())
-def test_a_block_batch_keeps_each_sequence_as_alone_under_such_products(name, prompts, n, seed, dtype, rows, sampled):
+       dtype=st.sampled_from(DTYPES), rows=st.none() | st.integers(1, 4), sampled=st.booleans(),
+       family=st.sampled_from(FAMILIES))
+def test_a_block_batch_keeps_each_sequence_as_alone_under_such_products(name, prompts, n, seed, dtype, rows, sampled,
+                                                                        family):
     """Up to 4 sequences at once (refills when there are more prompts than rows), every forward 4
-    sequences' blocks: each sequence, at whichever cache row it lands, is bitwise AR alone."""
-    model = random_model(ARGS, seed=seed, dtype=dtype)
+    sequences' blocks: each sequence, at whichever cache row it lands, is bitwise AR alone. Any family."""
+    model = random_model(family_args(ARGS, family), seed=seed, dtype=dtype)
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else None
     with RowCountProducts():
         check_batch(model, prompts[:4] if rows is None else prompts, batch_drafter(name, model), n,

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import AlignedProducts, full_logits, random_model
+from helpers import AlignedProducts, family_args, full_logits, random_model
 from nanospec import engine
 from nanospec import model as llama
 from nanospec.model import ModelArgs
@@ -19,13 +19,17 @@ from test_edges import ARGS, METHODS
 
 AR_PER_LAYER = {torch.float32: 33, torch.bfloat16: 37}  # bf16: RMSNorm's casts
 EXTRA = {"sdsat": 16}  # SDSAT updates every product of its adaptive rows; the others may add 6
+# every family's switches at once (helpers.family_args "all"), per layer beside Llama's: Qwen2's biases ride in the
+# products' kernel and Mistral's window in the step's visibility (no layer's); Qwen3's q/k norm is one RMSNorm over
+# both, its weights joined (a cat)
+FAMILIES_EXTRA = 7
 
 
-def per_layer(name, dtype=torch.float32) -> float:
+def per_layer(name, dtype=torch.float32, family="llama") -> float:
     """A step's ops per layer: how its count grows from 3 to 6 layers (a head's ops do not grow)."""
     counts = []
     for n in (3, 6):
-        model = random_model(replace(ARGS, n_layers=n), seed=0, dtype=dtype)
+        model = random_model(replace(family_args(ARGS, family), n_layers=n), seed=0, dtype=dtype)
         counts.append(step_ops(model, batch_drafter(name, model)))
     return (counts[1] - counts[0]) / 3
 
@@ -39,6 +43,10 @@ def test_an_op_added_to_every_layer_is_counted(monkeypatch):
     forward = llama.Layer.forward
     monkeypatch.setattr(llama.Layer, "forward", lambda self, x, *a: forward(self, x * 1.0, *a))  # a planted op
     assert per_layer("ar") == AR_PER_LAYER[torch.float32] + 1
+
+
+def test_the_families_ops_per_layer_are_pinned():
+    assert per_layer("ar", family="all") == AR_PER_LAYER[torch.float32] + FAMILIES_EXTRA
 
 
 @pytest.mark.parametrize("name", METHODS)

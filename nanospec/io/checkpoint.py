@@ -1,7 +1,9 @@
-"""HF Llama checkpoints in and out: config.json, model.safetensors (or a sharded index), tokenizer.model.
+"""HF checkpoints in and out: config.json, model.safetensors (or a sharded index), tokenizer.model.
 
-Our module names differ from HF's in a few places; HF_NAMES is the one map between them.
-Q/K need no permutation: HF checkpoints already use the rotate-half RoPE layout we use.
+The families are Llama's and its close kin, each a few switches of ModelArgs (FAMILIES): llama, mistral (a sliding
+window), qwen2 (q/k/v biases), qwen3 (per-head q/k norms, its own head_dim). Any other model_type (MoE, MLA,
+Gemma's norms...) is refused, naming it. Our module names differ from HF's in a few places; HF_NAMES is the one
+map between them. Q/K need no permutation: HF checkpoints already use the rotate-half RoPE layout we use.
 Methods' trained weights are separate files that record the fingerprint of their base model.
 """
 import json
@@ -20,6 +22,8 @@ HF_NAMES = [  # (HF, ours); lm_head, mlp.*_proj and self_attn.*_proj keep their 
     (".self_attn.", ".attn."), (".input_layernorm.", ".attn_norm."),
     (".post_attention_layernorm.", ".mlp_norm."),
 ]
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}  # model_type -> architecture
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,11 +42,36 @@ def to_hf_name(name: str) -> str:
     return name
 
 
+def family(args: ModelArgs) -> str:
+    """The model_type whose config.json describes args."""
+    if args.qk_norm and args.qkv_bias:
+        raise NanospecError("no HF family has q/k norms and q/k/v biases without an o_proj bias")
+    return "qwen3" if args.qk_norm else "qwen2" if args.qkv_bias else "mistral" if args.sliding_window else "llama"
+
+
+def sliding_window(cfg: dict, kind: str) -> int | None:
+    """The window every layer slides (None: none). Qwen's windows apply to the layers from max_window_layers on
+    (or as layer_types says), Mistral's to all; one on some layers only is refused."""
+    if kind == "llama" or kind != "mistral" and not cfg.get("use_sliding_window"):
+        return None
+    window, n = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    if window is not None and window < 1:
+        raise ValueError(f"sliding_window={window} must be at least 1")
+    if window is None or kind == "mistral":
+        return window
+    types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)
+                                       else "full_attention" for i in range(n)]
+    if len(set(types)) > 1:
+        raise ValueError("a sliding window on some layers only (layer_types) is not supported")
+    return window if types[0] == "sliding_attention" else None
+
+
 def from_hf_config(cfg: dict) -> ModelArgs:
-    """ModelArgs from an HF Llama config.json; what our Llama cannot run is refused."""
-    if cfg.get("model_type", "llama") != "llama":
-        raise ValueError(f"model_type {cfg.get('model_type')!r} is not llama")
-    for key in ("attention_bias", "mlp_bias"):
+    """ModelArgs from an HF config.json of one of FAMILIES; what our model cannot run is refused."""
+    kind = cfg.get("model_type", "llama")
+    if kind not in FAMILIES:
+        raise ValueError(f"model_type {kind!r} is not supported: nanospec runs {', '.join(FAMILIES)}")
+    for key in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its own (no key)
         if cfg.get(key):
             raise ValueError(f"{key}=true is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -51,26 +80,29 @@ def from_hf_config(cfg: dict) -> ModelArgs:
     # rope_theta + rope_scaling ({"type"|"rope_type": ...}).
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = rope.pop("rope_type", rope.pop("type", "default"))
-    scaling = None if kind == "default" else {"rope_type": kind, **rope}
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
     eos = cfg.get("eos_token_id")
     return ModelArgs(
         dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
         n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
         vocab_size=cfg["vocab_size"], hidden_dim=cfg["intermediate_size"],
-        head_dim=cfg.get("head_dim"), norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        head_dim=cfg.get("head_dim", 128 if kind == "qwen3" else None), norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling=scaling,
         tie_embeddings=cfg.get("tie_word_embeddings", False),
         max_seq_len=cfg.get("max_position_embeddings", 2048),
         bos_id=cfg.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos,
-        pad_id=cfg.get("pad_token_id"))
+        pad_id=cfg.get("pad_token_id"), qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+        sliding_window=sliding_window(cfg, kind))
 
 
 def to_hf_config(args: ModelArgs) -> dict:
-    """An HF Llama config.json for args (transformers loads it unchanged)."""
-    rope = {"rope_type": "default", **(args.rope_scaling or {})}
+    """An HF config.json for args, of its family (transformers loads it unchanged)."""
+    rope, kind, window = {"rope_type": "default", **(args.rope_scaling or {})}, family(args), args.sliding_window
+    slides = {"mistral": {"sliding_window": window}, "llama": {}}.get(kind, {  # Qwen's: every layer's, or none
+        "use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0})
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [FAMILIES[kind]], "model_type": kind, **slides,
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads,
         "vocab_size": args.vocab_size, "intermediate_size": args.hidden_dim,
@@ -87,10 +119,10 @@ def to_hf_config(args: ModelArgs) -> dict:
 def load_args(path) -> ModelArgs:
     path = Path(path)
     if not path.is_dir():
-        raise NanospecError(f"no weights directory at {path}: pass --weights DIR with an HF Llama checkpoint")
+        raise NanospecError(f"no weights directory at {path}: pass --weights DIR with an HF checkpoint")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise NanospecError(f"{path} has no config.json: is it an HF Llama checkpoint directory?")
+        raise NanospecError(f"{path} has no config.json: is it an HF checkpoint directory?")
     try:
         return from_hf_config(json.loads(cfg_file.read_text()))
     except json.JSONDecodeError as e:
@@ -120,7 +152,7 @@ def load_tensors(path: Path) -> dict:
 
 
 def load(path, dtype=torch.float32, device="cpu") -> Llama:
-    """Load an HF Llama directory; weights are cast to dtype (upcasting bf16 to fp32 is exact). The
+    """Load an HF directory; weights are cast to dtype (upcasting bf16 to fp32 is exact). The
     model's fingerprint names the stored weights, before the cast (files.fingerprint)."""
     path = Path(path)
     args = load_args(path)

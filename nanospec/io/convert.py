@@ -1,15 +1,18 @@
-"""A Llama GGUF (llama.cpp's format) as an HF directory, once: config.json, model.safetensors
+"""A GGUF (llama.cpp's format) as an HF directory, once: config.json, model.safetensors
 (fp32), tokenizer.json, tokenizer_config.json (with the chat template), generation_config.json.
 And back: an HF directory as an F32 GGUF (gguf_export.py), so llama.cpp runs nanospec's weights.
+The architectures are llama.cpp's llama (Llama and Mistral: its `llama` holds both), qwen2 (q/k/v
+biases) and qwen3 (per-head q/k norms); any other is refused, naming it.
 
     python -m nanospec.io.convert FILE.gguf DIR
     python -m nanospec.io.convert DIR OUT.gguf [--layers N]
 
 Tensors are dequantized with the `gguf` library, in fp32 as llama.cpp computes them (Q4_1:
 d * q + m per weight), so the fp32 directory is the GGUF's model itself (a Q4_1 file is of course
-an approximation of the model it was quantized from). llama.cpp
-stores the rows of Q and K permuted for its RoPE layout (convert_hf_to_gguf.py's `permute`);
-unpermute() undoes that. The config and the tokenizer come from the file's metadata.
+an approximation of the model it was quantized from). For its `llama` architecture llama.cpp
+stores the rows of Q and K permuted for its RoPE layout (convert_hf_to_gguf.py's `permute`), and
+unpermute() undoes that; qwen2 and qwen3 rotate halves as HF does and are stored unpermuted. The
+config and the tokenizer come from the file's metadata (a sliding window from attention.sliding_window).
 Everything is written into a temporary directory that is renamed into place at the end, so an
 error leaves nothing behind. decode.py and the rest call this through sources.resolve(), which
 keeps one converted copy per GGUF in a cache.
@@ -29,7 +32,7 @@ from .. import ArgumentParser, NanospecError, cli
 from ..model import ModelArgs
 from . import gguf_tokenizer
 from .checkpoint import to_hf_config
-from .gguf_export import LAYER_NAMES, TOP_NAMES, export
+from .gguf_export import ARCHS, LAYER_NAMES, TOP_NAMES, export
 
 SUPPORTED = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
@@ -58,14 +61,14 @@ def open_gguf(path: Path):
 
 def model_args(meta: dict, tensor_names: set) -> ModelArgs:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise NanospecError(f"the GGUF holds a {arch!r} model; nanospec runs Llama models "
-                            "(general.architecture 'llama')")
-    get = lambda key, default=None: meta.get(f"llama.{key}", default)
+    if arch not in ARCHS:
+        raise NanospecError(f"the GGUF holds a {arch!r} model; nanospec runs the architectures "
+                            f"{', '.join(ARCHS)} (general.architecture)")
+    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)
     missing = [k for k in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
                if get(k) is None]
     if missing:
-        raise NanospecError(f"the GGUF lacks llama.{missing[0]}")
+        raise NanospecError(f"the GGUF lacks {arch}.{missing[0]}")
     if "rope_freqs.weight" in tensor_names or get("rope.scaling.type", "none") not in ("none", "linear"):
         raise NanospecError("the GGUF uses a RoPE scaling nanospec does not convert (rope_freqs or "
                             f"{get('rope.scaling.type')!r}); plain and linear RoPE only")
@@ -85,9 +88,10 @@ def model_args(meta: dict, tensor_names: set) -> ModelArgs:
             rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
             tie_embeddings="output.weight" not in tensor_names, max_seq_len=get("context_length", 2048),
             bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_id=meta.get("tokenizer.ggml.eos_token_id"),
-            pad_id=meta.get("tokenizer.ggml.padding_token_id"))
+            pad_id=meta.get("tokenizer.ggml.padding_token_id"), qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+            sliding_window=get("attention.sliding_window"))
     except (ValueError, TypeError) as e:
-        raise NanospecError(f"the GGUF's llama.* metadata is not a valid Llama config: {e}") from None
+        raise NanospecError(f"the GGUF's {arch}.* metadata is not a valid config: {e}") from None
 
 
 def hf_name(name: str) -> str:
@@ -97,7 +101,7 @@ def hf_name(name: str) -> str:
         return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{leaf}"
     if stem in TOP_NAMES and leaf == "weight":
         return f"{TOP_NAMES[stem]}.{leaf}"
-    raise NanospecError(f"the GGUF has a tensor nanospec does not know: {name} (not a plain Llama?)")
+    raise NanospecError(f"the GGUF has a tensor nanospec does not know: {name}")
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -106,14 +110,24 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)  # (n_head, 2, hd/2, dim)
 
 
-def tensors(reader, args: ModelArgs) -> dict:
-    """HF name -> fp32 tensor, dequantized, Q/K rows in HF order, shapes checked."""
-    expect = {f"model.layers.{i}.{n}.weight": s for i in range(args.n_layers) for n, s in {
-        "input_layernorm": (args.dim,), "post_attention_layernorm": (args.dim,),
-        "self_attn.q_proj": (args.n_heads * args.hd, args.dim), "self_attn.k_proj": (args.kv_heads * args.hd, args.dim),
-        "self_attn.v_proj": (args.kv_heads * args.hd, args.dim), "self_attn.o_proj": (args.dim, args.n_heads * args.hd),
-        "mlp.gate_proj": (args.hidden_dim, args.dim), "mlp.up_proj": (args.hidden_dim, args.dim),
-        "mlp.down_proj": (args.dim, args.hidden_dim)}.items()}
+def layer_shapes(args: ModelArgs) -> dict:
+    """A layer's tensors (HF names, after model.layers.N.) and their shapes, as args' family has them."""
+    H, Hkv = args.n_heads * args.hd, args.kv_heads * args.hd
+    shapes = {"input_layernorm.weight": (args.dim,), "post_attention_layernorm.weight": (args.dim,),
+              "self_attn.q_proj.weight": (H, args.dim), "self_attn.k_proj.weight": (Hkv, args.dim),
+              "self_attn.v_proj.weight": (Hkv, args.dim), "self_attn.o_proj.weight": (args.dim, H),
+              "mlp.gate_proj.weight": (args.hidden_dim, args.dim), "mlp.up_proj.weight": (args.hidden_dim, args.dim),
+              "mlp.down_proj.weight": (args.dim, args.hidden_dim)}
+    if args.qkv_bias:
+        shapes.update({"self_attn.q_proj.bias": (H,), "self_attn.k_proj.bias": (Hkv,), "self_attn.v_proj.bias": (Hkv,)})
+    if args.qk_norm:
+        shapes.update({"self_attn.q_norm.weight": (args.hd,), "self_attn.k_norm.weight": (args.hd,)})
+    return shapes
+
+
+def tensors(reader, args: ModelArgs, permuted: bool) -> dict:
+    """HF name -> fp32 tensor, dequantized, Q/K rows in HF order (unpermuted if `permuted`), shapes checked."""
+    expect = {f"model.layers.{i}.{n}": s for i in range(args.n_layers) for n, s in layer_shapes(args).items()}
     expect.update({"model.embed_tokens.weight": (args.vocab_size, args.dim), "model.norm.weight": (args.dim,)})
     if not args.tie_embeddings:
         expect["lm_head.weight"] = (args.vocab_size, args.dim)
@@ -133,9 +147,9 @@ def tensors(reader, args: ModelArgs) -> dict:
                                 f"{expect.get(name, 'no such tensor')}")
         if not np.isfinite(w).all():
             raise NanospecError(f"tensor {t.name} holds non-finite values: the file is corrupted")
-        if name.endswith("q_proj.weight"):
+        if permuted and name.endswith("q_proj.weight"):
             w = unpermute(w, args.n_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith("k_proj.weight"):
             w = unpermute(w, args.kv_heads)
         out[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: F32 data is a view of the file
     if missing := sorted(set(expect) - set(out)):
@@ -152,7 +166,7 @@ def convert(gguf_path, out, sha256: str | None = None) -> Path:
     names = {t.name for t in reader.tensors}
     args = model_args(meta, names)
     tok_json, tok_config = gguf_tokenizer.build(meta, args.max_seq_len)  # fail on the tokenizer before the work
-    state = tensors(reader, args)
+    state = tensors(reader, args, permuted=meta["general.architecture"] == "llama")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -179,7 +193,7 @@ def convert(gguf_path, out, sha256: str | None = None) -> Path:
 
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__)
-    p.add_argument("source", help="a Llama .gguf file, or an HF Llama directory")
+    p.add_argument("source", help="a .gguf file, or an HF directory")
     p.add_argument("out", help="the HF directory to write (must not exist yet), or OUT.gguf for a directory")
     p.add_argument("--layers", type=int, help="DIR -> OUT.gguf: keep only the first N layers (a draft model)")
     args = p.parse_args(argv)

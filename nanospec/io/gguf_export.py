@@ -1,10 +1,13 @@
-"""An HF Llama directory as an F32 GGUF file, so that llama.cpp runs the very weights nanospec runs.
+"""An HF directory as an F32 GGUF file, so that llama.cpp runs the very weights nanospec runs.
 
     python -m nanospec.io.convert DIR OUT.gguf [--layers N]
 
-The inverse of convert.py: HF names become GGUF names, Q and K rows are permuted into llama.cpp's
-RoPE layout again (convert_hf_to_gguf.py's `permute`), every matrix is written in F32 (the 1-D
-norms are F32 in any GGUF), and the config goes into `llama.*` metadata. The tokenizer goes in
+The inverse of convert.py: each family goes in as llama.cpp's converter writes it (llama and mistral
+as its `llama`, qwen2 and qwen3 as themselves), HF names become GGUF names, Q and K rows are
+permuted into llama.cpp's RoPE layout again for `llama` only (convert_hf_to_gguf.py's `permute`),
+every matrix is written in F32 (the 1-D norms and biases are F32 in any GGUF), and the config goes
+into `<arch>.*` metadata (a sliding window as attention.sliding_window, which llama.cpp's llama,
+qwen2 and qwen3 do not apply: past the window its output is not the model's). The tokenizer goes in
 as llama.cpp reads it: a byte-level BPE tokenizer.json as `gpt2` (tokens, merges, types and the
 `pre` name whose split it performs, found by building each of gguf_tokenizer.PRE and comparing),
 a sentencepiece tokenizer.model as `llama` (pieces, scores, types). The chat template comes
@@ -18,15 +21,16 @@ import numpy as np
 
 from .. import NanospecError
 from ..model import ModelArgs
-from .checkpoint import load_args, load_tensors, to_hf_name
+from .checkpoint import family, load_args, load_tensors, to_hf_name
 from .files import atomic_write
 
 LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+ARCHS = ("llama", "qwen2", "qwen3")  # llama.cpp's architectures for checkpoint.FAMILIES (mistral: its llama)
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GGUF_LAYER = {hf: g for g, hf in LAYER_NAMES.items()}
 GGUF_TOP = {hf: g for g, hf in TOP_NAMES.items()}
@@ -40,12 +44,12 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_name(hf: str) -> str | None:
-    stem = hf.removesuffix(".weight")
-    if stem in GGUF_TOP:
+    stem, _, leaf = hf.rpartition(".")  # leaf: weight or bias
+    if stem in GGUF_TOP and leaf == "weight":
         return f"{GGUF_TOP[stem]}.weight"
-    parts = stem.split(".", 3)  # model, layers, N, leaf
+    parts = stem.split(".", 3)  # model, layers, N, module
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in GGUF_LAYER:
-        return f"blk.{parts[2]}.{GGUF_LAYER[parts[3]]}.weight"
+        return f"blk.{parts[2]}.{GGUF_LAYER[parts[3]]}.{leaf}"
     return None
 
 
@@ -55,7 +59,7 @@ def src_meta(src: Path) -> dict:  # what convert.py recorded about a GGUF a dire
 
 
 def add_hyperparameters(w, args: ModelArgs, layers: int, context: int) -> None:
-    """A Llama's shape as llama.cpp's metadata keys (its converter's and this exporter's)."""
+    """A model's shape as llama.cpp's metadata keys (its converter's and this exporter's)."""
     w.add_block_count(layers)
     w.add_context_length(context)
     w.add_embedding_length(args.dim)
@@ -65,6 +69,8 @@ def add_hyperparameters(w, args: ModelArgs, layers: int, context: int) -> None:
     w.add_rope_freq_base(args.rope_theta)
     w.add_layer_norm_rms_eps(args.norm_eps)
     w.add_rope_dimension_count(args.hd)
+    if args.sliding_window:
+        w.add_sliding_window(args.sliding_window)
 
 
 def write_config(w, src: Path, args: ModelArgs, layers: int, name: str) -> None:
@@ -164,10 +170,11 @@ def write_spm(w, path: Path) -> None:
 
 
 def export(src, out, layers: int | None = None) -> Path:
-    """Write the F32 GGUF `out` from the HF Llama directory `src` (first `layers` layers only, if given)."""
+    """Write the F32 GGUF `out` from the HF directory `src` (first `layers` layers only, if given)."""
     import gguf
     src, out = Path(src), Path(out)
     args = load_args(src)
+    arch = {"mistral": "llama"}.get(family(args), family(args))
     layers = args.n_layers if layers is None else layers
     if not 1 <= layers <= args.n_layers:
         raise NanospecError(f"--layers {layers}: the model has {args.n_layers} layers")
@@ -180,20 +187,20 @@ def export(src, out, layers: int | None = None) -> Path:
         hf = to_hf_name(name)
         g = gguf_name(hf)
         if g is None:
-            raise NanospecError(f"{src} has a tensor llama.cpp's Llama does not know: {hf}")
+            raise NanospecError(f"{src} has a tensor llama.cpp's {arch} does not know: {hf}")
         if g.startswith("blk.") and int(g.split(".")[1]) >= layers:
             continue
         a = t.float().numpy()
-        if g.endswith("attn_q.weight"):
+        if arch == "llama" and g.endswith("attn_q.weight"):
             a = permute(a, args.n_heads)
-        elif g.endswith("attn_k.weight"):
+        elif arch == "llama" and g.endswith("attn_k.weight"):
             a = permute(a, args.kv_heads)
         tensors[g] = np.ascontiguousarray(a, dtype=np.float32)
     if args.tie_embeddings:
         tensors.pop("output.weight", None)  # llama.cpp ties when the file has no output.weight
 
     def write(tmp: Path):
-        w = gguf.GGUFWriter(str(tmp), "llama")
+        w = gguf.GGUFWriter(str(tmp), arch)
         name = src.name if layers == args.n_layers else f"{src.name} (first {layers} layers)"
         write_config(w, src, args, layers, name)
         if (src / "tokenizer.json").is_file():

@@ -3,7 +3,7 @@
 A GGUF stores the vocabulary, the merges, each token's type and the special ids as metadata
 (tokenizer.ggml.*), plus the name of the pre-tokenizer (`pre`): llama.cpp splits text with a
 fixed list of regexes per name before BPE. PRE gives those splits in tokenizers' terms, for the
-byte-level BPE ("gpt2") vocabularies that Llama-architecture files use; other names are refused
+byte-level BPE ("gpt2") vocabularies that llama, qwen2 and qwen3 files use; other names are refused
 rather than guessed, since a wrong split changes the ids without any error.
 """
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -14,6 +14,11 @@ CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one
+
+
+def split_then_bytes(regex: str):  # tokenizer.json's form of llama.cpp's regex pre-tokenizers
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), "isolated"), byte_level(False)])
 
 
 def byte_level(use_regex: bool):
@@ -30,8 +35,8 @@ PRE = {
     "gpt-2": lambda: (byte_level(True), False),
     "smollm": lambda: (digits_then_gpt2(), False),
     "starcoder": lambda: (digits_then_gpt2(), False),
-    "llama-bpe": lambda: (pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
-                                                   byte_level(False)]), True),
+    "llama-bpe": lambda: (split_then_bytes(LLAMA3_SPLIT), True),
+    "qwen2": lambda: (split_then_bytes(QWEN2_SPLIT), False),
 }
 
 

@@ -145,7 +145,7 @@ def resolve(weights, log=None) -> Path:
         raise NanospecError(f"--weights {spec}: pass a weights directory, a .gguf file or a hub id (org/name)")
     if HUB_ID.match(spec) and not spec.startswith((".", "~")):
         return from_hub(spec)
-    raise NanospecError(f"no weights directory at {path}: pass --weights DIR (an HF Llama checkpoint), "
+    raise NanospecError(f"no weights directory at {path}: pass --weights DIR (an HF checkpoint), "
                         "FILE.gguf or a hub id org/name")
 
 

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--engine", choices=ENGINES, help="run this engine here and compare it")
     p.add_argument("--weights", default=str(DEFAULT_WEIGHTS),
-                   help="--engine: an HF Llama directory, FILE.gguf or hub id org/name (default: the shipped model)")
+                   help="--engine: an HF directory, FILE.gguf or hub id org/name (default: the shipped model)")
     p.add_argument("--prompts", help="--engine: JSONL of {\"prompt\": ...} (default: the weights' prompts.jsonl)")
     p.add_argument("--limit", type=int, help="--engine: only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)

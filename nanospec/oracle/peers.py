@@ -13,7 +13,7 @@ SETTINGS = {"greedy": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}, "as
 
 
 def hf_generate(hf, prompt: list[int], setting: str, max_new_tokens: int, eos_id: int, assistant=None) -> list[int]:
-    """transformers' LlamaForCausalLM.generate, greedy, in one of SETTINGS; the new ids."""
+    """transformers' generate (AutoModelForCausalLM), greedy, in one of SETTINGS; the new ids."""
     extra = dict(SETTINGS[setting], **({"assistant_model": assistant} if setting == "assisted" else {}))
     ids = torch.tensor([prompt], device=hf.device)
     with torch.no_grad():
@@ -39,6 +39,6 @@ def transformers_peers(weights, dtype, device, assistant_layers: int = 2) -> lis
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     path = base_of(weights)
-    load = lambda **kw: transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval()
+    load = lambda **kw: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval()
     hf, assistant = load(), load(num_hidden_layers=assistant_layers)
     return [Peer(f"transformers {s}", hf, s, assistant if s == "assisted" else None) for s in SETTINGS]

@@ -1,6 +1,6 @@
 """Engines under test for `nanospec.oracle.compare --engine`, one module each, imported only when named:
 
-- transformers (hf.py): LlamaForCausalLM.generate, greedy / prompt lookup / assisted;
+- transformers (hf.py): AutoModelForCausalLM.generate, greedy / prompt lookup / assisted;
 - llama.cpp (llamacpp.py): llama-cpp-python (an optional extra), greedy / prompt lookup / draft model;
 - openai (openai.py): any OpenAI-compatible completions server, over HTTP (standard library).
 

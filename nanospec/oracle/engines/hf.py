@@ -1,4 +1,5 @@
-"""transformers as the engine under test: LlamaForCausalLM.generate, greedy, on the same weights.
+"""transformers as the engine under test: its model of the weights' family (AutoModelForCausalLM: Llama, Mistral,
+Qwen2, Qwen3) and its generate, greedy, on the same weights.
 
 Settings: plain greedy, prompt lookup (prompt_lookup_num_tokens=10) and assisted generation
 (assistant_model: by default the same checkpoint cut to its first --assistant-layers layers), in
@@ -120,7 +121,8 @@ def run(args) -> list[dict]:
         model = load(base_of(weights), DTYPES[name], args.device)
         if calib and calib.get("model") not in (None, fingerprint(model)):
             raise NanospecError(f"{args.calibration} calibrates other weights (fingerprint {calib['model']})")
-        hf = transformers.LlamaForCausalLM.from_pretrained(base_of(weights), dtype=DTYPES[name]).to(args.device).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(base_of(weights), dtype=DTYPES[name])
+        hf = hf.to(args.device).eval()
         if args.calibrate:  # transformers in this dtype against nanospec in it, and against fp32 nanospec
             fp32 = [load(base_of(weights), torch.float32, args.device)] if name != "float32" else []
             for ref_model in [model] + fp32:
@@ -143,7 +145,7 @@ def run(args) -> list[dict]:
         if "assisted" in settings:
             src = Path(args.assistant) if args.assistant else base_of(weights)
             kw = {} if args.assistant else {"num_hidden_layers": args.assistant_layers}
-            assistant = transformers.LlamaForCausalLM.from_pretrained(src, dtype=DTYPES[name], **kw)
+            assistant = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=DTYPES[name], **kw)
             assistant = assistant.to(args.device).eval()
         save(args, f"nanospec-ar-{name}", refs)
         tol = tolerance_of(calib, name)
