@@ -2,8 +2,8 @@
 
 Every forward takes a Block: T rows, each with a RoPE position, the KVCache slot its key/value is written to, and
 the slots it may attend to: "the committed prefix 0..prefix-1, then `extra` in the given order" -- for a tree node,
-its ancestors by depth and itself: the canonical key order of the exactness contract (DESIGN.md section 2). A
-batch's sequences each have their own cache row (a forward's seqs). Two modes:
+its ancestors by depth and itself: the canonical key order (README, "The contract"), in which each row reduces over
+its visible keys as AR would see them. A batch's sequences each have their own cache row (a forward's seqs). Two modes:
 - exact: each row gathers its visible keys in canonical order, padded to the cache's S slots, so its result depends
   only on its own input and visible keys: in a fixed block of Q rows per sequence, a node's logits are bitwise AR's.
 - fast: SDPA over the used part of the cache with a boolean mask, and each product as its layer runs it (a device

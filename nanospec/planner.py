@@ -1,7 +1,8 @@
 """The draft budget: how many nodes each step's tree has.
 
-ProPD's section 4.2 (../shared/papers/propd.txt), in the core so every ranked method gets it: a
-cost model of a step's seconds by (batch, rows) that the planner is given (ProPD's own online
+ProPD's section 4.2 (Shuzhang Zhong, Zebin Yang, Meng Li, Ruihao Gong, Runsheng Wang, Ru Huang, "ProPD: Dynamic
+Token Tree Pruning and Generation for LLM Parallel Decoding", 2024, arXiv:2402.13485), in the core so every ranked
+method gets it: a cost model of a step's seconds by (batch, rows) that the planner is given (ProPD's own online
 costs.CostModel, or a device layer's: tuning/costs.Measured), acceptance per depth and rank, the
 expected accepted length of a tree (1, plus each node's path probability: Figure 6), and the size
 with the most expected tokens per second, replanned every `replan` tokens of the planner's clock

@@ -177,7 +177,7 @@ def test_trees_of_different_sizes_share_one_forward(monkeypatch, device, name):
 def test_a_full_batch_reads_its_cache_in_place(monkeypatch, device):
     """After refills, a step over every cache row keeps the rows in cache order, so attention reads
     each sequence's keys where they lie (seqs None) instead of gathering a copy of the whole cache
-    per layer (SmolLM2, AR at B = 8: 60 -> 55-57 ms a step)."""
+    per layer, which slowed a full batch's steps (RESULTS.md, "Why the heuristics stay")."""
     model = random_model(ARGS, seed=2, device=device)
     prompts = [[1 + i, 2 + i] * (1 + i) for i in range(7)]
     full, stack = [], engine.stack

@@ -107,7 +107,7 @@ def test_the_plan_is_redone_only_when_the_sequence_moves(monkeypatch):
 
 
 def test_its_own_planner_drafts_every_step_even_where_drafting_cannot_pay():
-    """The paper's ProPD never takes an AR step (issue 34): with rows so dear that the core planner
+    """The paper's ProPD never takes an AR step: with rows so dear that the core planner
     plans AR, its sizes still draft: the core's by default, and those a CPU's layer hands it
     (tuning.planner.own_sizes), each filling fast mode's row buckets at B = 1, 2, 4, 8."""
     args = ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=13, hidden_dim=24)
@@ -150,7 +150,7 @@ W = Path(__file__).parent.parent / "weights" / "pylm"
 
 def test_k_keeps_most_right_tokens_or_pruning_is_off(monkeypatch):
     """The default k is the smallest whose held-out hit rate keeps KEEP of the right tokens (top-10
-    after layer 2 of the default model: 98.1%); where none does, pruning is off and the report says so."""
+    after layer 2 of the default model); where none does, pruning is off and the report says so."""
     from nanospec.methods import propd
     model = load(W)
     d = load_propd(model, W)

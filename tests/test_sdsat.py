@@ -53,7 +53,7 @@ def interleaved(model, adaptive: torch.Tensor, delta, seed: int, planted: str = 
 @pytest.mark.parametrize("dtype", DTYPES)
 @given(args=model_args(), seed=st.integers(0, 2**16), pattern=st.lists(st.booleans(), min_size=2, max_size=24))
 def test_standard_rows_are_bitwise_the_base_models(device, dtype, args, seed, pattern):
-    """The issue's property: with and without the delta, every standard row's logits are the same
+    """The update's promise: with and without the delta, every standard row's logits are the same
     bits, over random tiny models and random interleavings of adaptive rows (exact mode)."""
     model = random_model(args, seed, DTYPES[dtype], device)
     adaptive = torch.tensor(pattern)

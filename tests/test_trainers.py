@@ -82,7 +82,7 @@ def test_trainers_train_on_the_device_they_are_given(tmp_path, monkeypatch):
 
 def test_the_stand_in_catches_a_trainer_that_leaves_tensors_on_the_host(tmp_path, monkeypatch):
     """Planted: Hidden Transfer's batches made on the host (an op mixes devices), then the base model loaded there
-    whatever --device says (session 14's fault: every module stays on the host)."""
+    whatever --device says (then every module stays on the host)."""
     from nanospec.training import loop
     pack = hidden_transfer.pack
     with second_device():

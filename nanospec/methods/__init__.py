@@ -2,8 +2,8 @@
 
 A method is named by a spec, "name" or "name:key=value,key=value", e.g.
 `lookahead:strategy=parallel,decoding_length=16`; the options are the loader's
-keyword arguments. Each method file registers itself here as it lands; `ar` is
-the baseline every method must reproduce.
+keyword arguments. METHODS below maps each name to its loader; a new method is
+added to it by hand. `ar` is the baseline every method must reproduce.
 """
 import inspect
 import json

@@ -1,6 +1,8 @@
 """BiTA (Lin et al., 2024): bi-directional tuning, and generation + verification in one forward.
 
-Spec: ../shared/papers/bita.txt (section 3, Figures 3-6 and 10, Algorithm 1, Tables 3-4, appendix A).
+Spec: Feng Lin, Hanling Yi, Hongbin Li, Yifan Yang, Xiaotian Yu, Guangming Lu, Rong Xiao, "BiTA: Bi-Directional
+Tuning for Lossless Acceleration in Large Language Models", 2024, arXiv:2401.12522 (section 3, Figures 3-6 and 10,
+Algorithm 1, Tables 3-4, appendix A).
 
 The frozen model gains M learnable mask-token embeddings and P learnable prompt tokens. Mask
 tokens appended after a token predict the tokens beyond its next one; prompt tokens are seen by

@@ -1,6 +1,8 @@
 """Hidden Transfer (Wu et al., 2024): forged hidden states of future tokens in middle layers.
 
-Spec: ../shared/papers/hidden_transfer.txt (sections 3.2-3.4, 4.4-4.5, Figures 2-7).
+Spec: Pengfei Wu, Jiahao Liu, Zhuocheng Gong, Qifan Wang, Jinpeng Li, Jingang Wang, Xunliang Cai, Dongyan Zhao,
+"Parallel Decoding via Hidden Transfer for Lossless Large Language Model Acceleration", 2024, arXiv:2404.12022
+(sections 3.2-3.4, 4.4-4.5, Figures 2-7).
 
 k transfer steps. Step i is a d x d linear map W_i at layer t_i (t_1 < t_2 < ...): the
 residual state of a real token x_p after t_i layers, mapped by W_i, becomes a pseudo hidden

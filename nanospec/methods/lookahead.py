@@ -1,6 +1,8 @@
 """Lookahead (Zhao et al., Ant Group, 2023): training-free multi-branch drafts from a token trie.
 
-Spec: ../shared/papers/lookahead.txt (sections 4.2-4.3, Algorithm 1, Tables 3-4).
+Spec: Yao Zhao, Zhitian Xie, Chen Liang, Chenyi Zhuang, Jinjie Gu, "Lookahead: An Inference Acceleration
+Framework for Large Language Model with Lossless Generation Accuracy", 2023 (KDD 2024), arXiv:2312.12728
+(sections 4.2-4.3, Algorithm 1, Tables 3-4).
 
 Each step, the longest suffix of the text so far that the trie knows selects a
 sub-trie (multi-stage retrieval); its highest-frequency nodes, up to the decoding

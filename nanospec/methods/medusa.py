@@ -1,5 +1,9 @@
-"""Medusa-1 heads (Cai et al., 2024): the base ProPD builds on (../shared/papers/propd.txt, section 2)
-and the baseline BiTA and Hidden Transfer are measured against.
+"""Medusa-1 heads (Cai et al., 2024): the base ProPD builds on (section 2 of Zhong et al., "ProPD: Dynamic Token
+Tree Pruning and Generation for LLM Parallel Decoding", 2024, arXiv:2402.13485) and the baseline BiTA and Hidden
+Transfer are measured against.
+
+Spec: Tianle Cai, Yuhong Li, Zhengyang Geng, Hongwu Peng, Jason D. Lee, Deming Chen, Tri Dao, "Medusa: Simple LLM
+Inference Acceleration Framework with Multiple Decoding Heads", 2024, arXiv:2401.10774.
 
 K heads read the base model's final (normed) hidden state h of a token x_t. The lm_head gives
 x_{t+1}; head k guesses x_{t+1+k}. Head k is a residual SiLU block, h + SiLU(W_k h + b_k)

@@ -1,7 +1,8 @@
 """ProPD (Zhong et al., 2024): early tree pruning and a dynamic tree size on top of Medusa heads.
 
-Spec: ../shared/papers/propd.txt (sections 3-4, Tables 2-3). Medusa (medusa.py) supplies the
-heads and the candidate tree; this file adds what is ProPD's own.
+Spec: Shuzhang Zhong, Zebin Yang, Meng Li, Ruihao Gong, Runsheng Wang, Ru Huang, "ProPD: Dynamic Token Tree
+Pruning and Generation for LLM Parallel Decoding", 2024, arXiv:2402.13485 (sections 3-4, Tables 2-3). Medusa
+(medusa.py) supplies the heads and the candidate tree; this file adds what is ProPD's own.
 
 Early pruning (4.1): an early prediction head reads the residual stream after layer n. In the
 verification forward, after layer n, every tree node whose token is not in the top-k of its

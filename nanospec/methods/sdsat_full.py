@@ -1,11 +1,12 @@
 """SDSAT as the paper trains it: every weight fine-tuned, the adaptive token a reserved vocabulary id.
 
-Spec: ../shared/papers/sdsat.txt (section 2.2, appendix A). Decoding is sdsat.py's, on the
+Spec: Chengbo Liu, Yong Zhu, "SDSAT: Accelerating LLM Inference through Speculative Decoding with Semantic Adaptive
+Tokens", 2024, arXiv:2403.18647 (section 2.2, appendix A). Decoding is sdsat.py's, on the
 fine-tuned model (weights/<name>-sdsat/), which is therefore its own AR reference: lossless
 means identical to it, not to the base model. decode.py switches to that directory for
-`--method sdsat_full` and says so. The repository does not ship it (15 MB for the default
-model, where SmolLM2's update needs the room): `python train.py --method sdsat_full` makes it,
-in about 17 minutes on 2 CPU cores.
+`--method sdsat_full` and says so. The repository does not ship it (a whole copy of the
+model's weights, where SmolLM2's update needs the room): `python train.py --method sdsat_full`
+makes it (its cost is in RESULTS.md).
 
 Kept beside sdsat.py's update, which leaves the base model's tokens bitwise untouched, because
 with the same data and schedule the fine-tune drafts more per forward (RESULTS.md, "SDSAT without

@@ -9,8 +9,8 @@ changes every step, and each new shape would compile anew.
 
 A method may compile graphs of its own: SDSAT's adaptive tokens add a product delta (ctx.delta), a new guard.
 Inductor on CUDA times candidate configs of a reduction and keeps the fastest, so two graphs of the same ops
-could sum in different orders; its deterministic mode (set here) picks configs by rule. Last measured on an H100
-at bee8b03, without it: SDSAT's compiled fp32 logits were not AR's (bf16 were); with it: unmeasured.
+could sum in different orders; its deterministic mode (set here) picks configs by rule. Without it, a GPU run found
+SDSAT's compiled fp32 logits were not AR's (bf16 were); with it, no GPU run has checked yet (README, "On a GPU").
 
 A new shape (block, cache size, batch, dtype) compiles once; the cache of compiled shapes is sized for a run's
 handful, and a run that outgrows it fails rather than fall back to eager kernels, whose bits differ.
