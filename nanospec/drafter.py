@@ -210,8 +210,10 @@ class Ranked(Drafter):
     now = 0    # of them, this step's
 
     @property
-    def max_depth(self) -> int:  # a tree over ranked candidates is at most one node per depth deep
-        return len(self.topk)
+    def max_depth(self) -> int:
+        """A tree over ranked candidates is at most one node per depth deep; a planner's trees reach
+        every depth its prior covers (planner.Planner.start: the trainer's accuracies, else topk's)."""
+        return max(len(self.topk), len(getattr(self, "acc", None) or [])) if self.planner else len(self.topk)
 
     def own(self, budget: int | None = None) -> int:
         """Depths drafted by this step's own rows (budget: a planned step's, for its price)."""
