@@ -10,10 +10,12 @@ import copy
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from nanospec import DEFAULT_WEIGHTS, ArgumentParser, NanospecError, check_device, cli
+from nanospec import DEFAULT_WEIGHTS, ArgumentParser, NanospecError, check_device, cli, compiled, devices
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
+from nanospec.devices import Device
 from nanospec.engine import AR, check_prompt, check_room, generate, shapes
 from nanospec.io import chat
 from nanospec.io.checkpoint import DTYPES, load
@@ -24,8 +26,6 @@ from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, 
 from nanospec.oracle import trace
 from nanospec.oracle.peers import transformers_peers
 from nanospec.sizes import block_batch
-from nanospec.tuning import compiled
-from nanospec.tuning import cuda as cuda_layer
 from nanospec.tuning import products as kernels
 from nanospec.tuning.costs import measure as measure_costs
 from nanospec.tuning.counts import step_counts
@@ -89,8 +89,6 @@ def parse_args(argv=None):
 
 def setup(args):
     check_device(args.device)
-    if args.device == "cuda":  # exact mode's programs as CUDA graphs (NANOSPEC_CUDA_GRAPHS=0: eager)
-        cuda_layer.register()
     if not args.weights and not DEFAULT_WEIGHTS.is_dir():
         raise NanospecError(f"the default model ({DEFAULT_WEIGHTS}) is not in this checkout yet; "
                             "pass --weights DIR with an HF checkpoint")
@@ -125,24 +123,24 @@ def note_own_model(weights) -> None:
           file=sys.stderr)
 
 
-def tune(args, model, exact: bool, drafters) -> None:
-    """Fast mode's speed layer (nanospec/tuning/): on a CPU, --kernels tuned installs each product's
-    fastest form by row count on the model's and drafters' layers; --planner measured hands every
-    drafter without a planner of its own the core planner with a CPU's additions, on this machine's
-    measured row costs (a drafter it can plan: ranked, or nested), and a method's own planner gets
-    the sizes that fill the row buckets. Exact mode keeps one kernel and static trees: its block is fixed;
-    --compile makes that kernel one compiled layer (tuning/compiled.py)."""
+def tune(args, model, exact: bool, drafters) -> Device:
+    """The device's layout and speed every generation of the run gets (devices.py). Exact mode keeps one kernel and
+    static trees: its block is fixed; --compile makes its layer one compiled callable (compiled.py). Fast mode: on a
+    CPU, --kernels tuned gives the model's products each its fastest form by row count (tuning/products.py);
+    --planner measured hands every drafter without a planner of its own the core planner with a CPU's additions, on
+    this machine's measured row costs (a drafter it can plan: ranked, or nested), and a method's own planner gets
+    the sizes that fill the row buckets."""
+    dev = devices.of(model.embed.weight)  # the device the weights are on
     if exact:
-        if args.compile:
-            compiled.install(model)
-        return
+        return replace(dev, call=compiled.layer) if args.compile else dev
     if args.kernels == "tuned" and args.device == "cpu":
-        kernels.install(kernels.tuned(model, *drafters), model, *drafters)
+        dev = replace(dev, kernels=kernels.tuned(model))
     for d in drafters:
         if d.planner is not None:
             own_sizes(d)
         elif args.planner == "measured" and (d.topk or d.nested):
-            d.plan(Tuned(measure_costs(model)))
+            d.plan(Tuned(measure_costs(model, dev=dev)))
+    return dev
 
 
 def read_text(path) -> str:
@@ -204,14 +202,14 @@ def main(argv=None):
               file=sys.stderr, flush=True)
         counts = {B: {m: step_counts(model, lambda there, m=m: load_drafter(m, there, weights), d, B)
                       for m, d in zip(methods, drafters)} for B in batches}
-        tune(args, model, exact, drafters)
+        dev = tune(args, model, exact, drafters)
         peers = transformers_peers(weights, dtype, args.device) if args.peers else ()
         results = []
         for B in batches:  # each size with fresh drafters: a trie or a planner learns nothing from another size's run
             fresh = copy.deepcopy(drafters) if len(batches) > 1 else drafters
             results += bench(model, prompts, fresh, exact=exact, max_new_tokens=args.max_new_tokens, eos_id=args.eos_id,
                              sampling=sampling, profile=args.profile, peers=peers, batch=B,
-                             block_batch=args.block_batch,
+                             block_batch=args.block_batch, dev=dev,
                              counts={d.name: counts[B][m] for m, d in zip(methods, fresh)})
             print(table([r for r in results if r["batch"] == B]), flush=True)
         if args.compile:
@@ -235,8 +233,9 @@ def main(argv=None):
         check_prompt(prompt, model.args.vocab_size)
         S = shapes([drafter, AR], len(prompt), args.max_new_tokens, args.block, args.max_len)[1]
         check_room(len(prompt), S - 1 - drafter.reserved_slots)
-    tune(args, model, exact, [drafter])
-    status = decode_batch(args, model, tok, drafter, texts, prompts, batches[0], info, exact, sampling, meta, entries)
+    dev = tune(args, model, exact, [drafter])
+    status = decode_batch(args, model, tok, drafter, texts, prompts, batches[0], info, exact, sampling, meta, entries,
+                          dev)
     if args.trace:
         trace.write(args.trace, entries)
         print(f"wrote {args.trace}: {len(entries)} prompt(s), format {trace.FORMAT}", file=sys.stderr)
@@ -262,12 +261,12 @@ def parse_batches(text: str) -> list[int]:
     return sizes
 
 
-def decode_batch(args, model, tok, drafter, texts, prompts, B, info, exact, sampling, meta, entries) -> int:
+def decode_batch(args, model, tok, drafter, texts, prompts, B, info, exact, sampling, meta, entries, dev) -> int:
     """Prompts decoded B at a time, a stopped one's row taking the next prompt (each output as if
     decoded alone), printed in turn."""
     Q, S, W = shapes([drafter, AR], max(map(len, prompts)), args.max_new_tokens, args.block, args.max_len)
     kw = dict(max_new_tokens=args.max_new_tokens, exact=exact, Q=Q, n_slots=S, tail=W, eos_id=args.eos_id,
-              record_logits=args.check or meta is not None, block_batch=args.block_batch, **sampling)
+              record_logits=args.check or meta is not None, block_batch=args.block_batch, dev=dev, **sampling)
     t = time.perf_counter()
     outs = generate(model, prompts, drafter, batch=B, **kw)
     seconds = time.perf_counter() - t - outs[0].prefill_s

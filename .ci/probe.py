@@ -53,9 +53,6 @@ def profile(steps: int = 64) -> None:
     from nanospec import DEFAULT_WEIGHTS
     from nanospec.engine import generate
     from nanospec.io.checkpoint import load
-    from nanospec.tuning import cuda
-    if DEVICE == "cuda":
-        cuda.register()
     model = load(DEFAULT_WEIGHTS, torch.bfloat16 if DEVICE == "cuda" else torch.float32, DEVICE)
     prompt = list(range(1, 40))
     for N in (1, 8):

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from . import NanospecError, engine
-from .engine import Decoding, Drafter, Output, generate, shapes
+from . import NanospecError, devices
+from .engine import Drafter, Output, generate, shapes
+from .programs import EAGER, Programs
 
 COUNTS = ("ops_per_layer", "step_mb", "launches_per_step", "syncs_per_step")  # tuning.counts, per method
 
@@ -61,24 +62,25 @@ def first_difference(out, ref) -> str:
 
 def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=False,
           max_new_tokens=128, eos_id=None, sampling=None, profile=False, peers=(), batch=1,
-          block_batch=None, counts=None) -> list[dict]:
+          block_batch=None, counts=None, dev=None) -> list[dict]:
     """Run every drafter over every prompt (batch at a time: twice, in order and in reverse, each run's
     outputs counted; the budgets reported are the first run's); one result dict per drafter. Per step:
     step_ms (wall time), forward_ms (the step's device program, synchronised on a GPU) and host_ms,
     the rest: drafting, tree building, read-back, commit. profile: print each method's top host-side costs.
     counts: per method, what its exact step costs a GPU (tuning.counts: ops_per_layer, step_mb, launches_per_step,
-    syncs_per_step), reported beside."""
+    syncs_per_step), reported beside. dev: the device's layout and speed every run gets (devices.py)."""
     sampling = sampling or {}
     everyone = [Drafter()] + drafters
 
-    def run(d, prompt, exact, n=max_new_tokens, alone=False, rows=None, at=None):
+    def run(d, prompt, exact, n=max_new_tokens, alone=False, rows=None, at=None, programs=None):
         """prompt: one prompt, or several (a list of Outputs back), decoded rows at a time; alone: a
         reference for a batch's prompt, at the batch's shapes; at: the drafter whose shapes it runs at
         (default: d's own)."""
         longest = max(map(len, prompt if isinstance(prompt[0], list) else prompts if alone else [prompt]))
         Q, S, W = shapes([at or d], longest, max_new_tokens)  # the method's own; its AR reference's too
         return generate(model, prompt, d, max_new_tokens=n, exact=exact, Q=Q, n_slots=S, tail=W, eos_id=eos_id,
-                        record_logits=exact, batch=rows, block_batch=block_batch if exact else None, **sampling)
+                        record_logits=exact, batch=rows, block_batch=block_batch if exact else None, dev=dev,
+                        programs=programs, **sampling)
 
     refs = {}  # (the method's shapes, prompt) -> AR at them: the bitwise reference
 
@@ -146,7 +148,9 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         fwd_ms = 1000 * sum(o.forward_s for o in runs) / steps
         kernel = kernel_ms(lambda d, p: run(d, p, exact), d, prompts[0])
         if profile:
-            print(host_profile(lambda d, p: run(d, p, exact), d, prompts[0]), file=sys.stderr, flush=True)
+            base = devices.of(dev or model.embed.weight).programs if exact else EAGER
+            print(host_profile(lambda d, p, programs: run(d, p, exact, programs=programs), d, prompts[0], base),
+                  file=sys.stderr, flush=True)
         results.append(dict(method=d.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=steps,
                             mean_accepted=round(new / steps, 3), step_ms=round(step_ms, 3), forward_ms=round(fwd_ms, 3),
                             host_ms=round(step_ms - fwd_ms, 3), kernel_ms=None if kernel is None else round(kernel, 3),
@@ -214,32 +218,32 @@ def kernel_ms(run, drafter, prompt) -> float | None:
     return us / 1000 / out.steps
 
 
-def host_profile(run, drafter, prompt, top: int = 12) -> str:
+class Unprofiled(Programs):
+    """Programs as base runs them, with the profiler off inside each program (its time is forward_ms's)."""
+
+    def __init__(self, prof, base: Programs):
+        self.prof, self.base = prof, base
+
+    def cache(self, model, key, make):
+        return self.base.cache(model, key, make)
+
+    def run(self, *args):
+        self.prof.disable()
+        try:
+            return self.base.run(*args)
+        finally:
+            self.prof.enable()
+
+
+def host_profile(run, drafter, prompt, base: Programs, top: int = 12) -> str:
     """Where a step's host time goes: cProfile over one prompt, switched off inside the model's
     forwards (each step's device program, whose time forward_ms counts, and the prefill), so only
     host work is listed."""
     d = copy.deepcopy(drafter)
     prof = cProfile.Profile()
-    real = [(engine, "program"), (Decoding, "run")]
-    saved = [getattr(*r) for r in real]
-
-    def unprofiled(fn):
-        def call(*a, **k):
-            prof.disable()
-            try:
-                return fn(*a, **k)
-            finally:
-                prof.enable()
-        return call
-    for (owner, name), fn in zip(real, saved):
-        setattr(owner, name, unprofiled(fn))
-    try:
-        prof.enable()
-        out = run(d, prompt)
-        prof.disable()
-    finally:
-        for (owner, name), fn in zip(real, saved):
-            setattr(owner, name, fn)
+    prof.enable()
+    out = run(d, prompt, Unprofiled(prof, base))
+    prof.disable()
     stats = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
     lines = [f"[profile] {drafter.name}: {out.steps} steps; host time by function (own time), ms per step:"]
     for fn, (cc, nc, tt, ct, callers) in stats:

@@ -2,7 +2,7 @@
 for padding rows, and rollback that moves a step's accepted entries into place."""
 import torch
 
-from .model import grain
+from . import devices
 
 
 class KVCache:
@@ -11,15 +11,16 @@ class KVCache:
 
     def __init__(self, n_layers, batch, n_slots, n_kv_heads, head_dim, dtype, device, grain=(1, 1)):
         """grain: the multiples of (slots, head width) its buffers are laid out at (a device's exact layout,
-        model.grain): the padding slots are never visible, the padding columns stay zero."""
+        devices.Device.grain): the padding slots are never visible, the padding columns stay zero."""
         shape = (n_layers, batch, n_kv_heads, n_slots - n_slots % -grain[0], head_dim - head_dim % -grain[1])
         self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.n_slots, self.trash, self.n_reserved = n_slots, n_slots - 1, 0
 
     @classmethod
-    def for_model(cls, model, n_slots, batch=1):
+    def for_model(cls, model, n_slots, batch=1, dev=None):
+        """dev: the device whose exact layout it takes (default: devices.of the model's)."""
         a, w = model.args, model.embed.weight
-        return cls(a.n_layers, batch, n_slots, a.kv_heads, a.hd, w.dtype, w.device, grain(w))
+        return cls(a.n_layers, batch, n_slots, a.kv_heads, a.hd, w.dtype, w.device, devices.of(dev or w).grain(w.dtype))
 
     @property
     def capacity(self) -> int:

@@ -9,7 +9,7 @@
 - forward(f, nodes) is the verification forward on a Forward f; it returns an Out: the nodes'
   logits, and per node the drafts that node would make if it ended the accepted path. Forward and
   Out live here: they are what a method's forward is written with.
-- propose(drafts) turns each sequence's last accepted node's drafts into logits per depth
+- propose(drafts, linear) turns each sequence's last accepted node's drafts into logits per depth
   (B, K, V), as one product for the batch (Medusa's heads). A method whose drafts are the lm_head's
   own rows (BiTA's masks, Hidden Transfer's pseudo states, SDSAT's adaptive tokens) returns their
   logits from the forward's one head product instead: a second product would read the head's
@@ -43,10 +43,10 @@ class Forward:
         self.exact = ctx.exact
 
     @classmethod
-    def on_cache(cls, model, block: Block, cache, exact: bool, seqs=None, tail: int = 1) -> "Forward":
+    def on_cache(cls, model, block: Block, cache, exact: bool, seqs=None, tail: int = 1, dev=None) -> "Forward":
         """seqs (B,): the cache rows of the block's sequences (None: the cache's rows in order); tail: exact
-        mode's keys gathered per row (sizes.shapes' W)."""
-        return cls(model, block, model.context(block, cache.k.shape[-2], exact, seqs, tail), cache.layer)
+        mode's keys gathered per row (sizes.shapes' W); dev: the device's layout and speed (devices.py)."""
+        return cls(model, block, model.context(block, cache.k.shape[-2], exact, seqs, tail, dev), cache.layer)
 
     @classmethod
     def training(cls, model, tokens, pos, vis, prefix=None) -> "Forward":
@@ -83,7 +83,8 @@ class Forward:
         else:
             y = x
         for i in layers:
-            y = self.model.layers[i](y, ctx if delta is None else replace(ctx, delta=delta[i]), *self.kv(i))
+            c = ctx if delta is None else replace(ctx, delta=delta[i])
+            y = c.layer(self.model.layers[i], y, *self.kv(i))
         return y if rows is None else x.index_copy(1, rows, y)
 
     def norm(self, x) -> torch.Tensor:
@@ -182,8 +183,9 @@ class Drafter:
     def forward(self, f: Forward, nodes) -> Out:
         return Out(f.logits(f.norm(f.layers(f.embed())), nodes.N))
 
-    def propose(self, drafts: torch.Tensor) -> torch.Tensor:
-        """Logits per draft depth (B, K, V) from each sequence's last accepted node's drafts (B, K', D)."""
+    def propose(self, drafts: torch.Tensor, linear=None) -> torch.Tensor:
+        """Logits per draft depth (B, K, V) from each sequence's last accepted node's drafts (B, K', D); linear(layer,
+        x): the device's form of a product (devices.Device.linear: a draft's need not be AR's kernel)."""
         return drafts
 
     def accepted(self, dec, tree: Tree, path: list[int]) -> None:

@@ -4,8 +4,8 @@
 - lay out: the trees become rows (tree.py), trimmed to the cache's room, exact mode's padded to Q rows; a group's rows
   and nodes are one packed host tensor, copied to the device once.
 - forward and verify: one device program per group: the method's forward, then (greedy) each sequence's verification,
-  its next candidates' top-k, and the commit's moves of its accepted keys into place (a device layer may capture it:
-  Programs).
+  its next candidates' top-k, and the commit's moves of its accepted keys into place (the device's programs run it:
+  programs.py).
 - read back: the accepted paths and next candidates (tree.pack), the step's one host-device sync.
 - commit: each sequence's cursor and tokens advance, on the host (sampling verifies there, and moves the keys after).
 
@@ -16,38 +16,23 @@ change.
 """
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
-from . import NanospecError, sizes
+from . import NanospecError, compiled, devices, sizes
 from .cache import KVCache
+from .devices import Device
 from .drafter import AR, Drafter, Forward, Nodes, idle, ones
 from .model import Block
+from .programs import EAGER
 from .sizes import check_prompt, check_room, shapes
 from .tree import Layout, Sampler, Tree, accept, layout, pack, step_layout, unpack
 from .tree import verify as tree_verify
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 HOST = torch.device("cpu")  # where a step is drafted and laid out
-
-
-class Programs:
-    """How a generation's device programs (a step, a prefill chunk) run, and on which cache: as the Python
-    they are, on a new cache each time. A device layer registered in PROGRAMS runs exact mode's otherwise
-    on its device (tuning/cuda.py: CUDA graphs, bound to caches it keeps)."""
-
-    def cache(self, model, n_slots: int, batch: int) -> KVCache:
-        return KVCache.for_model(model, n_slots, batch)
-
-    def run(self, cache: KVCache, key, fn, args, device):  # key: the program's name (a capture's, with the shapes)
-        return fn(*(None if a is None else a.to(device) for a in args))
-
-
-EAGER = Programs()
-PROGRAMS: dict[str, Programs] = {}  # device type -> a device layer's Programs for exact mode
-COMPILE = None  # compile=True: fn(model) compiling exact mode's layer (tuning/compiled.py registers it)
 
 
 def packed(tensors) -> tuple[torch.Tensor, tuple]:
@@ -66,12 +51,13 @@ class Decoding:
 
     def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None,
                  sampler: Sampler | None = None, seq: int = 0, block_batch: int | None = None,
-                 programs: Programs = EAGER, tail: int | None = None):
+                 dev: Device | None = None, tail: int | None = None, programs=None):
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
         self.tail = tail or Q      # exact mode: the keys each row gathers in canonical order (sizes.shapes' W)
         self.N = block_batch if exact else None  # exact forwards run N sequences' blocks (None: the live ones)
         self.reserved = reserved   # the drafter's own cache slots (e.g. BiTA's prompt keys)
         self.device = model.embed.weight.device
+        self.dev = devices.of(dev or self.device)  # the device's layout and speed (devices.py)
         self.sampler = sampler or Sampler()
         self.prompt = prompt
         self.seq = seq             # this sequence's cache row
@@ -82,7 +68,7 @@ class Decoding:
         self.forward_s = 0.0       # time from a step's launch to its read-back (in a batch, its share)
         self.cands = self.lists = None  # the next candidates its last accepted node drafted, (D, R) and as lists
         self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
-        self.programs = programs
+        self.programs = programs or (self.dev.programs if exact else EAGER)  # how its device programs run
 
     def block(self, tree: Tree, hosts=(), M: int = 0, reserved: bool = False, chained: bool = True, n=0) -> Block:
         """The tree's rows at the current position, on the host, then filler nodes up to n (token 0,
@@ -170,7 +156,7 @@ class Decoding:
 
         def run(flat, embeds):
             b = unpacked(flat, spec)
-            f = Forward.on_cache(model, Block(*b[:5]), cache, exact, b[5] if len(b) > 5 else None, tail)
+            f = Forward.on_cache(model, Block(*b[:5]), cache, exact, b[5] if len(b) > 5 else None, tail, self.dev)
             x = f.embed() if embeds is None else embeds
             return f.logits(f.norm(f.layers(x)), len(f.block))
         return self.launch(("run", spec), run, (flat, embeds))[at, :n]
@@ -199,8 +185,7 @@ class Decoding:
         self.last = tokens[-1]
 
     def sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.dev.sync(self.device)
 
 
 def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
@@ -261,7 +246,7 @@ def program(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, 
         tokens, pos, slots, prefix, extra, node_tokens, parent, depth, index, anc, real, cur, *seqs = unpacked(
             flat, spec)
         seqs = seqs[0] if seqs else None
-        f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact, seqs, tail)
+        f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact, seqs, tail, d.dev)
         lay = Layout(parent, depth, index, anc)
         out = drafter.forward(f, Nodes(node_tokens, lay, real.bool(), nodes.n))
         N = node_tokens.shape[-1]  # drafts may cover the real nodes only (a path ends on one): depths are padded
@@ -276,7 +261,7 @@ def program(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, 
             return pack(path, emitted), out.logits
         last = path.max(-1).values  # each path's deepest node (indices grow along a path)
         b = torch.arange(len(last), device=last.device)
-        cands = drafter.propose(out.drafts[b, last]).topk(R, dim=-1).indices  # (B, K, R): one product for all
+        cands = drafter.propose(out.drafts[b, last], d.dev.linear).topk(R, dim=-1).indices  # (B, K, R): one product
         depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])
         return pack(path, emitted, depth, cands), out.logits
     key = ("step", id(drafter), drafter.shape_key(nodes) if exact else None, greedy, spec)  # a capture keeps drafter
@@ -326,7 +311,7 @@ def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launche
                  for b, x, t in zip(at, decs, trees)]
         if drafts is not None:  # each path's end drafts: one product for the batch, as greedy's
             ends = torch.tensor([path[-1] for path, _ in found], device=drafts.device)
-            top = drafter.propose(drafts[torch.tensor(at, device=ends.device), ends])
+            top = drafter.propose(drafts[torch.tensor(at, device=ends.device), ends], d.dev.linear)
             top = top.topk(max(drafter.topk), dim=-1).indices.cpu()  # (B, K, R)
     took = time.perf_counter() - t0
     results = []
@@ -367,27 +352,30 @@ class Output:
 @torch.inference_mode()
 def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=128, exact=False,
              Q=None, n_slots=None, tail=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-             eos_id=None, record_logits=False, batch=None, block_batch=None, compile=False, programs=None):
+             eos_id=None, record_logits=False, batch=None, block_batch=None, compile=False, dev=None, programs=None):
     """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of prompts is a
     batch: one Output each, every sequence as if decoded alone (its own sampling stream from seed). batch: the
     sequences decoded at once (None: all); a stopped one's cache row takes the next prompt (continuous batching).
     Q, n_slots, tail: exact mode's shapes (default: sizes.shapes); block_batch: its sequences' blocks
-    per forward (default: sizes.block_batch); eos_id None: the model's, -1: none. compile: see tuning/compiled.py.
-    programs: how exact mode's device programs run (default: the device's in PROGRAMS, else as they are)."""
+    per forward (default: sizes.block_batch); eos_id None: the model's, -1: none. dev: the device's layout and
+    speed (devices.Device; default: devices.of the model's device); compile: exact mode's layer compiled (its `call`:
+    compiled.py); programs: how the device programs run (default: exact mode's the device's, programs.py)."""
     drafter = drafter or AR
-    if compile:
-        if not exact or COMPILE is None:
-            raise NanospecError("compile=True needs exact=True, and nanospec.tuning.compiled imported (it registers)")
-        COMPILE(model)
+    dev = devices.of(dev or model.embed.weight)
+    if compile and not exact:
+        raise NanospecError("compile=True needs exact=True")
+    dev = replace(dev, call=compiled.layer) if compile else dev
+    programs = programs or (dev.programs if exact else EAGER)
     many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
     prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if many else [prompt])]
     Q, S, W = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots)
     W = tail or W
     eos = model.args.eos_id if eos_id is None else eos_id
     rows = min(batch or len(prompts), len(prompts))
-    N = sizes.block_batch(block_batch, rows, exact, model.embed.weight.device)
-    programs = (programs or PROGRAMS.get(model.embed.weight.device.type, EAGER)) if exact else EAGER
-    cache = programs.cache(model, S, N or rows)
+    N = sizes.block_batch(block_batch, rows, exact, dev)
+    w = model.embed.weight
+    make = lambda: KVCache.for_model(model, S, N or rows, dev)
+    cache = programs.cache(model, (S, N or rows, w.dtype, w.device), make)
     reserved = cache.reserve(drafter.reserved_slots)
     check_room(max(map(len, prompts)), cache.capacity)
     waiting, outs, logits, began, prefill_s = iter(prompts), {}, {}, {}, 0.0
@@ -399,7 +387,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         p, t = next(waiting, None), time.perf_counter()
         if p is None:
             return []
-        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq, block_batch=N, programs=programs, tail=W,
+        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq, block_batch=N, dev=dev, tail=W, programs=programs,
                      sampler=Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1))  # a stream each
         d.prefill(p[:-1])
         drafter.start(d)

@@ -21,15 +21,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import devices
+from .devices import Device
+
+NEUTRAL = Device()  # a device that needs nothing of exact mode's rows (a GPU's view: devices.py)
+
 # Fast mode's SDPA backends, explicit: on CUDA PyTorch may pick cuDNN, which replans per key length.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# Exact mode's CPU layout (aligned rows, rowwise elementwise ops, keys padded to 32 slots) applies on a CPU;
-# tuning.counts turns it off to count the program a GPU runs.
-CPU_LAYOUT = True
-
-
-def cpu_layout(x) -> bool:
-    return CPU_LAYOUT and x.device.type == "cpu"
 
 
 @dataclass
@@ -118,18 +116,23 @@ class Context:
     L: int = 0                         # fast: number of cache slots in use
     seqs: torch.Tensor | None = None   # (B,) the cache rows of the block's sequences; None: 0..B-1
     delta: object = None               # delta(layer, x, y): a product's update on some rows (SDSAT's adaptive rows)
+    dev: Device = NEUTRAL              # the device's layout and speed (devices.py), as the forward's caller chose
 
     def rows(self, x):
-        """Matmul input: in exact mode, each row laid out 64-byte aligned (see `aligned`)."""
-        return aligned(x) if self.exact else x
+        """Matmul input: in exact mode, as the device's products need it (devices.Device.rows)."""
+        return self.dev.rows(x) if self.exact else x
+
+    def layer(self, layer, x, kc, vc):
+        """A layer over the rows: in exact mode through the device's callable for it, if any (a compiled layer)."""
+        call = self.dev.call if self.exact else None
+        return layer(x, self, kc, vc) if call is None else call(layer, x, self, kc, vc)
 
     def mm(self, layer, x, add=None):
         """A layer's product (with its bias, if any), plus add (a residual, bias-free layers) if given. Exact mode:
-        one kernel on the rows folded into one matrix, F.linear, or addmm with add in its epilogue (AR's kernel,
-        whatever form a device layer installed on the layer). Fast mode: the layer's forward as it runs (called
-        directly: no hooks)."""
+        one kernel on the rows folded into one matrix, F.linear, or addmm with add in its epilogue (AR's kernel).
+        Fast mode: the device's form of the product (devices.Device.linear: a tuned one, else F.linear)."""
         if not self.exact:
-            y = layer.forward(x)
+            y = self.dev.linear(layer, x)
         elif add is None:
             y = F.linear(x.flatten(0, -2), layer.weight, layer.bias).view(*x.shape[:-1], -1)
         else:
@@ -138,14 +141,14 @@ class Context:
         return y + add if add is not None and not self.exact else y
 
     def map(self, fn, x):
-        """An elementwise fn; in exact mode each row's result is independent of its index (see `rowwise`)."""
-        return rowwise(fn, x) if self.exact else fn(x)
+        """An elementwise fn; in exact mode each row's result is independent of its index (devices.Device)."""
+        return self.dev.elementwise(fn, x) if self.exact else fn(x)
 
     def select(self, rows: torch.Tensor) -> "Context":
         """The context of a subset of rows (e.g. survivors of pruning), sliced rather than rebuilt."""
         pick = lambda t: None if t is None else t[:, rows]
         return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact, None, None, self.b,
-                       self.h, pick(self.mask), self.L, self.seqs)  # fast mode only
+                       self.h, pick(self.mask), self.L, self.seqs, dev=self.dev)  # fast mode only
 
     def write(self, kc, vc, k, v):
         """Store the rows' keys and values (B, T, Hkv, D) in their sequences' cache rows; returns (kc, vc)."""
@@ -156,39 +159,6 @@ class Context:
             else:
                 c[b, :, self.slots] = x  # advanced indices first: (B, T, Hkv, D)
         return kc, vc
-
-
-def aligned_pad(x) -> int:
-    """Elements to add to x's last dim for 64-byte aligned rows on a CPU (0 elsewhere: see `aligned`)."""
-    return -x.shape[-1] % (64 // x.element_size()) if cpu_layout(x) else 0
-
-
-def aligned(x):
-    """x as a view whose rows start 64-byte aligned (the last dim's stride padded): CPU BLAS takes alignment-
-    dependent paths, so with fp32 rows of odd length a row's result would depend on its index. A GPU's
-    products run one kernel for every row of a fixed shape: x as it is."""
-    pad = aligned_pad(x)
-    return F.pad(x, (0, pad))[..., :x.shape[-1]] if pad else x
-
-
-def grain(x) -> tuple[int, int]:
-    """The multiples exact mode lays out a cache's slots and head width, and a row's gathered keys, at for x's
-    dtype and device: on a CPU every score and value row 64-byte aligned (see `aligned`); elsewhere none."""
-    return (32, 64 // x.element_size()) if cpu_layout(x) else (1, 1)
-
-
-def rowwise(fn, x):
-    """fn(x) for an elementwise fn, with every element on the same kernel path wherever its row is.
-    CPU kernels finish each thread's contiguous run of SIMD chunks with a scalar loop, which for silu
-    disagrees in the last bit on a few inputs in a hundred. Rows padded to 64 elements, in calls small enough for
-    one thread (PyTorch's grain is 32768 elements), take the SIMD path only."""
-    if not cpu_layout(x):  # GPU kernels apply the same scalar code to every element
-        return fn(x)
-    D = x.shape[-1]
-    Dp = D - D % -64
-    rows = F.pad(x, (0, Dp - D)).reshape(-1, Dp)
-    out = torch.cat([fn(c) for c in rows.split(max(1, 32768 // Dp))])
-    return out[:, :D].reshape(x.shape)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -360,42 +330,44 @@ class Llama(nn.Module):
         self.init_rope(self.embed.weight.device)
         return self
 
-    def rope(self, pos: torch.Tensor, exact: bool = False):
-        """cos and signed sin (B, T, 1, 1, D) for positions (B, T) (see apply_rope)."""
+    def rope(self, pos: torch.Tensor, dev: Device | None = None):
+        """cos and signed sin (B, T, 1, 1, D) for positions (B, T) (see apply_rope); dev: exact mode's device."""
         freqs, dt = pos[..., None, None, None] * self.freqs, self.embed.weight.dtype  # fp32 like HF (int * float)
-        f = rowwise if exact else lambda fn, x: fn(x)
+        f = (dev or NEUTRAL).elementwise
         return f(torch.cos, freqs).to(dt), (f(torch.sin, freqs) * self.signs).to(dt)
 
-    def context(self, block: Block, n_slots: int, exact: bool, seqs=None, tail: int = 1) -> Context:
+    def context(self, block: Block, n_slots: int, exact: bool, seqs=None, tail: int = 1, dev=None) -> Context:
         """The block's attention inputs. n_slots: the cache's (its physical slots); tail: in exact mode the keys each
-        row gathers in canonical order (at least the deepest row's ancestors and itself; the rest it reads in place)."""
-        ctx = Context(*self.rope(block.pos, exact), block.slots, exact, seqs=seqs)
+        row gathers in canonical order (at least the deepest row's ancestors and itself; the rest it reads in place);
+        dev: the device's layout and speed (default: devices.of the block's device)."""
+        dev = devices.of(block.extra.device) if dev is None else dev
+        ctx = Context(*self.rope(block.pos, dev if exact else None), block.slots, exact, seqs=seqs, dev=dev)
         prefix, extra, win = block.prefix[..., None], block.extra, self.args.sliding_window
         gone = block.pos[..., None] - (win or 1 << 62)  # keys at positions <= gone are out of the window (docstring)
         if win is not None:
-            B, dev = len(extra), extra.device
-            at = torch.full((B, n_slots), 1 << 62, device=dev).scatter_(1, block.slots.expand(B, -1), block.pos)
+            at = torch.full((len(extra), n_slots), 1 << 62, device=extra.device)  # each slot's position
+            at = at.scatter_(1, block.slots.expand(len(extra), -1), block.pos)
             extra = extra.masked_fill(at.gather(1, extra.clamp(min=0).flatten(1)).view_as(extra) <= gone, -1)
         ctx.b = (torch.arange(len(extra), device=extra.device) if seqs is None else seqs)[:, None, None, None]
         if exact:  # canonical order: committed slots 0..prefix-1, then extra; its last `tail` keys are gathered
-            tail -= tail % -grain(extra.new_empty(0, dtype=self.embed.weight.dtype))[0]
-            (B, T, E), dev = extra.shape, extra.device
+            tail -= tail % -dev.grain(self.embed.weight.dtype)[0]
+            (B, T, E), on = extra.shape, extra.device
             Hkv, G = self.args.kv_heads, self.args.n_heads // self.args.kv_heads
-            e = torch.arange(E, device=dev)
+            e = torch.arange(E, device=on)
             start = prefix + ((extra >= 0) * (e + 1)).amax(-1, keepdim=True) - tail  # (B, T, 1) the tail's start
-            k = start + torch.arange(tail, device=dev)  # (B, T, W) the tail's canonical indices
+            k = start + torch.arange(tail, device=on)  # (B, T, W) the tail's canonical indices
             at = torch.where(k < prefix, k, extra.gather(-1, (k - prefix).clamp(0, E - 1)))
             at = torch.where((k < 0) | (k < prefix) & (k <= gone), -1, at)  # gone: out of the window
             # in place: committed slots below the tail's start, and any extra before it (rows that see more extra
             # keys than the tail holds, never a verified row's), in slot order; column n_slots collects the rest
-            j = torch.arange(n_slots + 1, device=dev)
+            j = torch.arange(n_slots + 1, device=on)
             before = torch.where((e < start - prefix) & (extra >= 0), extra, n_slots)
             seen = ((j < torch.minimum(start, prefix)) & (j > gone)).scatter_(-1, before, True)[..., :n_slots]
             dt = self.embed.weight.dtype  # the masks as the scores' biases: log 1 = 0, log 0 = -inf
             bias_in = seen.to(dt).log()[:, None, :, None].expand(B, Hkv, T, G, n_slots).reshape(B * Hkv, T * G, -1)
             bias_tail = (at >= 0).to(dt).log()[:, None, :, None].expand(B, Hkv, T, 1, tail).reshape(-1, 1, tail)
             ctx.tail, ctx.bias = at.clamp(min=0)[:, None], (bias_in, bias_tail)
-            ctx.h = torch.arange(Hkv, device=dev)[None, :, None, None]
+            ctx.h = torch.arange(Hkv, device=on)[None, :, None, None]
         else:
             ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)
             # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
@@ -405,11 +377,11 @@ class Llama(nn.Module):
             ctx.mask = None if bool(mask.all()) else mask
         return ctx
 
-    def forward(self, block: Block, cache=None, exact: bool = False, tail: int = 1):
+    def forward(self, block: Block, cache=None, exact: bool = False, tail: int = 1, dev=None):
         """Logits (B, T, V) for the block's rows. cache=None (training): row t's key is slot t, so the
         block's slots must be 0..T-1 and visibility refers to rows (training.causal: a plain LM block)."""
-        ctx = self.context(block, cache.k.shape[-2] if cache else len(block), exact, tail=tail)
+        ctx = self.context(block, cache.k.shape[-2] if cache else len(block), exact, tail=tail, dev=dev)
         x = self.embed(block.tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, *(cache.layer(i) if cache else (None, None)))
+            x = ctx.layer(layer, x, *(cache.layer(i) if cache else (None, None)))
         return ctx.mm(self.lm_head, ctx.rows(self.norm(x)))

@@ -1,15 +1,9 @@
 """The sizes a generation runs at: exact mode's block of Q rows, its block batch and cache of S slots
 (runs compared bitwise share them), and the checks that a prompt fits."""
 
-import torch
+from . import NanospecError, devices
+from .devices import MIN_BLOCK
 
-from . import NanospecError
-
-# Exact mode's fewest rows per forward: MKL computes the last rows of a GEMM with 5-11 rows
-# on another path than the first ones (tests/test_model.py checks blocks of 16 and more).
-MIN_BLOCK = 16
-# Exact mode on CUDA runs every forward as a block batch of at least this many sequences (block_batch).
-CUDA_BLOCK_BATCH = 8
 SLOT_BUCKET = 64  # default cache sizes are rounded up to this: prompts of similar length share CUDA graphs
 
 
@@ -31,15 +25,14 @@ def block_batch(n: int | None, rows: int, exact: bool, device) -> int | None:
 
     A product's bits may depend on its total rows: cuBLAS picks its fp32 kernel by them (RESULTS.md,
     "On a GPU"). A fixed total, N x Q rows whoever is live, a lone sequence included, makes a
-    sequence's bits independent of its batch on any library. On CUDA it is the default, in every
-    dtype (bf16's invariance there is an observation, not a guarantee): batches of up to
-    CUDA_BLOCK_BATCH sequences are bitwise each alone; a larger one rounds N up to a multiple of it
-    (compare it alone at the same block_batch). It costs a lone sequence there too (RESULTS.md).
-    On a CPU a row costs more, and with exact mode's aligned rows its BLAS keeps a row's bits for any
-    row count (tests/test_batch.py): no block batch unless asked for."""
+    sequence's bits independent of its batch on any library. A device whose default is a block batch
+    (devices.Device.block_batch), in every dtype: batches of up to that many sequences are bitwise each
+    alone; a larger one rounds N up to a multiple of it (compare it alone at the same block_batch).
+    A device without one keeps a row's bits for any row count (tests/test_batch.py): no block batch
+    unless asked for. device: a devices.Device, or a device whose defaults apply."""
     if n is None:
-        on_cuda = exact and torch.device(device).type == "cuda"
-        return -(-rows // CUDA_BLOCK_BATCH) * CUDA_BLOCK_BATCH if on_cuda else None
+        m = devices.of(device).block_batch if exact else None
+        return -(-rows // m) * m if m else None
     if not exact:
         raise NanospecError("--block-batch applies to exact mode (--mode exact)")
     if n < rows:

@@ -31,9 +31,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one)")
     on_cuda = config.getoption("--device") == "cuda"
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "cuda" if on_cuda else "default"))
-    if on_cuda:  # exact mode as decode.py runs it there: CUDA graphs (unless NANOSPEC_CUDA_GRAPHS=0)
-        from nanospec.tuning import cuda
-        cuda.register()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:  # xdist: share the cores instead of every worker taking all of them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanospec import cli
+from nanospec import cli, devices
 from nanospec.cache import KVCache
 from nanospec.engine import Decoding, Drafter, generate, program, shapes, stack
 from nanospec.methods.lookahead import Lookahead
@@ -192,10 +192,15 @@ def noisy(module, seed: int, scale: float):
     return module
 
 
-def full_logits(model, ids, exact):
-    """Logits for every position of ids, as one chain block."""
-    cache = KVCache.for_model(model, len(ids) + 1)
-    return model(Tree.chain(ids[0], ids[1:]).block(0, model.embed.weight.device), cache, exact)[0]
+def use_programs(monkeypatch, kind: str, programs) -> None:
+    """Exact mode on devices of type kind runs its programs as `programs` (its defaults' entry replaced)."""
+    monkeypatch.setitem(devices.DEVICES, kind, replace(devices.DEVICES[kind], programs=programs))
+
+
+def full_logits(model, ids, exact, dev=None):
+    """Logits for every position of ids, as one chain block (dev: the device's layout and speed, devices.py)."""
+    cache = KVCache.for_model(model, len(ids) + 1, dev=dev)
+    return model(Tree.chain(ids[0], ids[1:]).block(0, model.embed.weight.device), cache, exact, dev=dev)[0]
 
 
 def rows_by_index(model, seed: int, T: int, device="cpu"):
@@ -492,7 +497,7 @@ class AlignedProducts(TorchDispatchMode):
     path computes them: a row of the left matrix that starts 64-byte aligned runs the host's product; one that does
     not first sums its elements up to the next 64-byte boundary (a peeled head loop), then the rest, and adds the
     two in the output's dtype. A row's bits depend on its own inputs and on where it starts in memory, never on the
-    other rows' values: what exact mode's aligned rows (model.aligned) must make constant."""
+    other rows' values: what exact mode's aligned rows (devices.CPU.rows) must make constant."""
     aten = torch.ops.aten
     PRODUCTS = {aten.mm.default, aten.bmm.default}
     EPILOGUES = {aten.addmm.default, aten.baddbmm.default}  # input + alpha * (a @ b)
@@ -523,11 +528,12 @@ class AlignedProducts(TorchDispatchMode):
 
 
 class SimdTails(TorchDispatchMode):
-    """The elementwise kernels exact mode runs row-wise (silu, cos, sin: model.rowwise) as a CPU runs them: a call's
-    elements, in row-major order, split into threads' contiguous runs as PyTorch's parallel_for splits them (grain
-    32768, here always 4 threads), each run computed in SIMD chunks of two 64-byte vectors, and the elements past a
-    run's last whole chunk on a scalar path whose result lands one ulp above the SIMD path's. An element's bits
-    depend on its value and on its place in its call: what rowwise's padded rows and one-thread calls make constant."""
+    """The elementwise kernels exact mode runs row-wise (silu, cos, sin: devices.CPU.elementwise) as a CPU runs them: a
+    call's elements, in row-major order, split into threads' contiguous runs as PyTorch's parallel_for splits them
+    (grain 32768, here always 4 threads), each run computed in SIMD chunks of two 64-byte vectors, and the elements
+    past a run's last whole chunk on a scalar path whose result lands one ulp above the SIMD path's. An element's
+    bits depend on its value and on its place in its call: what rowwise's padded rows and one-thread calls make
+    constant."""
     aten = torch.ops.aten
     FUNCS = {aten.silu.default, aten.cos.default, aten.sin.default}
     GRAIN, THREADS = 32768, 4

@@ -1,4 +1,4 @@
-"""compile=True: exact mode's layer as one compiled callable (tuning/compiled.py), which AR's programs and every
+"""compile=True: exact mode's layer as one compiled callable (compiled.py), which AR's programs and every
 method's call alike. Every method's accepted logits are then bitwise AR's, AR compiled too, in fp32 and bf16, for
 each prompt alone and in a batch. Inductor's C++ backend runs it on a CPU; the runs share one Q and S, so each
 dtype compiles a handful of shapes."""
@@ -8,13 +8,11 @@ import pytest
 import torch
 
 from helpers import family_args, prime, random_model
-from nanospec import NanospecError
+from nanospec import NanospecError, compiled
 from nanospec.engine import AR, generate, shapes
-from nanospec.tuning import compiled
 from test_batch import batch_drafter
 from test_edges import ARGS, METHODS
 
-compiled.register()
 PROMPTS = [[3, 9, 4, 1, 7, 12, 5], [5, 2, 8, 8, 1, 12, 30, 4, 11, 2]]
 N = 20
 
@@ -75,6 +73,6 @@ def test_more_layers_and_other_weights_compile_nothing_new():
 
 def test_inductor_picks_kernels_by_rule():
     """Two compiled graphs of the same ops (AR's, and SDSAT's with its product delta) must sum in the same order: on
-    CUDA inductor would otherwise time a reduction's configs and keep the fastest (tuning/compiled.py)."""
+    CUDA inductor would otherwise time a reduction's configs and keep the fastest (compiled.py)."""
     import torch._inductor
     assert compiled.options() == ({"deterministic": True} if hasattr(torch._inductor.config, "deterministic") else {})

@@ -1,6 +1,7 @@
 """Exact mode's CPU layout. A CPU's BLAS takes alignment-dependent paths, and its elementwise kernels finish a
 thread's run of SIMD chunks on a scalar path, so a row's bits could depend on where the row sits. Exact mode lays
-every product's rows out 64-byte aligned (model.aligned) and runs silu, cos and sin row-wise (model.rowwise).
+every product's rows out 64-byte aligned (devices.CPU.rows) and runs silu, cos and sin row-wise
+(devices.CPU.elementwise).
 Whether a host shows the difference depends on its CPU, so two stand-ins make such a CPU of any machine:
 AlignedProducts and SimdTails. Under them exact mode keeps AR's bits, and without either construction it does not."""
 import pytest
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import PRODUCT_FORMS, Adversary, AlignedProducts, SimdTails, random_model, rows_by_index
-from nanospec import model as llama
+from nanospec import devices
 from nanospec.engine import generate, shapes
 from nanospec.model import ModelArgs
 from test_edges import ARGS
@@ -19,13 +20,13 @@ SMALL = ModelArgs(dim=19, n_layers=1, n_heads=3, n_kv_heads=1, head_dim=10, voca
 ROWS = [(ARGS, 0, 20), (SMALL, 1, 37)]  # (model args, seed, rows of the block)
 DTYPES = [torch.float32, torch.bfloat16]
 STAND_INS = {"aligned": AlignedProducts, "rowwise": SimdTails}  # the construction each stand-in proves
-IDENTITY = {"aligned": lambda x: x, "rowwise": lambda fn, x: fn(x)}
+IDENTITY = {"aligned": ("rows", lambda self, x: x), "rowwise": ("elementwise", lambda self, fn, x: fn(x))}
 
 
 @pytest.fixture
 def without(monkeypatch):
     """without(name): exact mode with the named construction of the layout made the identity (a planted fault)."""
-    return lambda name: monkeypatch.setattr(llama, name, IDENTITY[name])
+    return lambda name: monkeypatch.setattr(devices.CPU, *IDENTITY[name])
 
 
 def misaligned(x):

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from helpers import FAMILIES, PRODUCT_FORMS, RowCountProducts, call, decode_main, family_args, random_model
 from nanospec import NanospecError
+from nanospec.devices import CUDA
 from nanospec.engine import generate, shapes
-from nanospec.sizes import CUDA_BLOCK_BATCH, block_batch
+from nanospec.sizes import block_batch
 from test_batch import batch_drafter, check_batch
 from test_edges import ARGS, METHODS
 
@@ -69,7 +70,7 @@ def test_a_block_batch_is_what_cuda_runs_by_default():
     ones the next multiple of 8; a CPU runs the live blocks only unless asked; fast mode has no blocks."""
     assert [block_batch(None, b, True, "cuda") for b in (1, 5, 8, 9, 17)] == [8, 8, 8, 16, 24]
     assert block_batch(None, 4, True, "cpu") is None and block_batch(None, 4, False, "cuda") is None
-    assert block_batch(6, 4, True, "cpu") == 6 and CUDA_BLOCK_BATCH == 8
+    assert block_batch(6, 4, True, "cpu") == 6 and CUDA.block_batch == 8
     with pytest.raises(NanospecError, match="smaller than the batch"):
         block_batch(2, 3, True, "cpu")
     with pytest.raises(NanospecError, match="exact mode"):

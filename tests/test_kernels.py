@@ -1,15 +1,23 @@
-"""Fast mode's tuned products (tuning/products.py: Kernels, tuned by tune, installed on layers): every form, padded or
-not, computes the linear layer, a table survives its cache file, and tune() fills every (shape, bucket)
-with a valid choice."""
+"""Fast mode's tuned products (tuning/products.py: Kernels, tuned by tune, handed over as a device's `kernels`):
+every form, padded or not, computes the linear layer, a table survives its cache file, and tune() fills every
+(shape, bucket) with a valid choice."""
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import Adversary, full_logits, random_model
+from nanospec import devices
 from nanospec.model import ModelArgs
 from nanospec.tuning import products as kernels
-from nanospec.tuning.products import BUCKETS, FORMS, Kernels, install
+from nanospec.tuning.products import BUCKETS, FORMS, Kernels
+
+
+def tuned(table: Kernels):
+    """The CPU's defaults with table as fast mode's products."""
+    return replace(devices.of("cpu"), kernels=table)
 
 TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
 
@@ -62,11 +70,8 @@ def test_tuned_table_round_trips_and_keeps_fast_mode_close():
     assert kernels.from_json(kernels.to_json(table)).table == table.table
     ids = [1, 5, 9, 2]
     plain = full_logits(model, ids, False)
-    install(table, model)
-    torch.testing.assert_close(full_logits(model, ids, False), plain, rtol=1e-4, atol=1e-4)
-    assert kernels.installed(model) is table
-    install(None, model)
-    assert kernels.installed(model) is None and torch.equal(full_logits(model, ids, False), plain)
+    torch.testing.assert_close(full_logits(model, ids, False, tuned(table)), plain, rtol=1e-4, atol=1e-4)
+    assert torch.equal(full_logits(model, ids, False), plain)  # no model attribute changed
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -78,15 +83,15 @@ def test_a_table_that_pads_every_product_changes_no_greedy_token(seed):
     kw = dict(max_new_tokens=24, eos_id=-1)
     ref = generate(model, [1, 2, 3], **kw).tokens
     shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    install(Kernels({(*s, b): ("weight-first", min(2 * b, 64)) for s in shapes for b in BUCKETS}), model)
-    out = generate(model, [1, 2, 3], Adversary(ref, TINY.vocab_size, seed), **kw)
+    dev = tuned(Kernels({(*s, b): ("weight-first", min(2 * b, 64)) for s in shapes for b in BUCKETS}))
+    out = generate(model, [1, 2, 3], Adversary(ref, TINY.vocab_size, seed), dev=dev, **kw)
     assert out.tokens == ref
     assert out.steps < len(ref)  # drafts were accepted: multi-row forwards ran
 
 
 @pytest.mark.parametrize("exact", [False, True])
-def test_installed_forms_reach_the_heads_and_never_exact_modes_forward(exact, monkeypatch):
-    """Medusa's heads project through the shared lm_head in propose, on the installed forms (a 3-row
+def test_tuned_forms_reach_the_heads_and_never_exact_modes_forward(exact, monkeypatch):
+    """Medusa's heads project through the shared lm_head in propose, on the device's forms (a 3-row
     product, here the spy form) in either mode; exact mode's own products never use them (AR's one
     kernel), fast mode's do."""
     from nanospec.engine import generate
@@ -96,11 +101,11 @@ def test_installed_forms_reach_the_heads_and_never_exact_modes_forward(exact, mo
     seen, proposed = [], []
     monkeypatch.setitem(FORMS, "spy", lambda x, w, wt: seen.append((tuple(w.shape), x.shape[0])) or x @ w.T)
     V = (TINY.vocab_size, TINY.dim)
-    install(Kernels({(*V, b): ("spy", b) for b in BUCKETS}), model)
+    dev = tuned(Kernels({(*V, b): ("spy", b) for b in BUCKETS}))
     medusa = Medusa(heads, [(0,), (0, 0)])
     propose = medusa.propose
-    monkeypatch.setattr(medusa, "propose", lambda h: proposed.append(1) or propose(h))
-    out = generate(model, [1, 2, 3], medusa, max_new_tokens=6, eos_id=-1, exact=exact)
+    monkeypatch.setattr(medusa, "propose", lambda h, linear: proposed.append(1) or propose(h, linear))
+    out = generate(model, [1, 2, 3], medusa, max_new_tokens=6, eos_id=-1, exact=exact, dev=dev)
     assert len(out.tokens) == 6 and (V, 3) in seen and proposed
     assert (len(seen) == len(proposed)) == exact  # exact: the heads' products only
 
@@ -118,9 +123,9 @@ def test_the_packed_form_is_offered_where_onednn_is():
     assert y.shape == (8, 33) and torch.equal(layer.weight, before)
 
 
-def test_a_drafter_copied_with_installed_forms_runs_them():
-    """The bench copies drafters for each run: a copy's layers keep running the installed forms, packed
-    weights included (an opaque oneDNN tensor cannot be copied), and decode AR's tokens."""
+def test_a_drafter_copied_runs_the_tuned_forms():
+    """The bench copies drafters for each run: a copy's heads run the device's forms, packed weights included
+    (prepared for the copy's own weights: an opaque oneDNN tensor is never copied), and decode AR's tokens."""
     import copy
 
     from nanospec.engine import generate
@@ -128,10 +133,11 @@ def test_a_drafter_copied_with_installed_forms_runs_them():
     model = random_model(TINY, seed=3)
     form = "packed" if "packed" in FORMS else "transposed"
     V = (TINY.vocab_size, TINY.dim)
-    table = Kernels({(*V, b): (form, b) for b in BUCKETS})
+    dev = tuned(Kernels({(*V, b): (form, b) for b in BUCKETS}))
     medusa = Medusa(Heads(TINY.dim, TINY.vocab_size, 2).init_from(model.lm_head), [(0,), (0, 0)])
-    install(table, model, medusa)
     ref = generate(model, [1, 2, 3], max_new_tokens=8, eos_id=-1).tokens
+    assert generate(model, [1, 2, 3], medusa, max_new_tokens=8, eos_id=-1, dev=dev).tokens == ref
     twin = copy.deepcopy(medusa)
-    assert twin.heads.proj[0].tuned is table and twin.heads.proj[0] is not medusa.heads.proj[0]
-    assert generate(model, [1, 2, 3], twin, max_new_tokens=8, eos_id=-1).tokens == ref
+    assert twin.heads.proj[0] is not medusa.heads.proj[0]
+    assert generate(model, [1, 2, 3], twin, max_new_tokens=8, eos_id=-1, dev=dev).tokens == ref
+    assert {(id(m.heads.proj[0].weight), form) for m in (medusa, twin)} <= set(dev.kernels.prepared)

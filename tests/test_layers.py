@@ -8,12 +8,13 @@ PKG = Path(__file__).resolve().parents[1] / "nanospec"
 # Lowest first. A module may import its own layer's modules (without a cycle) and lower layers'.
 LAYERS = [
     {"nanospec", "io", "oracle", "training", "tuning",                          # leaves: nothing of the package
-     "io.files", "io.tokenizer_json", "io.gguf_tokenizer", "tuning.second_device"},
-    {"model", "cache", "tree", "planner", "tuning.products"},                   # the model and its parts
+     "io.files", "io.tokenizer_json", "io.gguf_tokenizer", "tuning.second_device", "programs"},
+    {"devices"},                                                                # a device's facts, as values
+    {"model", "cache", "tree", "planner", "compiled", "tuning.products"},       # the model and its parts
     {"io.checkpoint", "io.tokenizer", "io.chat", "io.gguf_export", "io.convert",  # weights and text in and out
      "io.sources", "io.fetch", "oracle.calibration", "oracle.trace", "oracle.verdict"},
     {"drafter", "sizes", "engine"},                                             # the contract and the loop
-    {"costs", "tuning.costs", "tuning.planner", "tuning.cuda", "tuning.counts", "tuning.compiled", "training.data",
+    {"costs", "tuning.costs", "tuning.planner", "tuning.counts", "training.data",
      "training.loop", "training.pretrain", "training.forced",
      "methods", "methods.lookahead", "methods.medusa", "methods.propd", "methods.bita", "methods.hidden_transfer",
      "methods.sdsat", "methods.sdsat_full"},                                    # drafters and their trainers

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import AlignedProducts, family_args, full_logits, random_model
-from nanospec import engine
+from nanospec import devices, engine
 from nanospec import model as llama
 from nanospec.model import ModelArgs
 from nanospec.sizes import shapes
@@ -63,7 +63,7 @@ def test_counting_leaves_exact_mode_as_it_found_it():
     def exact_mode():
         with AlignedProducts():
             logits = full_logits(model, [3, 9, 4, 1, 7, 12, 5, 8], True)
-        return dict(engine.PROGRAMS), model.context(Tree.chain(3).block(0), 40, True).tail.shape, logits
+        return dict(devices.DEVICES), model.context(Tree.chain(3).block(0), 40, True).tail.shape, logits
     programs, keys, logits = exact_mode()
     step_ops(model)
     after = exact_mode()

@@ -4,6 +4,7 @@ not pay; planned trees stay exact."""
 import math
 import random
 from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import FixedCost, check_exact, random_model
+from nanospec import devices
 from nanospec.costs import CostModel
 from nanospec.engine import generate
 from nanospec.methods.lookahead import Lookahead
@@ -115,10 +117,10 @@ def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp
     model = random_model(ARGS)
     rows = BUCKETS[:4]
     assert not measure(model, rows=rows, context=8, reps=1).padded  # no tuned products
-    kernels.install(kernels.tune(model, reps=1), model)
+    dev = replace(devices.of("cpu"), kernels=kernels.tune(model, reps=1))
     for again in (False, True):
-        assert measure(model, rows=rows, context=8, reps=1).padded
-        assert not measure(model, exact=True, rows=rows, context=8, reps=1).padded
+        assert measure(model, rows=rows, context=8, reps=1, dev=dev).padded
+        assert not measure(model, exact=True, rows=rows, context=8, reps=1, dev=dev).padded
 
 
 def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():

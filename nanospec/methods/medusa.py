@@ -79,6 +79,11 @@ class Borrowed(list):
         return self
 
 
+def plain(layer, x):
+    """A layer's product as the layer runs it."""
+    return layer(x)
+
+
 class Heads(nn.Module):
     """K heads. Each has its own vocabulary projection, or (shared=lm_head) all use the model's
     frozen lm_head, as EAGLE's head does: a 576 x 49,152 projection per head would not fit a
@@ -121,11 +126,11 @@ class Heads(nn.Module):
             x.append(y)
         return torch.stack(x)
 
-    def forward(self, h, e=None):  # (..., D) -> (K, ..., V): every head's logits over the whole vocabulary
-        x = self.states(h, e)
+    def forward(self, h, e=None, linear=plain):  # (..., D) -> (K, ..., V): every head's logits, whole vocabulary
+        x = self.states(h, e)  # linear(layer, x): the product's form (propose: the device's)
         if self.proj is None:
-            return self.shared[0](x)  # one product for all heads
-        return torch.stack([p(y) for p, y in zip(self.proj, x)])
+            return linear(self.shared[0], x)  # one product for all heads
+        return torch.stack([linear(p, y) for p, y in zip(self.proj, x)])
 
     def narrowed(self) -> nn.Linear | None:
         """The shared lm_head's rows of the draft vocabulary, as a layer of their own (None: no draft vocabulary)."""
@@ -136,14 +141,16 @@ class Heads(nn.Module):
         layer.weight = nn.Parameter(w.detach()[self.vocab], requires_grad=False)
         return layer
 
-    def drafts(self, narrow: nn.Linear | None, h, e=None):
+    def drafts(self, narrow: nn.Linear | None, h, e=None, linear=None):
         """(..., D) -> (K, ..., V): the logits the heads draft from. With a draft vocabulary (narrow: its layer)
-        only its tokens are scored; every other token's logit is -inf, so it is never a candidate."""
+        only its tokens are scored; every other token's logit is -inf, so it is never a candidate. linear(layer, x):
+        the products' form (None: the layer's own)."""
+        linear = linear or plain
         if narrow is None:
-            return self(h, e)
+            return self(h, e, linear)
         x = self.states(h, e)
         out = x.new_full((*x.shape[:-1], self.shared[0].weight.shape[0]), -math.inf)
-        return out.index_copy_(-1, self.vocab, narrow(x))
+        return out.index_copy_(-1, self.vocab, linear(narrow, x))
 
 
 class Medusa(Ranked):
@@ -167,8 +174,8 @@ class Medusa(Ranked):
             return Out(logits, drafts=h[:, :N, None], alive=alive)
         return Out(logits, drafts=torch.stack([h[:, :N], f.model.embed(logits.argmax(-1))], 2), alive=alive)
 
-    def propose(self, drafts):  # (B, K, V): head k guesses the token k+1 after the next
-        return self.heads.drafts(self.narrow, *drafts.unbind(1)).transpose(0, 1)
+    def propose(self, drafts, linear=None):  # (B, K, V): head k guesses the token k+1 after the next
+        return self.heads.drafts(self.narrow, *drafts.unbind(1), linear=linear).transpose(0, 1)
 
 
 # --- weights on disk ---------------------------------------------------------------------------

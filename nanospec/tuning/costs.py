@@ -18,7 +18,7 @@ from ..engine import Decoding
 from ..io.files import atomic_write, cache_root, fingerprint, hardware
 from ..sizes import MIN_BLOCK
 from ..tree import Tree
-from .products import BUCKETS, installed, to_json
+from .products import BUCKETS, to_json
 
 COST_ROWS = BUCKETS + (96, 128)  # every bucket of fast mode's products, and beyond them
 WINDOW = 16  # the steps of a kind whose median excess is taken
@@ -68,21 +68,22 @@ class Measured:
 
 
 @torch.inference_mode()
-def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps: int = 5) -> Measured:
+def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps: int = 5, dev=None) -> Measured:
     """Seconds per forward of n rows after `context` tokens, on this machine, model, dtype and mode:
     measured once and cached under the cache root, keyed by all four. The row counts take turns,
     reps rounds, and each keeps its fastest: a busy spell of a shared machine then slows one round
-    of every count, not every round of one."""
+    of every count, not every round of one. dev: the device's layout and speed (devices.py; its kernels: fast
+    mode's product forms, part of the key)."""
     w = model.embed.weight
-    table = None if exact else installed(model)
+    table = None if exact or dev is None else dev.kernels
     forms = "" if table is None else "-" + hashlib.sha256(to_json(table).encode()).hexdigest()[:8]
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}-{COSTS_VERSION}"
     path = cache_root() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
         return Measured({int(r): t for r, t in json.loads(path.read_text())["seconds"].items()}, padded=bool(forms))
     Q = max(MIN_BLOCK, *rows)
-    cache = KVCache.for_model(model, context + Q + 1)
-    dec = Decoding(model, cache, exact, Q, [0] * (context + 1))
+    cache = KVCache.for_model(model, context + Q + 1, dev=dev)
+    dec = Decoding(model, cache, exact, Q, [0] * (context + 1), dev=dev)
     g = torch.Generator().manual_seed(0)
     dec.prefill(torch.randint(0, model.args.vocab_size, (context,), generator=g).tolist())
     blocks = {n: Tree.chain(1, [1] * (n - 1)).block(dec.cur) for n in rows}

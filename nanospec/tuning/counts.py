@@ -13,9 +13,9 @@ import copy
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .. import model as llama
-from ..engine import AR, Programs, generate
-from .cuda import Traced
+from ..devices import Device
+from ..engine import AR, generate
+from ..programs import Programs, Traced
 from .second_device import Tally, second_device
 
 ALLOCATIONS = {"aten::empty", "aten::new_empty", "aten::empty_strided", "aten::empty_like"}  # memory, no kernel
@@ -58,18 +58,13 @@ class Counted(Programs):
 
 def step_costs(model, drafter=None, steps: int = 3, n_slots=None, batch: int = 1) -> list[tuple[int, float]]:
     """(ops, MB) of each of an exact generation's step programs with drafter (AR: None), as a GPU runs them
-    (without the CPU's exact layout: model.CPU_LAYOUT), its own (AR's where it drafted none): batch sequences
+    (a GPU's layout: devices.Device, not the CPU's), its own (AR's where it drafted none): batch sequences
     (a block batch of that many) of prompts filling half of n_slots (default: 8 tokens)."""
     drafter = copy.deepcopy(drafter or AR)  # the count leaves a method's state (its trie, its planner) as it was
-    counted, layout = Counted(), llama.CPU_LAYOUT
-    plen = n_slots // 2 if n_slots else 8
+    counted, plen = Counted(), n_slots // 2 if n_slots else 8
     prompts = [[1 + (7 * i + j) % 50 for j in range(plen)] for i in range(batch)]
-    llama.CPU_LAYOUT = False
-    try:
-        generate(model, prompts, drafter, max_new_tokens=steps, exact=True, eos_id=-1, n_slots=n_slots,
-                 block_batch=batch if batch > 1 else None, programs=counted)
-    finally:
-        llama.CPU_LAYOUT = layout
+    generate(model, prompts, drafter, max_new_tokens=steps, exact=True, eos_id=-1, n_slots=n_slots,
+             block_batch=batch if batch > 1 else None, dev=Device(), programs=counted)  # a GPU's layout
     counts = {k: c[1:] for k, c in counted.counts.items()}
     return [c for k, c in counts.items() if k[1] == id(drafter)] or list(counts.values())
 

@@ -1,5 +1,6 @@
 """Fast mode's matrix products by row count (`--kernels tuned`, the default on a CPU): each product's
-fastest form on this machine, tuned once and cached, installed on the layers that run it (install).
+fastest form on this machine, tuned once and cached, handed to the model as the device's `kernels`
+(devices.Device.linear: model.Context.mm calls it for each product of a fast forward).
 
 A forward of a few rows on a CPU is bound by reading the weights, yet eager `F.linear` handles
 a small row count almost row by row. The same product written weight-first, `(W @ x.T).T`, or
@@ -18,12 +19,11 @@ A fourth form, where PyTorch has oneDNN, runs against a copy of the weight packe
 blocked layout: eager products repack the weight on every call, which at 8-64 rows costs as much as
 the arithmetic (RESULTS.md, "Packed weights").
 
-Installed, a layer runs its tuned form whenever it is called: the model's layers in fast mode, and a
-drafter's heads in any mode (a draft's product need not be AR's). Exact mode's model products call
-F.linear themselves (model.Context.mm), so AR and every method still share one kernel. Fast mode
-promises AR's tokens, not its bits (the benchmark counts mismatches), and AR runs the same table.
+Fast mode's products run them (model.Context.mm), and so do a drafter's heads in any mode (Medusa's propose:
+a draft's product need not be AR's). Exact mode's model products never do: they call F.linear themselves, so AR
+and every method share one kernel. Fast mode promises AR's tokens, not its bits (the benchmark counts
+mismatches), and AR runs the same table.
 """
-import functools
 import hashlib
 import json
 import sys
@@ -75,21 +75,6 @@ def layers(*owners) -> list[torch.nn.Linear]:
     modules = [m for o in owners for m in ([o] if isinstance(o, torch.nn.Module) else
                                             [v for v in vars(o).values() if isinstance(v, torch.nn.Module)])]
     return [m for module in modules for m in module.modules() if isinstance(m, torch.nn.Linear) and m.bias is None]
-
-
-def install(kernels: Kernels | None, *owners) -> None:
-    """Every bias-free nn.Linear of owners runs kernels.linear when called (None: F.linear again). The
-    table stays reachable as layer.tuned."""
-    for layer in layers(*owners):
-        layer.__dict__.pop("forward", None)
-        layer.__dict__.pop("tuned", None)
-        if kernels is not None:
-            layer.forward, layer.tuned = functools.partial(kernels.linear, layer), kernels
-
-
-def installed(model) -> Kernels | None:
-    """The table installed on the model's layers, if any."""
-    return model.lm_head.__dict__.get("tuned")
 
 
 def to_json(k: Kernels) -> str:

@@ -1,40 +1,53 @@
-"""CUDA graphs for exact-mode forwards: the exact path is the fast path on a GPU.
+"""How exact mode's device programs run: as the Python they are (EAGER), or as CUDA graphs (Graphs).
 
-Exact mode runs every forward with the same shapes: Q rows against a cache of S slots,
-each row's visible keys padded to a fixed width. That is what a CUDA graph needs. A
-forward is captured once per shape (and per method variant, e.g. "with hidden states")
-and then replayed: one launch instead of ~300 kernel launches from Python, which bound
-an eager step on a GPU (its wall time is the host's launches, not the GPU's work).
+Exact mode runs every forward with the same shapes: Q rows against a cache of S slots, each row gathering the
+same number of keys. That is what a CUDA graph needs. A program is captured once per shape (and per method
+variant, e.g. "with hidden states") and then replayed: one launch instead of hundreds of kernel launches from
+Python, which bound an eager step on a GPU (its wall time is the host's launches, not the GPU's work).
 
-Bitwise equality with AR survives by construction: AR's exact forward replays the
-same captured graph (same kernels, same shapes) as every method's, and a replay runs
-exactly the kernels the eager capture chose (tests/test_graphs.py checks graph == eager).
+Bitwise equality with AR survives by construction: AR's exact forward replays the same captured graph (same
+kernels, same shapes) as every method's, and a replay runs exactly the kernels the eager capture chose
+(tests/test_graphs.py checks graph == eager).
 
-A graph is bound to the addresses of its static inputs, its outputs and the KV cache it
-writes, so graphs live with the cache they were captured with, and Graphs keeps one cache per
-(S, batch, dtype) per model alive across generations. register() makes it exact mode's Programs
-on CUDA (engine.PROGRAMS): decode.py and the CUDA test suite do, unless NANOSPEC_CUDA_GRAPHS=0.
+A graph is bound to the addresses of its static inputs, its outputs and the KV cache it writes, so graphs live
+with the cache they were captured with, and Graphs keeps one cache per (S, batch, dtype) per model alive across
+generations. It is CUDA's default (devices.py) unless NANOSPEC_CUDA_GRAPHS=0.
 
-Without a GPU, Simulated (tests) stands in for capture on the CPU: each program is traced once
-into its tensor ops (make_fx) and replayed without running its Python again. The trace refuses
-what a capture refuses: an op that makes the host read a device value (a sync), a host value
-copied in (`torch.tensor(...)`, a Python scalar written by index: make_fx's `lift_fresh`; Strict),
-and a tensor made without a device (`torch.zeros(n)`: on a GPU a host tensor inside a device
-program; NoHostTensors). A program that would break under a real graph, by any of these or by
-reading state its key does not name, fails there too.
+Without a GPU, Simulated (tests) stands in for capture on the CPU: each program is traced once into its tensor
+ops (make_fx) and replayed without running its Python again. The trace refuses what a capture refuses: an op that
+makes the host read a device value (a sync), a host value copied in (`torch.tensor(...)`, a Python scalar written
+by index: make_fx's `lift_fresh`; Strict), and a tensor made without a device (`torch.zeros(n)`: on a GPU a host
+tensor inside a device program; NoHostTensors). A program that would break under a real graph, by any of these or
+by reading state its key does not name, fails there too.
 """
 import os
 import sysconfig
 import traceback
+import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..cache import KVCache
-from ..engine import PROGRAMS, Programs
 
-ENABLED = os.environ.get("NANOSPEC_CUDA_GRAPHS", "1") != "0"
+def graphs_enabled() -> bool:
+    """Exact mode on CUDA runs as CUDA graphs unless NANOSPEC_CUDA_GRAPHS=0 (then eagerly)."""
+    return os.environ.get("NANOSPEC_CUDA_GRAPHS", "1") != "0"
+
+
+class Programs:
+    """How a generation's device programs (a step, a prefill chunk) run, and on which cache: as the Python
+    they are, on a new cache each time. Graphs runs exact mode's as CUDA graphs, bound to caches it keeps."""
+
+    def cache(self, model, key, make):
+        """The cache for model at key (its slots, batch, dtype and device): make() builds one."""
+        return make()
+
+    def run(self, cache, key, fn, args, device):  # key: the program's name (a capture's, with the shapes)
+        return fn(*(None if a is None else a.to(device) for a in args))
+
+
+EAGER = Programs()
 
 
 class Graph:
@@ -129,23 +142,24 @@ class Traced:
 
 class Graphs(Programs):
     """Exact mode's programs as CUDA graphs: each captured once per cache, key and shapes, then replayed.
-    Host tensors are copied straight into a graph's static inputs. A cache keeps its graphs
-    (cache._graphs), so they live as long as the cache, which lives as long as its model."""
+    Host tensors are copied straight into a graph's static inputs. It keeps one cache per model and key, emptied
+    for each generation, so its graphs stay valid as long as the model lives."""
     capture = Graph
 
-    def cache(self, model, n_slots: int, batch: int) -> KVCache:
-        """One cache per (S, batch, dtype) per model, emptied for each generation: its graphs stay valid."""
-        w = model.embed.weight
-        pool = model.__dict__.setdefault("_exact_caches", {})
-        key = (n_slots, batch, w.dtype, w.device)
+    def __init__(self):
+        self.caches = weakref.WeakKeyDictionary()  # model -> {key: its cache}
+        self.graphs = weakref.WeakKeyDictionary()  # cache -> {(program key, shapes): its graph}
+
+    def cache(self, model, key, make):
+        pool = self.caches.setdefault(model, {})
         if key in pool:
             pool[key].reset()
         else:
-            pool[key] = KVCache.for_model(model, n_slots, batch)
+            pool[key] = make()
         return pool[key]
 
     def run(self, cache, key, fn, args, device):
-        graphs = cache.__dict__.setdefault("_graphs", {})  # {(key, shapes): its Graph}
+        graphs = self.graphs.setdefault(cache, {})
         key = shaped(key, args)
         if key not in graphs:
             graphs[key] = self.capture(fn, args, device)
@@ -160,11 +174,3 @@ def shaped(key, args) -> tuple:
 class Simulated(Graphs):
     """The CPU stand-in for Graphs (tests): every program traced once (Traced), then replayed."""
     capture = Traced
-
-
-def register(enabled: bool = ENABLED) -> None:
-    """Exact mode on CUDA runs as CUDA graphs (engine.PROGRAMS), or eagerly if not enabled."""
-    if enabled:
-        PROGRAMS["cuda"] = Graphs()
-    else:
-        PROGRAMS.pop("cuda", None)
