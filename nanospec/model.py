@@ -261,7 +261,7 @@ def fuse(module, name: str, dim: int, parts: dict[str, int], groups: int = 1) ->
     concatenated in `groups` interleaved groups (each part's rows split in as many): one kernel, not len(parts).
     Checkpoints keep the parts, as HF names them: the state dict splits on save and joins on load."""
     setattr(module, name, nn.Linear(dim, sum(parts.values()), bias=False))
-    getattr(module, name).groups = groups
+    getattr(module, name).groups, getattr(module, name).role = groups, name  # role: the product's name in its layer
     sizes = [n // groups for n in parts.values()]
 
     def split(mod, state, prefix, meta):
@@ -286,6 +286,7 @@ class Attention(nn.Module):
         # per key head: its G query heads, its key, its value (q and k then rotate at once; q needs no copy)
         fuse(self, "qkv", args.dim, {"q_proj": H, "k_proj": Hkv, "v_proj": Hkv}, groups=args.kv_heads)
         self.o_proj = nn.Linear(H, args.dim, bias=False)
+        self.o_proj.role = "o_proj"
 
     def forward(self, x, ctx: Context, kc, vc, residual):
         B, T, _ = x.shape
@@ -304,6 +305,7 @@ class MLP(nn.Module):
         super().__init__()
         fuse(self, "gate_up", args.dim, {"gate_proj": args.hidden_dim, "up_proj": args.hidden_dim})
         self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.down_proj.role = "down_proj"
 
     def forward(self, x, ctx: Context, residual):
         gate, up = ctx.mm(self.gate_up, ctx.rows(x)).chunk(2, dim=-1)

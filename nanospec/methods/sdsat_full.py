@@ -1,11 +1,12 @@
 """SDSAT as the paper trains it: every weight fine-tuned, the adaptive token a reserved vocabulary id.
 
-Spec: ../shared/papers/sdsat.txt (section 2.2, appendix A). Decoding is sdsat.py's, on the
-fine-tuned model (weights/<name>-sdsat/), which is therefore its own AR reference: lossless
-means identical to it, not to the base model. decode.py switches to that directory for
-`--method sdsat_full` and says so. The repository does not ship it (15 MB for the default
-model, where SmolLM2's update needs the room): `python train.py --method sdsat_full` makes it,
-in about 17 minutes on 2 CPU cores.
+Liu & Zhu, "SDSAT: Accelerating LLM Inference through Speculative Decoding with Semantic
+Adaptive Tokens", 2024, arXiv:2403.18647: section 2.2 (training) and appendices A-B.
+Decoding is sdsat.py's, on the fine-tuned model (weights/<name>-sdsat/), which is therefore its
+own AR reference: lossless means identical to it, not to the base model. decode.py switches to
+that directory for `--method sdsat_full` and says so. The repository does not ship it (a whole
+model's weights, where SmolLM2's update needs the room): `python train.py --method sdsat_full`
+makes it.
 
 Kept beside sdsat.py's update, which leaves the base model's tokens bitwise untouched, because
 with the same data and schedule the fine-tune drafts more per forward (RESULTS.md, "SDSAT without
@@ -19,7 +20,7 @@ Choices where the paper is silent, and why:
 - Masking (section 2.2): each position starts a window with probability 0.1 (position 0
   never); the window length is uniform on 1..L; overlapping windows merge. An adaptive token at
   position i is labelled with the original token i+1, as at inference.
-- The paper's rate (5e-5 to 1e-5 over 2000 steps at 4M tokens) is for 7B; this 7.6M model is
+- The paper's rate (5e-5 to 1e-5 over 2000 steps at 4M tokens) is for 7B; the default model is
   fine-tuned at 3e-4 falling to 3e-5, with the base pretraining's batch of 8 x 512 tokens.
 - Plain sequences are the base model's corpus (what protects its quality); mixed sequences are
   by default the base model's own greedy continuations of training prompts, the
