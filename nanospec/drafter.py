@@ -51,7 +51,8 @@ class Forward:
     @classmethod
     def training(cls, model, tokens, pos, vis, prefix=None) -> "Forward":
         """A cache-free forward over rows that see each other as vis (B, R, K + R) says, K being
-        the keys that `prefix(i)` puts before the rows in layer i (BiTA's deep prompt)."""
+        the keys and values that prefix[i] or prefix(i) puts before the rows in layer i (SDSAT's
+        frozen standard rows, BiTA's deep prompt)."""
         (B, R), a = tokens.shape, model.args
         K = vis.shape[-1] - R
         ctx = Context(*model.rope(pos), torch.arange(K, K + R, device=tokens.device), False, mask=vis, L=K + R)
@@ -62,7 +63,7 @@ class Forward:
             k, v = (w.new_zeros(B, a.kv_heads, R, a.hd) for _ in range(2))
             if prefix is None:
                 return k, v
-            pk, pv = prefix(i)
+            pk, pv = prefix(i) if callable(prefix) else prefix[i]
             return torch.cat([pk.expand(B, -1, -1, -1), k], 2), torch.cat([pv.expand(B, -1, -1, -1), v], 2)
         return cls(model, blk, ctx, kv)
 

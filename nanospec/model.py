@@ -239,7 +239,7 @@ def fuse(module, name: str, dim: int, parts: dict[str, int], groups: int = 1, bi
     concatenated in `groups` interleaved groups (each part's rows split in as many): one kernel, not len(parts).
     Checkpoints keep the parts, as HF names them: the state dict splits on save and joins on load."""
     setattr(module, name, nn.Linear(dim, sum(parts.values()), bias=bias))
-    getattr(module, name).groups = groups
+    getattr(module, name).groups, getattr(module, name).role = groups, name  # role: the product's name in its layer
     sizes, leaves = [n // groups for n in parts.values()], (".weight", ".bias")[:1 + bias]
 
     def split(mod, state, prefix, meta):
@@ -267,6 +267,7 @@ class Attention(nn.Module):
         fuse(self, "qkv", args.dim, {"q_proj": H, "k_proj": Hkv, "v_proj": Hkv}, args.kv_heads, args.qkv_bias)
         self.q_norm, self.k_norm = (RMSNorm(args.hd, args.norm_eps) for _ in "qk") if args.qk_norm else (None, None)
         self.o_proj = nn.Linear(H, args.dim, bias=False)
+        self.o_proj.role = "o_proj"
 
     def forward(self, x, ctx: Context, kc, vc, residual):
         B, T, _ = x.shape
@@ -288,6 +289,7 @@ class MLP(nn.Module):
         super().__init__()
         fuse(self, "gate_up", args.dim, {"gate_proj": args.hidden_dim, "up_proj": args.hidden_dim})
         self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.down_proj.role = "down_proj"
 
     def forward(self, x, ctx: Context, residual):
         gate, up = ctx.mm(self.gate_up, ctx.rows(x)).chunk(2, dim=-1)

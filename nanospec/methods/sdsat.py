@@ -1,46 +1,25 @@
-"""SDSAT (Liu et al., 2024): semantic adaptive tokens, draft-then-verify with the model itself.
-Spec: ../shared/papers/sdsat.txt (sections 2.1-2.2, 3.2, 3.4, appendices A-B).
+"""SDSAT: draft-then-verify with the model itself, through semantic adaptive tokens.
 
-An adaptive token placed after a sequence predicts a token further ahead: adaptive token i (1-based) appended after
-position n predicts the token at n+i+1. Decoding appends k adaptive tokens (k is free at inference) and drafts from
-them, then verifies the drafts and drafts again in the next forward:
-- Draft step 1: the last token and k adaptive tokens after it. The last token's own logits give the next token; the
-  adaptive rows give k draft tokens.
-- Draft step 2: the next token and the k drafts as a chain, with k adaptive tokens after the last draft. The chain is
-  verified exactly as AR would (eq. 3), and when every draft is accepted the adaptive rows already hold the next k
-  drafts, so the next loop needs no step 1. Otherwise the next step is a step 1 again. A loop of two forwards yields
-  up to k+2 tokens.
-- Nucleus sampling: `width` > 1 turns the chain into a tree of each adaptive position's top candidates, where only the
-  top-1 candidate of each depth has children (adaptive tokens ride on the top-1 chain's end), verified with the
-  engine's seeded sampler.
+Liu & Zhu, "SDSAT: Accelerating LLM Inference through Speculative Decoding with Semantic Adaptive Tokens", 2024,
+arXiv:2403.18647: sections 2.1 (inference), 2.2 (training), 3.2, 3.4 (Figure 3's accept rate), appendices A-B.
 
-Where this departs from the paper, toward its own stated aim ("a training method that does not affect the standard
-tokens"): the paper fine-tunes every weight, so standard tokens change a little and the AR reference becomes the fine-
-tuned model. Here the model is untouched:
-- The adaptive token is a new embedding row (Delta.embed), not one of the vocabulary's ids.
-- A rank-r update of every attention and MLP projection applies to adaptive rows only (the forward's `delta`,
-  model.Context.mm). Standard rows run the base weights, and adaptive rows read the standard rows' keys and values
-  unchanged; standard rows never see adaptive rows.
-- So every standard token's output is the base model's own, bitwise in exact mode: SDSAT's AR reference is the base
-  model, and the method ships as a small drafter file (sdsat.safetensors).
-The paper's full fine-tune stays as sdsat_full.py: with the same data it drafts more per forward (RESULTS.md, "SDSAT
-without touching the model"), since it also teaches the standard tokens' keys and values what the adaptive tokens
-need. Training has only adaptive rows to learn: the standard rows' keys and values come from a no-grad forward of the
-frozen model, and only adaptive rows run backward; eq. 9's plain term is a constant, eq. 8's and 9's mixed terms the
-adaptive rows' loss.
+Adaptive token i (1-based) after position n predicts the token at n+i+1: k of them (k is free at inference) draft
+k tokens in one forward. A loop of two forwards yields up to k+2 tokens (SDSAT.draft):
+- Draft step 1 (eq. 1): the last token, whose logits give the next token, and k adaptive tokens after it: k drafts.
+- Draft step 2 (eqs. 2-3): the next token and the k drafts as a chain, verified as AR would. Unlike the paper, k
+  adaptive tokens follow the chain's end too: when every draft is accepted they hold the next k drafts, and the
+  next forward is a step 2 again, with no step 1 between; otherwise it is a step 1.
+- Nucleus sampling (section 2.1.2): `width` > 1 makes step 2's chain a tree of each depth's top candidates.
 
-Choices where the paper is silent, and why:
-- Masking (section 2.2): each position starts a window with probability 0.1 (position 0 never), of a length uniform on
-  1..L. An adaptive token at position i is labelled with the token at i+1, as at inference. Windows are separate rows,
-  each seeing the standard tokens before it and its own earlier rows, which is what inference shows an adaptive token;
-  so windows need not merge.
-- With `--diverse` (appendix B), window position i gets its own embedding, and k <= L.
-- Rank 8: the update's size stays a few MB on SmolLM2 (30 layers); the adaptive embedding and B start at N(0, 0.02)
-  and zero (the base model's own rows), A at N(0, 1/in).
-- Data: windows of --seq-len tokens of the self-distillation data (prompts labelled as plain text, as in the paper)
-  and of --forced windows of real text, labelled with the model's own tokens where known (training/forced.py).
-- Under a planner (fast mode's default), a step appends min(k, budget) adaptive tokens, not k (drafter.Ranked), and
-  the adaptive rows' logits come from the step's one head product, with the tree's.
+The paper fine-tunes every weight (sdsat_full.py: with the same data it drafts more per forward, RESULTS.md's "SDSAT
+without touching the model"). Toward its own aim ("a training method that does not affect the standard tokens"), the
+model here is untouched: the adaptive token is a new embedding row, and a rank-r update of every product applies to
+adaptive rows only (Delta). Standard rows run the base weights and never see adaptive rows: every standard token is
+the base model's, bitwise in exact mode, and the method ships as a small drafter file. Adaptive rows learn over the
+frozen model's keys and values (eq. 9's plain term is a constant, eq. 8's and 9's mixed terms their loss), in windows
+of rows of their own that see the standard tokens before them as at inference, so windows need not merge. With
+`--diverse` (appendix B) each window position has its own embedding, and k <= L. Data: the self-distillation data
+(prompts labelled as plain text, as in the paper) and --forced real text labelled with the model's own tokens.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,32 +37,29 @@ from ..training.data import distill_args
 from ..training.forced import forced_items, targets
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..training.pretrain import windows
-from ..tree import Template, chain_end
+from ..tree import Template, Tree, chain_end
 
 TRAIN = "python train.py --method sdsat"
-PROJECTIONS = {"attn.qkv": ("attn.q_proj", "attn.k_proj", "attn.v_proj"), "attn.o_proj": ("attn.o_proj",),
-               "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj": ("mlp.down_proj",)}
+# A layer's products, by the role the model gives each (model.py), and the parts they fuse, as checkpoints name them
+PROJECTIONS = {"qkv": ("attn.q_proj", "attn.k_proj", "attn.v_proj"), "o_proj": ("attn.o_proj",),
+               "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down_proj": ("mlp.down_proj",)}
 
 
 class Delta(nn.Module):
-    """The adaptive tokens' embeddings and a rank-r update W + B A of every projection of every layer, applied to
-    adaptive rows only. A layer's products are told apart by role (the name it sets on them: a compiled layer,
-    tuning/compiled.py, sees the same code for every layer); a fused product (q, k and v; gate and up) takes its
-    parts' updates side by side (A stacked, B block-diagonal)."""
+    """The adaptive tokens' embeddings and a rank-r update W + B A of each product of every layer, by the product's
+    role (model.py); a fused product (q, k and v; gate and up) takes its parts' (A stacked, B block-diagonal)."""
 
     def __init__(self, model, rank: int = 8, tokens: int = 1):
         super().__init__()
         self.embed = nn.Parameter(torch.randn(tokens, model.args.dim) * 0.02)
-        self.n, layers = len(model.layers), model.layers
-        shapes = {k.removesuffix(".weight"): w.shape for k, w in layers[0].state_dict().items()}  # (out, in) per part
-        keys = {part: part.replace(".", "_") for parts in PROJECTIONS.values() for part in parts}
-        self.a = nn.ParameterDict({k: nn.Parameter(torch.randn(self.n, rank, shapes[p][1]) / shapes[p][1] ** 0.5)
-                                   for p, k in keys.items()})
-        self.b = nn.ParameterDict({k: nn.Parameter(torch.zeros(self.n, shapes[p][0], rank)) for p, k in keys.items()})
-        self.keys = {m: [keys[p] for p in parts] for m, parts in PROJECTIONS.items()}
-        self.groups = {m: getattr(layers[0].get_submodule(m), "groups", 1) for m in PROJECTIONS}
-        for layer, m in ((layer, m) for layer in layers for m in PROJECTIONS):
-            layer.get_submodule(m).role = m
+        self.n, layer = len(model.layers), model.layers[0]
+        shapes = {k.removesuffix(".weight"): w.shape for k, w in layer.state_dict().items()}  # (out, in) per part
+        parts = {p.replace(".", "_"): shapes[p] for ps in PROJECTIONS.values() for p in ps}  # by parameter name
+        self.a = nn.ParameterDict({k: nn.Parameter(torch.randn(self.n, rank, i) / i ** 0.5)
+                                   for k, (_, i) in parts.items()})
+        self.b = nn.ParameterDict({k: nn.Parameter(torch.zeros(self.n, o, rank)) for k, (o, _) in parts.items()})
+        self.keys = {role: [p.replace(".", "_") for p in ps] for role, ps in PROJECTIONS.items()}
+        self.groups = {m.role: getattr(m, "groups", 1) for m in layer.modules() if hasattr(m, "role")}
 
     def factors(self) -> list[dict]:
         """Per layer, {a product's role: (A^T, B^T)}, made of the parameters (gradients flow). B^T's columns follow
@@ -91,38 +67,37 @@ class Delta(nn.Module):
         def b(keys, i, groups):
             parts = torch.block_diag(*[self.b[k][i].t() for k in keys]).split([len(self.b[k][i]) for k in keys], 1)
             return torch.cat([c for g in zip(*(p.chunk(groups, 1) for p in parts)) for c in g], 1)
-        return [{m: (torch.cat([self.a[k][i].t() for k in keys], 1), b(keys, i, self.groups[m]))
-                 for m, keys in self.keys.items()} for i in range(self.n)]
+        return [{role: (torch.cat([self.a[k][i].t() for k in keys], 1), b(keys, i, self.groups[role]))
+                 for role, keys in self.keys.items()} for i in range(self.n)]
 
     def on(self, rows, factors: list | None = None) -> list["Update"]:
         """The update as a forward's per-layer `delta` (model.Context.delta) on rows (slice, index; None: all) of
-        every sequence; other products and rows keep theirs. factors: `factors()`, made once or now."""
+        every sequence; other rows keep the base products. factors: `factors()`, made once or now."""
         return [Update(rows, f) for f in (self.factors() if factors is None else factors)]
 
 
 @dataclass
 class Update:
-    """A layer's update of its products on rows: data, not a closure, so a compiled layer takes it as inputs."""
+    """A layer's update of its products on rows: data, not a closure, so the compiled layer (one code for every
+    layer: compiled.py) takes it as inputs, and finds each product's factors by the role the model gave it."""
     rows: object  # a slice, an index tensor, or None: all rows
-    factors: dict
+    factors: dict  # {a product's role: (A^T, B^T)}
 
-    def __call__(self, layer, x, y):
-        ab = self.factors.get(getattr(layer, "role", None))
-        if ab is None:
-            return y
+    def __call__(self, product, x, y):
+        a, b = self.factors[product.role]
         if self.rows is None:
-            return y + (x @ ab[0]) @ ab[1]
-        a, b = (t.expand(len(x), -1, -1) for t in ab)
+            return y + (x @ a) @ b
+        a, b = a.expand(len(x), -1, -1), b.expand(len(x), -1, -1)
         y[:, self.rows] = torch.baddbmm(y[:, self.rows], torch.bmm(x[:, self.rows], a), b)  # in the epilogue
         return y
 
 
 class SDSAT(Ranked):
+    """Draft steps 1 and 2 (module docstring): k adaptive tokens, `width` candidates per depth. delta: the adaptive
+    tokens and their update on the base model; or (sdsat_full) ids: their vocabulary ids in a fine-tuned model."""
     name = "sdsat"
 
     def __init__(self, delta: Delta | None, k: int = 5, width: int = 1, ids: list[int] | None = None):
-        """delta: the adaptive tokens and their update, on the base model; or (sdsat_full) ids: the
-        adaptive tokens' vocabulary ids in a fine-tuned model."""
         if k < 1 or width < 1:
             raise NanospecError(f"sdsat k={k}, width={width}: both must be at least 1")
         n = len(ids) if delta is None else len(delta.embed)
@@ -142,10 +117,16 @@ class SDSAT(Ranked):
     def size(self, n, budget=None):
         return n + self.own(budget)
 
+    def draft(self, dec, cands, template, budget) -> Tree:
+        self.now = self.ahead if budget is None else self.own(budget)  # a planned step's: min(k, budget)
+        if cands is None:  # draft step 1: the last token alone; k adaptive rows after it draft k tokens
+            return Tree.chain(dec.last)
+        return template.tree(dec.last, cands)  # draft step 2: the next token, then the k drafts (a chain, or a tree)
+
     def rows(self, dec, tree, n):
-        """The tree, then the adaptive rows after the end of its top-1 chain (forward embeds them)."""
+        """The tree's rows, then the adaptive rows after the end of its top-1 chain (step 1's: the root)."""
         blk = dec.block(tree, [chain_end(tree.parents)], self.now, n=n)
-        if self.ids is not None:
+        if self.ids is not None:  # a fine-tuned model's own adaptive ids (else forward embeds the rows)
             blk.tokens[0, n:] = blk.tokens.new_tensor(self.ids[:self.now])
         return blk
 
@@ -153,27 +134,26 @@ class SDSAT(Ranked):
         return nodes.n, self.now
 
     def forward(self, f, nodes):
+        """Either step's forward: the tree's rows, verified (eq. 3), then k adaptive rows, whose logits draft for a
+        path that ends at the top-1 chain's end (the next step is a step 2) and no other (the next is a step 1)."""
         n, k, N = nodes.n, self.now, nodes.N
-        x = f.embed()
-        if self.delta is None:  # a fine-tuned model's own adaptive ids
-            h = f.norm(f.layers(x))
-        else:
+        adaptive = slice(n, n + k)
+        x, update = f.embed(), None  # sdsat_full: the rows hold a fine-tuned model's own adaptive ids
+        if self.delta is not None:
             e = self.delta.embed  # one adaptive token repeated, or the first k diverse ones
-            x[:, n:n + k] = (e.expand(k, -1) if len(e) == 1 else e[:k]).to(x.dtype)
-            h = f.norm(f.layers(x, delta=self.delta.on(slice(n, n + k), self.factors)))
-        logits = f.logits(h, max(N, n + k))  # the tree's and the adaptive rows' in one product: one pass of the head
-        adaptive = logits[:, None, n:n + k]  # drafts for the next loop, if the whole top-1 chain is accepted
-        depth = nodes.lay.depth[:, :n].masked_fill(~nodes.real[:, :n], -1)  # the chain's end: the first deepest node
-        host = torch.arange(N, device=h.device) == depth.argmax(-1, keepdim=True)  # (argmax: the first of ties)
-        return Out(logits[:, :N], drafts=adaptive.expand(-1, N, -1, -1), depths=torch.where(host, k, 0))
+            x[:, adaptive] = (e.expand(k, -1) if len(e) == 1 else e[:k]).to(x.dtype)
+            update = self.delta.on(adaptive, self.factors)
+        logits = f.logits(f.norm(f.layers(x, delta=update)), max(N, n + k))  # all rows': one pass of the head
+        depth = nodes.lay.depth[:, :n].masked_fill(~nodes.real[:, :n], -1)
+        ends = depth.argmax(-1, keepdim=True)  # each chain's end: its tree's first deepest node
+        drafted = torch.where(torch.arange(N, device=x.device) == ends, k, 0)  # drafts per node: k there, else none
+        return Out(logits[:, :N], drafts=logits[:, None, adaptive].expand(-1, N, -1, -1), depths=drafted)
 
     def accepted(self, dec, tree, path):
-        if len(tree) > 1:
-            self.verifying += 1
-            self.drafts += len(tree) - 1
-            self.drafts_accepted += len(path) - 1
-        else:
-            self.draft_only += 1
+        self.draft_only += len(tree) == 1  # a draft step 1: nothing verified
+        self.verifying += len(tree) > 1
+        self.drafts += len(tree) - 1
+        self.drafts_accepted += len(path) - 1
 
     def report(self):
         """Figure 3's accept rate: drafts accepted per draft verified (per verifying step over k, for a chain)."""
@@ -198,7 +178,7 @@ def add_args(p):
     p.add_argument("--window", type=int, default=5, help="L: the longest run of adaptive tokens")
     p.add_argument("--mask-rate", type=float, default=0.1, help="chance that a position starts a window")
     p.add_argument("--diverse", action="store_true", help="a different adaptive token per window position")
-    p.add_argument("--rank", type=int, default=8, help="r of the projections' update")
+    p.add_argument("--rank", type=int, default=8, help="r of the update (8: a few MB on SmolLM2)")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=512)
@@ -229,8 +209,7 @@ def adaptive_rows(x: torch.Tensor, wins: list[list[tuple[int, int]]], diverse: b
         r = 0
         for s, n in w:
             j = torch.arange(n)
-            which[b, r:r + n] = j if diverse else 0
-            pos[b, r:r + n] = s + j
+            which[b, r:r + n], pos[b, r:r + n] = j if diverse else 0, s + j
             vis[b, r:r + n, :T] = torch.arange(T) < s
             vis[b, r:r + n, T + r:T + r + n] = j[None] <= j[:, None]
             lab[b, r:r + n] = after[b, s + j + 1] if ahead is None else ahead[b, s - 1, :n]
@@ -238,23 +217,19 @@ def adaptive_rows(x: torch.Tensor, wins: list[list[tuple[int, int]]], diverse: b
     return which, pos, vis, lab
 
 
-@torch.no_grad()
-def base_keys(model, x: torch.Tensor) -> list:
-    """The frozen model's keys and values (B, Hkv, T, D) in every layer over x (B, T), causal."""
-    B, T = x.shape
-    pos = torch.arange(T, device=x.device).expand(B, T)
-    f = Forward.training(model, x, pos, torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T))
-    kv, kept = f.kv, []
-    f.kv = lambda i: kept.append(kv(i)) or kept[-1]  # the buffers each layer writes its keys into
-    f.layers(f.embed())
-    return kept
-
-
 def adaptive_logits(model, delta: Delta, x: torch.Tensor, wins, diverse: bool, ahead=None):
-    """Logits (B, R, V) of the adaptive rows of windows `wins` over x (B, T), and their labels (adaptive_rows)."""
-    keys = base_keys(model, x)
-    which, pos, vis, lab = (t.to(x.device) for t in adaptive_rows(x.cpu(), wins, diverse, ahead))
-    f = Forward.training(model, torch.zeros_like(pos), pos, vis, prefix=lambda i: keys[i])
+    """Logits (B, R, V) of the adaptive rows of windows `wins` over x (B, T), and their labels (adaptive_rows). The
+    rows read the frozen model's keys and values over x, computed first without gradients."""
+    (B, T), dev = x.shape, x.device
+    with torch.no_grad():
+        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
+        f = Forward.training(model, x, torch.arange(T, device=dev).expand(B, T), causal)
+        keys = [f.kv(i) for i in range(len(model.layers))]  # the buffers each layer writes its keys and values into
+        h = f.embed()
+        for layer, kv in zip(model.layers, keys):
+            h = layer(h, f.ctx, *kv)
+    which, pos, vis, lab = (t.to(dev) for t in adaptive_rows(x.cpu(), wins, diverse, ahead))
+    f = Forward.training(model, torch.zeros_like(pos), pos, vis, prefix=keys)
     h = f.norm(f.layers(delta.embed[which], delta=delta.on(None)))
     return model.lm_head(h), lab
 
@@ -273,7 +248,6 @@ def accuracy(model, delta, held, args, top: int = 5) -> list[list[float]]:
 
 
 def train(args):
-    out = Path(args.out)
     model, train_data, held = distilled(args)
     data = [(p + c, (p + c)[1:] + [-100]) for p, c in train_data] + forced_items(model, args)  # (tokens, labels)
     tokens = [t for s, _ in data for t in s]
@@ -302,5 +276,5 @@ def train(args):
     trained = {k: getattr(args, k) for k in ("forced", "seq_len", "batch_size", "lr")} | ckpt.record()
     meta = {"base_fingerprint": fingerprint(model), "rank": args.rank, "tokens": len(delta.embed), "acc": acc,
             "window": args.window, "mask_rate": args.mask_rate, "trained": trained}
-    save_drafter(out / "sdsat.safetensors", delta, meta)
-    print(f"wrote {out / 'sdsat.safetensors'}")
+    save_drafter(Path(args.out) / "sdsat.safetensors", delta, meta)
+    print(f"wrote {Path(args.out) / 'sdsat.safetensors'}")

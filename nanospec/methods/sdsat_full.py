@@ -20,7 +20,7 @@ Choices where the paper is silent, and why:
 - Masking (section 2.2): each position starts a window with probability 0.1 (position 0
   never); the window length is uniform on 1..L; overlapping windows merge. An adaptive token at
   position i is labelled with the original token i+1, as at inference.
-- The paper's rate (5e-5 to 1e-5 over 2000 steps at 4M tokens) is for 7B; this 7.6M model is
+- The paper's rate (5e-5 to 1e-5 over 2000 steps at 4M tokens) is for 7B; the default model is
   fine-tuned at 3e-4 falling to 3e-5, with the base pretraining's batch of 8 x 512 tokens.
 - Plain sequences are the base model's corpus (what protects its quality); mixed sequences are
   by default the base model's own greedy continuations of training prompts, the
