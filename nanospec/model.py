@@ -335,7 +335,7 @@ class Llama(nn.Module):
     def rope(self, pos: torch.Tensor, dev: Device | None = None):
         """cos and signed sin (B, T, 1, 1, D) for positions (B, T) (see apply_rope); dev: exact mode's device."""
         freqs, dt = pos[..., None, None, None] * self.freqs, self.embed.weight.dtype  # fp32 like HF (int * float)
-        f = (dev or NEUTRAL).elementwise
+        f = dev.elementwise if dev else lambda fn, x: fn(x)
         return f(torch.cos, freqs).to(dt), (f(torch.sin, freqs) * self.signs).to(dt)
 
     def context(self, block: Block, n_slots: int, exact: bool, seqs=None, tail: int = 1, dev=None) -> Context:
