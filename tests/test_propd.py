@@ -169,7 +169,7 @@ def test_early_heads_for_another_layer_are_refused():
 
 def test_regression_last_row_of_the_block():
     """Found by hypothesis: the accepted node at the block's last row took silu's scalar tail
-    path on CPU, 1.9e-6 off AR's logits (fixed by model.rowwise)."""
+    path on CPU, 1.9e-6 off AR's logits (fixed by devices.CPU.elementwise)."""
     args = ModelArgs(dim=27, n_layers=3, n_heads=3, n_kv_heads=3, vocab_size=115, hidden_dim=35, head_dim=8,
                      rope_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_embeddings=True)
     seed = 3487
