@@ -11,15 +11,14 @@ import textwrap
 import pytest
 import torch
 
-from helpers import Adversary, family_args, peek, random_model
+from helpers import ARGS as EDGE_ARGS
+from helpers import Adversary, drafter, family_args, peek, random_model
 from nanospec import engine
 from nanospec.engine import Drafter, generate, shapes
 from nanospec.methods import hidden_transfer
 from nanospec.methods.lookahead import Lookahead
 from nanospec.model import ModelArgs
 from nanospec.tuning import cuda as graphs
-from test_edges import ARGS as EDGE_ARGS
-from test_edges import drafter
 
 cuda = pytest.mark.cuda
 ARGS = ModelArgs(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=80)
