@@ -1,5 +1,6 @@
 """Shared test helpers: random tiny models, an adversarial drafter, truth-peeking trained
-drafters, planted faults, and in-process command lines."""
+drafters, planted faults, in-process command lines, and the methods with random trained parts and
+the batch check that the method, batch and device tests share."""
 import contextlib
 import io
 import itertools
@@ -17,13 +18,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanospec import cli, devices
 from nanospec.cache import KVCache
-from nanospec.engine import Decoding, Drafter, generate, program, shapes, stack
+from nanospec.engine import AR, Decoding, Drafter, generate, program, shapes, stack
+from nanospec.methods.bita import BiTA, Tuning
+from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
 from nanospec.methods.lookahead import Lookahead
+from nanospec.methods.medusa import Heads, Medusa
+from nanospec.methods.propd import EarlyHead, ProPD
+from nanospec.methods.sdsat import SDSAT, Delta
 from nanospec.model import Block, Llama, ModelArgs
-from nanospec.tree import Sampler, Tree
+from nanospec.tree import Sampler, Tree, choose_tree
 from nanospec.tuning.costs import Measured
 
 ROOT = Path(__file__).resolve().parents[1]
+PYLM = ROOT / "weights" / "pylm"  # the shipped default model and its drafters
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 
 
@@ -554,3 +561,86 @@ class SimdTails(TorchDispatchMode):
         start = i // run * run
         end = (start + run).clamp(max=n)
         return i >= end - (end - start) % chunk
+
+
+# --- text for tokenizers -----------------------------------------------------------------------
+
+def mixed_lines(n_unicode: int = 600) -> list[str]:
+    """Code (nanospec and tests), prose (the README), unicode from many scripts, special tokens."""
+    files = sorted((ROOT / "nanospec").rglob("*.py")) + sorted((ROOT / "tests").glob("*.py")) + [ROOT / "README.md"]
+    lines = [line for f in files for line in f.read_text().splitlines()]
+    rng = random.Random(0)
+    alphabet = "aé日本語кириллицаعربي😀🤗\u2581\u00a0\t  \n0123456789½²٣" + "".join(SPECIALS)
+    lines += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(n_unicode)]
+    lines += [f"{a}user\n{b}{c}" for a, b, c in zip(SPECIALS, ["hi", "x = 1", "  12345"], SPECIALS[::-1])]
+    return lines
+
+
+# --- the methods, with random trained parts ----------------------------------------------------
+
+SHIPPED = ["lookahead", "medusa", "propd:layer=2,k=10,replan=8", "bita", "bita:prompting=shallow",
+           "bita:prompting=none", "hidden_transfer", "sdsat"]  # the drafters shipped with the default model (PYLM)
+
+ARGS = ModelArgs(dim=30, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=6, vocab_size=53, hidden_dim=37)
+ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
+METHODS = ["medusa", "propd", "propd-dynamic", "bita-deep", "bita-shallow-full", "bita-straight",
+           "hidden_transfer", "sdsat", "lookahead"]
+EOS = 5  # check_batch's end of sequence
+
+
+def narrowed(model):
+    """Medusa's heads here: token heads sharing the lm_head, drafting from a random draft vocabulary of most of its
+    tokens (--token-input, --draft-vocab)."""
+    a = model.args
+    heads = Heads(a.dim, a.vocab_size, 3, model.lm_head, token=model, draft_vocab=a.vocab_size - 13)
+    heads.vocab.copy_(torch.randperm(a.vocab_size, generator=torch.Generator().manual_seed(1))[:len(heads.vocab)].sort()
+                      .values)
+    return noisy(heads.init_from(model.lm_head), 1, 0.1).to(model.embed.weight)
+
+
+def drafter(name, model):
+    """A method with random (noisy) trained parts, on the model's device and dtype."""
+    a = model.args
+
+    placed = lambda module, seed, scale: noisy(module, seed, scale).to(model.embed.weight)
+    heads = lambda: placed(Heads(a.dim, a.vocab_size, 3).init_from(model.lm_head), 1, 0.1)  # ProPD's: h alone
+    return {
+        "medusa": lambda: Medusa(narrowed(model), choose_tree(ACC, 12)),
+        "propd": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC,
+                               placed(EarlyHead(a.dim, a.vocab_size, 4, 1e-5), 2, 1.0), layer=1, k=3, dynamic=False),
+        "propd-dynamic": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC, None, dynamic=True, sizes=(1, 4, 12),
+                                       replan=4, cost=FixedCost(1e-2, 1e-5)),
+        "bita-deep": lambda: BiTA(placed(Tuning(a, 3, 4, "deep"), 3, 1.0), "efficient", 2),
+        "bita-shallow-full": lambda: BiTA(placed(Tuning(a, 2, 3, "shallow"), 3, 1.0), "full", 2),
+        "bita-straight": lambda: BiTA(placed(Tuning(a, 3, 4, "none"), 3, 1.0), "straight", 1),
+        "hidden_transfer": lambda: HiddenTransfer(placed(Transfer(a.dim, [1, 2]), 4, 0.3), choose_tree(ACC[:2], 8)),
+        "sdsat": lambda: SDSAT(placed(Delta(model, 4), 5, 0.3), k=4, width=2),
+    }[name]()
+
+
+def batch_drafter(name, model):
+    """AR (None), a small Lookahead, or drafter's method of that name."""
+    return None if name == "ar" else Lookahead(decoding_length=8, branch_length=4) if name == "lookahead" \
+        else drafter(name, model)
+
+
+def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=None, rows=None, block_batch=None):
+    """The batch against each prompt decoded alone by AR at the same shapes (Q, S): the same tokens
+    and stop, and in exact mode bitwise the same logits (fast mode: fp32 only; in bf16 a near-tie
+    may flip with a block's shape). peeking: per prompt, how often the
+    drafts carry AR's tokens (their acceptance). rows: the sequences decoded at once (None: all).
+    block_batch: every exact forward runs that many sequences' blocks, alone and in the batch."""
+    d = d or AR
+    Q, S, W = shapes([d], max(map(len, prompts)), n)
+    kw = dict(max_new_tokens=n, exact=exact, Q=Q, n_slots=S, tail=W, eos_id=EOS, record_logits=True,
+              block_batch=block_batch, **(sampling or {}))
+    alone = [generate(model, p, **kw) for p in prompts]
+    if isinstance(d, Lookahead) or peeking and d is not AR:
+        prime(d, prompts, alone, max(peeking, default=0.0), seed)
+    batch = generate(model, prompts, d, batch=rows, **kw)
+    assert len(batch) == len(prompts)
+    for i, (a, b) in enumerate(zip(alone, batch)):
+        assert b.tokens == a.tokens and b.stop == a.stop, f"sequence {i}"
+        if exact:
+            assert torch.equal(b.logits, a.logits), f"sequence {i}: logits differ"
+    return batch

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from gguf_files import write_llama_cpp_gguf
+from helpers import PYLM as W
+from helpers import SHIPPED
 from nanospec import NanospecError
 from nanospec.io import sources
 from nanospec.io.checkpoint import load
 from nanospec.io.files import fingerprint
 from nanospec.methods import drafters_for, load_drafter
-from test_default_model import SHIPPED, W
 
 SMOL = Path(__file__).resolve().parents[1] / "weights" / "smollm2"
 TRAINED = [s for s in SHIPPED if s != "lookahead"]

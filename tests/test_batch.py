@@ -9,43 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import FAMILIES, family_args, prime, random_model
+from helpers import ARGS, EOS, FAMILIES, METHODS, batch_drafter, check_batch, drafter, family_args, random_model
 from nanospec import engine
 from nanospec import model as model_mod
-from nanospec.engine import generate, shapes
-from nanospec.methods.lookahead import Lookahead
-from test_edges import ARGS, METHODS, drafter
-
-EOS = 5
-
-
-def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=None, rows=None, block_batch=None):
-    """The batch against each prompt decoded alone by AR at the same shapes (Q, S): the same tokens
-    and stop, and in exact mode bitwise the same logits (fast mode: fp32 only; in bf16 a near-tie
-    may flip with a block's shape). peeking: per prompt, how often the
-    drafts carry AR's tokens (their acceptance). rows: the sequences decoded at once (None: all).
-    block_batch: every exact forward runs that many sequences' blocks, alone and in the batch."""
-    d = d or engine.AR
-    Q, S, W = shapes([d], max(map(len, prompts)), n)
-    kw = dict(max_new_tokens=n, exact=exact, Q=Q, n_slots=S, tail=W, eos_id=EOS, record_logits=True,
-              block_batch=block_batch, **(sampling or {}))
-    alone = [generate(model, p, **kw) for p in prompts]
-    if isinstance(d, Lookahead) or peeking and d is not engine.AR:
-        prime(d, prompts, alone, max(peeking, default=0.0), seed)
-    batch = generate(model, prompts, d, batch=rows, **kw)
-    assert len(batch) == len(prompts)
-    for i, (a, b) in enumerate(zip(alone, batch)):
-        assert b.tokens == a.tokens and b.stop == a.stop, f"sequence {i}"
-        if exact:
-            assert torch.equal(b.logits, a.logits), f"sequence {i}: logits differ"
-    return batch
-
-
-def batch_drafter(name, model):
-    """AR (None), a small Lookahead, or test_edges' drafter of that name."""
-    return None if name == "ar" else Lookahead(decoding_length=8, branch_length=4) if name == "lookahead" \
-        else drafter(name, model)
-
+from nanospec.engine import generate
 
 prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1, max_size=14), min_size=1, max_size=5)
 

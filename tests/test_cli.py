@@ -34,6 +34,27 @@ def test_check_json(weights, mode):
     assert 0 < out["new_tokens"] == len(out["token_ids"]) <= 12 and out["steps"] == out["new_tokens"]
 
 
+def test_check_compares_warm_speeds(weights, monkeypatch):
+    """--check runs the method (a copy of its drafter) and AR once each, short and untimed, before the runs it times
+    and compares: its speed ratio is between warm runs, and says that --bench is the measurement. The JSON is as
+    without the warm-up."""
+    calls, real = [], decode.generate
+
+    def spy(model, prompt, drafter=None, **kw):
+        calls.append((drafter, kw["max_new_tokens"]))
+        return real(model, prompt, drafter, **kw)
+    monkeypatch.setattr(decode, "generate", spy)
+    code, out, err = call(decode.main, "--weights", weights, "--prompt", "def f(x):", "--max-new-tokens", 12,
+                          "--method", "lookahead", "--mode", "exact", "--check", "--json")
+    assert code == 0, err
+    (warm_d, n_warm_d), (warm_ar, n_warm_ar), (d, n_d), (ar, n_ar) = calls
+    assert warm_ar is ar is decode.AR and type(warm_d) is type(d) and warm_d is not d
+    assert n_warm_d == n_warm_ar == 8 and n_d == n_ar == 12
+    assert "x (warm, one run; --bench measures)" in err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["identical_to_ar"] is True and res["method"] == "lookahead" and 0 < res["new_tokens"] <= 12
+
+
 def test_sampling_and_no_check(weights):
     args = ("--weights", weights, "--max-new-tokens", 8, "--temperature", 1.0, "--top-p", 0.9, "--seed", 4, "--json")
     a, b = last_json(call(decode.main, *args)), last_json(call(decode.main, *args))

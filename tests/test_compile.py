@@ -7,11 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import family_args, prime, random_model
+from helpers import ARGS, METHODS, batch_drafter, family_args, prime, random_model
 from nanospec import NanospecError, compiled
 from nanospec.engine import AR, generate, shapes
-from test_batch import batch_drafter
-from test_edges import ARGS, METHODS
 
 PROMPTS = [[3, 9, 4, 1, 7, 12, 5], [5, 2, 8, 8, 1, 12, 30, 4, 11, 2]]
 N = 20

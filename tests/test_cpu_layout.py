@@ -8,11 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import PRODUCT_FORMS, Adversary, AlignedProducts, SimdTails, random_model, rows_by_index
+from helpers import ARGS, PRODUCT_FORMS, Adversary, AlignedProducts, SimdTails, random_model, rows_by_index
 from nanospec import devices
 from nanospec.engine import generate, shapes
 from nanospec.model import ModelArgs
-from test_edges import ARGS
 
 # rows of odd length; SMALL's hidden rows (23) fit in 32 elements, so row-wise calls padded to 32 rather than 64 (two
 # AVX-512 vectors of bf16) would leave a bf16 tail

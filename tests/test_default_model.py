@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Adversary, check_exact, full_logits, pruned_rows
+from helpers import PYLM as W
+from helpers import SHIPPED, Adversary, check_exact, full_logits, pruned_rows
 from nanospec.bench import load_prompts
 from nanospec.engine import generate, shapes
 from nanospec.io.checkpoint import load
@@ -15,7 +16,6 @@ from nanospec.io.tokenizer import Tokenizer
 from nanospec.methods import load_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
-W = ROOT / "weights" / "pylm"
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
@@ -59,10 +59,6 @@ def test_exact_tree_decoding_on_the_default_model(dtype, device):
     ar = generate(model, prompt, **kw)
     adv = generate(model, prompt, Adversary(ar.tokens, model.args.vocab_size, seed=1), **kw)
     assert adv.tokens == ar.tokens and torch.equal(adv.logits, ar.logits) and adv.steps < ar.steps
-
-
-SHIPPED = ["lookahead", "medusa", "propd:layer=2,k=10,replan=8", "bita", "bita:prompting=shallow",
-           "bita:prompting=none", "hidden_transfer", "sdsat"]
 
 
 def test_every_shipped_drafter_is_tested():

@@ -7,50 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import helpers
-from helpers import Budgets, FixedCost, check_exact, peek, random_model
+from helpers import ARGS, METHODS, Budgets, check_exact, drafter, peek, random_model
 from nanospec.engine import generate, shapes
-from nanospec.methods.bita import BiTA, Tuning
-from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
 from nanospec.methods.lookahead import Lookahead
-from nanospec.methods.medusa import Heads, Medusa
-from nanospec.methods.propd import EarlyHead, ProPD
-from nanospec.methods.sdsat import SDSAT, Delta
-from nanospec.model import ModelArgs
-from nanospec.tree import choose_tree
-
-ARGS = ModelArgs(dim=30, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=6, vocab_size=53, hidden_dim=37)
-ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
-
-
-def narrowed(model):
-    """Medusa's heads here: token heads sharing the lm_head, drafting from a random draft vocabulary of most of its
-    tokens (--token-input, --draft-vocab)."""
-    a = model.args
-    heads = Heads(a.dim, a.vocab_size, 3, model.lm_head, token=model, draft_vocab=a.vocab_size - 13)
-    heads.vocab.copy_(torch.randperm(a.vocab_size, generator=torch.Generator().manual_seed(1))[:len(heads.vocab)].sort()
-                      .values)
-    return helpers.noisy(heads.init_from(model.lm_head), 1, 0.1).to(model.embed.weight)
-
-
-def drafter(name, model):
-    """A method with random (noisy) trained parts, on the model's device and dtype."""
-    a = model.args
-
-    noisy = lambda module, seed, scale: helpers.noisy(module, seed, scale).to(model.embed.weight)
-    heads = lambda: noisy(Heads(a.dim, a.vocab_size, 3).init_from(model.lm_head), 1, 0.1)  # ProPD's: h alone
-    return {
-        "medusa": lambda: Medusa(narrowed(model), choose_tree(ACC, 12)),
-        "propd": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC,
-                               noisy(EarlyHead(a.dim, a.vocab_size, 4, 1e-5), 2, 1.0), layer=1, k=3, dynamic=False),
-        "propd-dynamic": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC, None, dynamic=True, sizes=(1, 4, 12),
-                                       replan=4, cost=FixedCost(1e-2, 1e-5)),
-        "bita-deep": lambda: BiTA(noisy(Tuning(a, 3, 4, "deep"), 3, 1.0), "efficient", 2),
-        "bita-shallow-full": lambda: BiTA(noisy(Tuning(a, 2, 3, "shallow"), 3, 1.0), "full", 2),
-        "bita-straight": lambda: BiTA(noisy(Tuning(a, 3, 4, "none"), 3, 1.0), "straight", 1),
-        "hidden_transfer": lambda: HiddenTransfer(noisy(Transfer(a.dim, [1, 2]), 4, 0.3), choose_tree(ACC[:2], 8)),
-        "sdsat": lambda: SDSAT(noisy(Delta(model, 4), 5, 0.3), k=4, width=2),
-    }[name]()
 
 
 @pytest.mark.parametrize("name", ["medusa", "propd", "propd-dynamic", "bita-deep", "bita-shallow-full",
@@ -113,10 +72,6 @@ def test_lookahead_in_a_near_full_cache(exact, device):
     assert out.tokens == ar.tokens and out.stop == "max_new_tokens" and out.mean_accepted > 3
     if exact:
         assert torch.equal(out.logits, ar.logits)
-
-
-METHODS = ["medusa", "propd", "propd-dynamic", "bita-deep", "bita-shallow-full", "bita-straight",
-           "hidden_transfer", "sdsat", "lookahead"]
 
 
 @given(name=st.sampled_from(METHODS), seed=st.integers(0, 2**16), plen=st.integers(1, 12),

@@ -4,10 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import random_model
+from helpers import ARGS, random_model
 from nanospec.engine import generate
 from nanospec.training.forced import label, labelled, pieces, start, targets
-from test_edges import ARGS
 
 
 def test_targets_stop_where_the_text_leaves_the_models_path():

@@ -5,21 +5,17 @@ Without a GPU the same properties are checked through graphs.Simulated: every ex
 is traced once into its tensor ops (host syncs refused) and replayed without its Python, as a
 captured graph would be. A method whose forward reads state its graph key does not name, or
 syncs, fails there."""
-import inspect
-import textwrap
-
 import pytest
 import torch
 
-from helpers import Adversary, family_args, peek, random_model, use_programs
+from helpers import ARGS as EDGE_ARGS
+from helpers import Adversary, drafter, family_args, peek, random_model, use_programs
 from nanospec import engine
 from nanospec import programs as graphs
 from nanospec.engine import Drafter, generate, shapes
 from nanospec.methods import hidden_transfer
 from nanospec.methods.lookahead import Lookahead
 from nanospec.model import ModelArgs
-from test_edges import ARGS as EDGE_ARGS
-from test_edges import drafter
 
 cuda = pytest.mark.cuda
 ARGS = ModelArgs(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=80)
@@ -224,25 +220,41 @@ def test_a_host_constant_planted_in_any_step_program_is_refused(name, simulate):
         run(model, [3, 9, 4, 1, 7], d, n=4)
 
 
-@pytest.mark.parametrize("module, name, fixed, bug", [
-    (engine, "accept", "ok = (tokens == target.gather(1, lay.parent.clamp(min=0))) | (lay.parent < 0)",
-     "ok = tokens == target.gather(1, lay.parent.clamp(min=0)); ok[:, 0] = True"),
-    (hidden_transfer, "transfer", "active = torch.ones(x.shape[1], dtype=torch.bool, device=x.device).index_fill(0, "
-     "torch.cat(rows), False)", "active = torch.ones(x.shape[1], dtype=torch.bool, device=x.device); "
-     "active[torch.cat(rows)] = False")])
-def test_the_host_writes_an_h100_found_are_caught_when_planted_back(simulate, monkeypatch, module, name, fixed, bug):
-    """The two lines that crashed every method's CUDA default at capture (tree.accept's root flag,
-    Hidden Transfer's active rows), written back as they were: the stand-in refuses them."""
-    fn = getattr(module, name)
-    src = textwrap.dedent(inspect.getsource(fn))
-    assert fixed in src
-    scope = dict(fn.__globals__)
-    exec(compile(src.replace(fixed, bug), inspect.getsourcefile(fn), "exec"), scope)
-    monkeypatch.setattr(module, name, scope[name])
-    model = random_model(EDGE_ARGS, seed=11)
-    d = drafter("hidden_transfer", model)
+def root_written(accept):
+    """tree.accept with its root flag written by index, as it was: a Python scalar put into a device mask. The
+    mask it writes is accept's own (the root, row 0, accepted), passed on as `alive`, so the result is unchanged."""
+    def planted(tokens, lay, logits, alive=None):
+        ok = tokens == logits.argmax(-1).gather(1, lay.parent.clamp(min=0))
+        ok[:, 0] = True  # the host write
+        return accept(tokens, lay, logits, ok if alive is None else ok & alive)
+    return planted
+
+
+def rows_written(transfer):
+    """Hidden Transfer's step with its active rows written by index, as they were: a Python scalar put into a
+    device mask of the pseudo rows, before the step runs."""
+    def planted(f, tr, x, hosts, rows, record=None):
+        active = torch.ones(x.shape[1], dtype=torch.bool, device=x.device)
+        active[torch.cat(rows)] = False  # the host write
+        return transfer(f, tr, x, hosts, rows, record)
+    return planted
+
+
+@pytest.mark.parametrize("module, name, plant", [(engine, "accept", root_written),
+                                                 (hidden_transfer, "transfer", rows_written)])
+def test_the_host_writes_an_h100_found_are_caught_when_planted_back(simulate, monkeypatch, module, name, plant):
+    """The two host writes that crashed every method's CUDA default at capture (tree.accept's root flag, Hidden
+    Transfer's active rows), planted back where the step looks its function up: the stand-in refuses them, and
+    passes the step without them."""
+    def decode():  # a fresh model each time: no program traced before
+        model = random_model(EDGE_ARGS, seed=11)
+        d = drafter("hidden_transfer", model)
+        Q, S, W = shapes([d], 5, 4)
+        return generate(model, [3, 9, 4, 1, 7], d, max_new_tokens=4, exact=True, Q=Q, n_slots=S, tail=W, eos_id=-1)
+    assert len(decode().tokens) == 4  # as shipped: traced and replayed
+    monkeypatch.setattr(module, name, plant(getattr(module, name)))
     with pytest.raises(RuntimeError, match="lift_fresh copies a host value in"):
-        run(model, [3, 9, 4, 1, 7], d, n=4)
+        decode()
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -10,13 +10,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import FAMILIES, PRODUCT_FORMS, RowCountProducts, call, decode_main, family_args, random_model
+from helpers import (
+    ARGS,
+    FAMILIES,
+    METHODS,
+    PRODUCT_FORMS,
+    RowCountProducts,
+    batch_drafter,
+    call,
+    check_batch,
+    decode_main,
+    family_args,
+    random_model,
+)
 from nanospec import NanospecError
 from nanospec.devices import CUDA
 from nanospec.engine import generate, shapes
 from nanospec.sizes import block_batch
-from test_batch import batch_drafter, check_batch
-from test_edges import ARGS, METHODS
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -7,15 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import AlignedProducts, family_args, full_logits, random_model
+from helpers import ARGS, METHODS, AlignedProducts, batch_drafter, family_args, full_logits, random_model
 from nanospec import devices, engine
 from nanospec import model as llama
 from nanospec.model import ModelArgs
 from nanospec.sizes import shapes
 from nanospec.tree import Tree
 from nanospec.tuning.counts import host_work, step_mb, step_ops
-from test_batch import batch_drafter
-from test_edges import ARGS, METHODS
 
 AR_PER_LAYER = {torch.float32: 33, torch.bfloat16: 37}  # bf16: RMSNorm's casts
 EXTRA = {"sdsat": 16}  # SDSAT updates every product of its adaptive rows; the others may add 6

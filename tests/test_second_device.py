@@ -5,11 +5,9 @@ import json
 import pytest
 import torch
 
-from helpers import call, decode_main, prime, random_model
+from helpers import ARGS, METHODS, batch_drafter, call, decode_main, prime, random_model
 from nanospec.engine import generate
 from nanospec.tuning.second_device import SHOWN, OnDevice, second_device
-from test_batch import batch_drafter
-from test_edges import ARGS, METHODS
 
 PROMPTS = [[3, 9, 4, 1, 7, 12, 5], [5, 2, 8, 8, 1, 12, 30, 4, 11, 2]]
 

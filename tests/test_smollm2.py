@@ -7,14 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import full_logits
+from helpers import full_logits, mixed_lines
 from nanospec.engine import generate
 from nanospec.io import chat, fetch
 from nanospec.io.checkpoint import load
 from nanospec.io.convert import convert
 from nanospec.io.files import cache_root
 from nanospec.io.tokenizer import load_tokenizer
-from test_tokenizer_json import mixed_lines
 
 _, MEMBER, DIGEST = fetch.MODELS["smollm2"]
 GGUF = cache_root() / "downloads" / Path(MEMBER).name

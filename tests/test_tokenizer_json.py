@@ -1,29 +1,18 @@
 """tokenizer.json tokenizers: the ids transformers' AutoTokenizer gives on the same directory,
 over a few thousand lines of code, prose, unicode and special tokens; BOS as the file says."""
 import json
-import random
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from gguf_files import ROOT, SPECIALS, write_gguf
+from gguf_files import write_gguf
+from helpers import SPECIALS, mixed_lines
 from nanospec import NanospecError
 from nanospec.io import gguf_tokenizer
 from nanospec.io.convert import convert
 from nanospec.io.tokenizer import load_tokenizer
-
-
-def mixed_lines(n_unicode: int = 600) -> list[str]:
-    """Code (nanospec and tests), prose (the README), unicode from many scripts, special tokens."""
-    files = sorted((ROOT / "nanospec").rglob("*.py")) + sorted((ROOT / "tests").glob("*.py")) + [ROOT / "README.md"]
-    lines = [line for f in files for line in f.read_text().splitlines()]
-    rng = random.Random(0)
-    alphabet = "aé日本語кириллицаعربي😀🤗\u2581\u00a0\t  \n0123456789½²٣" + "".join(SPECIALS)
-    lines += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(n_unicode)]
-    lines += [f"{a}user\n{b}{c}" for a, b, c in zip(SPECIALS, ["hi", "x = 1", "  12345"], SPECIALS[::-1])]
-    return lines
 
 
 @pytest.fixture(scope="module")
