@@ -64,7 +64,11 @@ def parse_args(argv=None):
     p.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="at most this long on each module's training steps: the schedule is cut to fit, and what "
                    "is trained so far is written (and checkpointed: --resume goes on)")
-    known, _ = p.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    asks = [a for a in argv if a in ("-h", "--help")]
+    if asks and not any(a.startswith("--method") for a in argv):
+        p.parse_args(argv)  # the common options' help
+    known, _ = p.parse_known_args([a for a in argv if a not in asks])  # --help once the method's options are in
     if known.method not in TRAINERS:
         raise NanospecError(f"unknown method {known.method!r}; choose from: {', '.join(TRAINERS)}")
     TRAINERS[known.method][0](p)
