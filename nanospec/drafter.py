@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .model import Block, Context
+from .block import Block
+from .model import Context
 from .tree import Tree, layout
 
 

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from . import NanospecError, compiled, devices, sizes
+from .block import Block
 from .cache import KVCache
 from .devices import Device
 from .drafter import AR, Drafter, Forward, Nodes, idle, ones
-from .model import Block
 from .programs import EAGER
 from .sizes import check_prompt, check_room, shapes
 from .tree import Layout, Sampler, Tree, accept, layout, pack, step_layout, unpack

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import Block
+from .block import Block
 
 
 class Tree:

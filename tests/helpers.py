@@ -16,10 +16,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanospec import cli, devices
+from nanospec.block import Block
 from nanospec.cache import KVCache
 from nanospec.engine import Decoding, Drafter, generate, program, shapes, stack
 from nanospec.methods.lookahead import Lookahead
-from nanospec.model import Block, Llama, ModelArgs
+from nanospec.model import Llama, ModelArgs
 from nanospec.tree import Sampler, Tree
 from nanospec.tuning.costs import Measured
 

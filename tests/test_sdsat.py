@@ -8,11 +8,12 @@ from hypothesis import strategies as st
 
 from helpers import check_exact, descend, model_args, noisy, peek, random_model
 from nanospec import NanospecError
+from nanospec.block import Block
 from nanospec.cache import KVCache
 from nanospec.drafter import Forward
 from nanospec.engine import Decoding, generate, stack
 from nanospec.methods.sdsat import SDSAT, Delta, adaptive_logits, adaptive_rows, starts
-from nanospec.model import Block, ModelArgs
+from nanospec.model import ModelArgs
 from nanospec.training.forced import targets
 from nanospec.tree import Tree
 
