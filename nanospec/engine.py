@@ -28,8 +28,7 @@ from .devices import Device
 from .drafter import AR, Drafter, Forward, Nodes, idle, ones
 from .programs import EAGER
 from .sizes import check_prompt, check_room, shapes
-from .tree import Layout, Sampler, Tree, accept, layout, pack, step_layout, unpack
-from .tree import verify as tree_verify
+from .tree import Layout, Sampler, Tree, accept, layout, pack, sample_verify, step_layout, unpack
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 HOST = torch.device("cpu")  # where a step is drafted and laid out
@@ -307,8 +306,8 @@ def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launche
         head = packed_.tolist()  # the step's one read-back
     else:  # sampling verifies on the host: the logits are read back anyway
         logits, drafts, depths, alive = res
-        found = [tree_verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
-                 for b, x, t in zip(at, decs, trees)]
+        found = [sample_verify(t, logits[b, :len(t)], x.sampler, len(x.out),
+                               None if alive is None else alive[b, :len(t)]) for b, x, t in zip(at, decs, trees)]
         if drafts is not None:  # each path's end drafts: one product for the batch, as greedy's
             ends = torch.tensor([path[-1] for path, _ in found], device=drafts.device)
             top = drafter.propose(drafts[torch.tensor(at, device=ends.device), ends], d.dev.linear)
