@@ -29,6 +29,20 @@ class Block:
         extra = torch.cat([F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1) for b in blocks], 1)
         return Block(cat("tokens"), cat("pos"), cat("slots", -1), cat("prefix"), extra)
 
+    @staticmethod
+    def stack(blocks: list["Block"], trash: int) -> "Block":
+        """Blocks of one sequence each as one batch, each padded to the longest (exact mode's are Q rows already):
+        a padding row writes the trash slot and sees slot 0 of its own sequence, so it widens no attention."""
+        T, E = max(map(len, blocks)), max(b.extra.shape[-1] for b in blocks)
+        padded = []
+        for b in blocks:
+            if len(b) < T:
+                z = torch.zeros(1, T - len(b), dtype=torch.long)
+                b = Block.cat(b, Block(z, z, torch.full((T - len(b),), trash), z + 1, z[..., None] - 1))
+            extra = F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)
+            padded.append(Block(b.tokens, b.pos, b.slots[None], b.prefix, extra))
+        return Block(*(torch.cat([getattr(b, f.name) for b in padded]) for f in fields(Block)))
+
     def pad(self, Q: int, trash: int) -> "Block":
         """Pad to exactly Q rows; padding rows write and read only the trash slot."""
         n = len(self)

@@ -14,7 +14,7 @@ LAYERS = [
      "tuning.products"},
     {"io.checkpoint", "io.tokenizer", "io.chat", "io.gguf_export", "io.convert",  # weights and text in and out
      "io.sources", "io.fetch", "oracle.calibration", "oracle.trace", "oracle.verdict"},
-    {"drafter", "sizes", "engine"},                                             # the contract and the loop
+    {"drafter", "sizes", "decoding", "engine"},                                 # the contract and the loop
     {"costs", "tuning.costs", "tuning.planner", "tuning.counts", "training.data",
      "training.loop", "training.pretrain", "training.forced",
      "methods", "methods.lookahead", "methods.medusa", "methods.propd", "methods.bita", "methods.hidden_transfer",
