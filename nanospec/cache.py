@@ -54,3 +54,12 @@ class KVCache:
         lo, hi = dst_start + k, dst_start + len(src)
         for c in (self.k[:, seq], self.v[:, seq]):  # (layers, Hkv, S, D) views
             c[:, :, lo:hi] = c.index_select(2, idx)  # index_select copies first, so overlap is safe
+
+    def settle(self, seqs: torch.Tensor, cur: torch.Tensor, path: torch.Tensor) -> None:
+        """The commit's moves of a batch's step, on the device: each sequence's accepted path (node i at slot cur + i,
+        -1 padded) moved to slots cur, cur+1, ... of its cache row (seqs), every layer at once (past the path's end,
+        each slot onto itself)."""
+        dst = cur[:, None] + torch.arange(path.shape[-1], device=path.device)  # (B, E)
+        src = torch.where(path >= 0, cur[:, None] + path, dst)
+        for c in (self.k, self.v):  # (layers, B, Hkv, S, D): the gather copies first, so overlap is safe
+            c[:, seqs[:, None], :, dst] = c[:, seqs[:, None], :, src]

@@ -23,8 +23,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .model import Block, Context
-from .tree import Tree, layout
+from .block import Block
+from .model import Context
+from .tree import Layout, Tree, layout
 
 
 class Forward:
@@ -123,6 +124,14 @@ class Nodes:
     @property
     def N(self) -> int:
         return self.tokens.shape[-1]
+
+    @staticmethod
+    def stack(nodes: list["Nodes"], n: int) -> "Nodes":
+        """Sequences' nodes as one batch, each padded to the most nodes (token -1, not real); n: the largest tree's."""
+        N = max(x.N for x in nodes)
+        pad = lambda t, v: torch.stack([F.pad(x, (0, N - len(x)), value=v) for x in t])
+        return Nodes(pad([x.tokens for x in nodes], -1), Layout.stack([x.lay for x in nodes], N),
+                     pad([x.real for x in nodes], False), n)
 
 
 class Drafter:

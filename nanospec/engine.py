@@ -1,262 +1,104 @@
-"""The decoding loop: prefill, then steps until a stop. A step: draft, lay out, forward and verify, read back, commit.
+"""The decoding loop: prefill, then steps until a stop. A step (`step`), each part a function below, in this order:
 
-- draft: each sequence's drafter proposes a tree, on the host (drafter.py: the contract, one hook per step of a paper).
-- lay out: the trees become rows (tree.py), trimmed to the cache's room, exact mode's padded to Q rows; a group's rows
-  and nodes are one packed host tensor, copied to the device once.
-- forward and verify: one device program per group: the method's forward, then (greedy) each sequence's verification,
-  its next candidates' top-k, and the commit's moves of its accepted keys into place (the device's programs run it:
-  programs.py).
-- read back: the accepted paths and next candidates (tree.pack), the step's one host-device sync.
-- commit: each sequence's cursor and tokens advance, on the host (sampling verifies there, and moves the keys after).
+- draft: each live sequence's drafter proposes a tree, on the host, trimmed to its cache's room (drafter.py: the
+  contract, one hook per step of a paper); the sequences that step alike form a group.
+- lay out: a group's trees become rows and nodes (the drafter's rows, tree.py), exact mode's padded to Q rows, as
+  one batch (decoding.py: each sequence's part).
+- forward and verify: one device program per group, its inputs one host tensor copied to the device once (the
+  device's programs run it: programs.py): the method's forward, then (greedy) each sequence's verification, its next
+  candidates' top-k, and the commit's moves of its accepted keys into place.
+- read back: the accepted paths and next candidates (tree.pack), the step's one host-device sync; sampling verifies
+  here, on the host.
+- commit: each sequence's cursor and tokens advance, on the host (Decoding.commit; sampling's keys move then).
 
 In exact mode every forward runs Q rows per sequence on a cache of S slots, each row gathering its last W keys
 (sizes.shapes): runs compared bitwise share them. With a block batch of N (sizes.block_batch), every exact forward
 runs N sequences' blocks, idle ones padded, so a product's total rows (a library may pick its kernel by them) never
 change.
 """
-import math
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 
 from . import NanospecError, compiled, devices, sizes
+from .block import Block
 from .cache import KVCache
-from .devices import Device
-from .drafter import AR, Drafter, Forward, Nodes, idle, ones
-from .model import Block
-from .programs import EAGER
+from .decoding import Decoding, stack
+from .drafter import AR, Drafter, Forward, Nodes
+from .programs import EAGER, packed, unpacked
 from .sizes import check_prompt, check_room, shapes
-from .tree import Layout, Sampler, Tree, accept, layout, pack, step_layout, unpack
-from .tree import verify as tree_verify
-
-PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
-HOST = torch.device("cpu")  # where a step is drafted and laid out
+from .tree import Layout, Sampler, Tree, accept, pack, sample_verify, unpack
 
 
-def packed(tensors) -> tuple[torch.Tensor, tuple]:
-    """Host integer tensors as one (what a program copies to the device at once), and their shapes."""
-    return torch.cat([t.reshape(-1).long() for t in tensors]), tuple(tuple(t.shape) for t in tensors)
+def step(live: list[Decoding], drafter: Drafter, record: bool):
+    """One step of every live sequence, a group of one drafter and layout at a time: draft, lay out, forward and
+    verify, read back, commit. Returns the budget, per sequence (path, emitted tokens, their logits if record, the
+    whole draft) and the step's rows."""
+    budget, groups = draft(live, drafter)
+    results, rows = {}, 0
+    for s, members in groups:
+        decs, trees = [m[0] for m in members], [m[1] for m in members]
+        block, nodes, seqs = lay_out(decs, s, trees)
+        launched = forward_and_verify(decs, s, block, nodes, seqs)
+        outcomes = read_back(decs, s, trees, launched, nodes, record)
+        for (d, tree, whole), (path, emitted, logits) in zip(members, outcomes):
+            d.commit(path, emitted, moved=d.sampler.greedy)
+            drafter.accepted(d, tree, path)
+            results[d], rows = (path, emitted, logits, whole), rows + s.size(len(tree))
+    return budget, results, rows
 
 
-def unpacked(flat: torch.Tensor, shapes: tuple) -> list[torch.Tensor]:
-    """packed's tensors again, as views of flat (inside a program: no copy)."""
-    return [x.view(s) for x, s in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
+def draft(live: list[Decoding], drafter: Drafter):
+    """The step's budget (the planner's; None: none) and each live sequence's tree, on the host, trimmed to its cache's
+    room, grouped by the drafter that steps it and its layout: per group, (that drafter, [(sequence, tree, the whole
+    draft)])."""
+    budget, template = drafter.planner.budget(live) if drafter.planner is not None else (None, None)
+    stepper = drafter if budget != 0 else AR  # budget 0: drafting does not pay, an AR step
+    wide = drafter.nested and budget is not None  # drafted whole, AR steps too: the planner scores every prefix
+    groups = {}
+    for d in live:
+        whole = (drafter if wide else stepper).draft(
+            d, d.cands, template or getattr(drafter, "template", None), None if wide else budget)
+        s, tree = d.fit(stepper, whole.prefix(min(len(whole), budget + 1)) if wide else whole)
+        key = (id(s), None if d.room >= s.max_rows else len(tree))  # near the cache's end: no filler
+        groups.setdefault(key, (s, []))[1].append((d, tree, whole))
+    return budget, list(groups.values())
 
 
-class Decoding:
-    """The state of one sequence's generation, handed to its drafter at every step. A batch is a
-    Decoding per sequence on one cache, each with its own cache row (seq) and cursor (cur)."""
-
-    def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None,
-                 sampler: Sampler | None = None, seq: int = 0, block_batch: int | None = None,
-                 dev: Device | None = None, tail: int | None = None, programs=None):
-        self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
-        self.tail = tail or Q      # exact mode: the keys each row gathers in canonical order (sizes.shapes' W)
-        self.N = block_batch if exact else None  # exact forwards run N sequences' blocks (None: the live ones)
-        self.reserved = reserved   # the drafter's own cache slots (e.g. BiTA's prompt keys)
-        self.device = model.embed.weight.device
-        self.dev = devices.of(dev or self.device)  # the device's layout and speed (devices.py)
-        self.sampler = sampler or Sampler()
-        self.prompt = prompt
-        self.seq = seq             # this sequence's cache row
-        self.seqs = None if cache.k.shape[1] == 1 else torch.tensor([seq])
-        self.out: list[int] = []   # tokens emitted so far
-        self.last = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
-        self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
-        self.forward_s = 0.0       # time from a step's launch to its read-back (in a batch, its share)
-        self.cands = self.lists = None  # the next candidates its last accepted node drafted, (D, R) and as lists
-        self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
-        self.programs = programs or (self.dev.programs if exact else EAGER)  # how its device programs run
-
-    def block(self, tree: Tree, hosts=(), M: int = 0, reserved: bool = False, chained: bool = True, n=0) -> Block:
-        """The tree's rows at the current position, on the host, then filler nodes up to n (token 0,
-        children of the root, never verified: a batch's trees share one layout), then (M > 0) a group
-        of M rows after each host node (tree.group_rows; reserved: they also see the drafter's reserved
-        slots). Laid out once per shape at position 0 (tree.step_layout) and moved to cur."""
-        parents = tree.parents + (0,) * (n - len(tree))
-        b, seq = step_layout(parents, tuple(hosts), M, self.reserved_slots if reserved else (), chained,
-                             self.cache.capacity, None)
-        tokens, cur = F.pad(self.tokens(tree), (0, len(b) - len(tree))).view(1, -1), self.cur
-        return Block(tokens, b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
-
-    @staticmethod
-    def tokens(tree: Tree) -> torch.Tensor:  # on the host
-        return torch.as_tensor(tree.tokens, device=HOST)
-
-    def keep(self, keys=None, values=None, embeds=None) -> None:
-        """Fill the drafter's reserved cache slots: with per-layer keys and values as given, or with
-        those that rows of embeds compute, causal among themselves from position 0 (BiTA's deep and
-        shallow prompts)."""
-        slots, s = self.reserved, self.seq
-        if embeds is None:
-            for i, kv in enumerate(zip(keys, values)):
-                for c, x in zip(self.cache.layer(i), kv):
-                    c[s:s + 1, :, slots.to(c.device), :x.shape[-1]] = x  # a cache's head width may be padded
-            return
-        P = len(slots)
-        extra = torch.where(torch.arange(P)[None] <= torch.arange(P)[:, None], slots[None], -1)
-        z = torch.zeros(1, P, dtype=torch.long)
-        self.run(Block(z, torch.arange(P)[None], slots, z, extra[None]), embeds=embeds[None])
-
-    @property
-    def room(self) -> int:  # rows the next forward may write: slots cur..capacity-1
-        return self.cache.capacity - self.cur
-
-    def fit(self, drafter: Drafter, tree: Tree) -> tuple[Drafter, Tree]:
-        """The tree trimmed to the cache's room; with no room even for the root's own rows, the step
-        is plain AR (the method drafts nothing next)."""
-        m = len(tree)
-        while m > 1 and drafter.size(m) > self.room:
-            m -= 1
-        return (AR, tree.prefix(1)) if drafter.size(m) > self.room else (drafter, tree.prefix(m))
-
-    def prepare(self, drafter: Drafter, tree: Tree, largest: int) -> tuple[Block, Nodes]:
-        """A step's rows and nodes, on the host, laid out for its group's largest tree; exact mode pads both to Q."""
-        n = len(tree)
-        tokens, real = self.tokens(tree), ones(n, HOST)
-        block = drafter.rows(self, Tree(tokens, tree.parents), largest)
-        # rows write slots cur..cur+len-1: past the capacity lie the reserved slots and the trash slot
-        assert len(block) <= self.room, f"a step of {len(block)} rows overruns the cache ({self.room} slots left)"
-        lay = layout(tree.parents)
-        if self.exact:
-            if lay.anc.shape[-1] > self.tail:  # its deepest row's keys would not all be gathered in canonical order
-                raise NanospecError(f"a path of {lay.anc.shape[-1]} nodes exceeds exact mode's tail of {self.tail} "
-                                    f"keys ({drafter.name}'s max_depth is {drafter.max_depth})")
-            block, lay = self.fixed(block), lay.pad(self.Q)
-            tokens, real = F.pad(tokens, (0, self.Q - n), value=-1), F.pad(real, (0, self.Q - n))
-        return block, Nodes(tokens, lay, real, largest)
-
-    def fixed(self, block: Block) -> Block:
-        """An exact-mode block at fixed shapes: Q rows (padding rows write and read the trash slot),
-        each row's visible slots padded to the cache's S. The same every step."""
-        if len(block) > self.Q:
-            raise NanospecError(f"a step of {len(block)} rows exceeds the exact-mode block of Q={self.Q} rows; "
-                                "raise --block")
-        b = block.pad(self.Q, self.cache.trash)
-        b.extra = F.pad(b.extra, (0, self.cache.n_slots - b.extra.shape[-1]), value=-1)
-        return b
-
-    def run(self, block: Block, embeds=None) -> torch.Tensor:
-        """A forward without verification (prefill, BiTA's shallow prompt rows): the block's rows' logits."""
-        n = len(block)
-        if int(block.slots.max()) >= self.cache.trash:  # the sequence's slots, then the drafter's reserved ones
-            raise NanospecError(f"a step of {n} rows does not fit the cache at {self.cur} tokens")
-        model, cache, exact, tail = self.model, self.cache, self.exact, self.tail
-        block = self.fixed(block) if exact else block
-        if embeds is not None and exact:
-            embeds = F.pad(embeds, (0, 0, 0, self.Q - n))
-        seqs, at = self.seqs, 0
-        if self.N:  # N sequences' blocks, this one's at its cache row
-            (block, _, seqs), at = stack([self], [block], [self.idle()[1]]), self.seq
-            embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, at, self.N - 1 - at))
-        fields = [block.tokens, block.pos, block.slots, block.prefix, block.extra] + ([] if seqs is None else [seqs])
-        flat, spec = packed(fields)
-
-        def run(flat, embeds):
-            b = unpacked(flat, spec)
-            f = Forward.on_cache(model, Block(*b[:5]), cache, exact, b[5] if len(b) > 5 else None, tail, self.dev)
-            x = f.embed() if embeds is None else embeds
-            return f.logits(f.norm(f.layers(x)), len(f.block))
-        return self.launch(("run", spec), run, (flat, embeds))[at, :n]
-
-    def idle(self) -> tuple[Block, Nodes]:  # a padding sequence's block and nodes (drafter.idle)
-        return idle(self.Q, self.cache.trash, self.cache.n_slots, HOST)
-
-    def launch(self, key, fn, args):  # fn(*args) on the device, as the generation's Programs run it
-        return self.programs.run(self.cache, key, fn, args, self.device)
-
-    def prefill(self, tokens: list[int]) -> None:
-        """Commit tokens in chunks (Q rows in exact mode: the same for every method)."""
-        chunk = self.Q if self.exact else PREFILL_CHUNK_FAST
-        for s in range(0, len(tokens), chunk):
-            part = tokens[s:s + chunk]
-            self.run(Tree.chain(part[0], part[1:]).block(self.cur))
-            self.cur += len(part)
-
-    def commit(self, path: list[int], tokens: list[int], moved: bool = True) -> None:
-        """The accepted path's tokens emitted and its keys kept: node i sits at slot cur+i, and its
-        entries move to cur, cur+1, ... (moved: the step's program did it already, as greedy steps do)."""
-        if not moved:
-            self.cache.compact([self.cur + i for i in path], self.cur, self.seq)
-        self.cur += len(path)
-        self.out += tokens
-        self.last = tokens[-1]
-
-    def sync(self):
-        self.dev.sync(self.device)
+def lay_out(decs: list[Decoding], drafter: Drafter, trees: list[Tree]) -> tuple[Block, Nodes, torch.Tensor | None]:
+    """A group's trees as rows and nodes, on the host: each laid out for the group's largest (smaller trees get filler
+    nodes; exact mode pads to Q rows), then stacked as one batch, with the group's cache rows (stack)."""
+    n = max(map(len, trees))
+    return stack(decs, *zip(*(d.prepare(drafter, t, n) for d, t in zip(decs, trees))))
 
 
-def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
-    """A group's rows and nodes as one batch, on the host: each sequence padded to the group's longest
-    (exact mode's are Q rows already). A fast-mode padding row writes the trash slot and sees slot 0 of its
-    own sequence, so it widens no attention. Also the group's cache rows (None: the cache's own order).
-    With a block batch of N, every cache row's sequence, in order: the group's, and idle ones."""
-    d, n = decs[0], nodes[0].n  # every sequence's tree laid out for the group's largest
-    if d.N:
-        own, idle = dict(zip((x.seq for x in decs), zip(blocks, nodes))), d.idle()
-        blocks, nodes = zip(*(own.get(r, idle) for r in range(d.N)))
-    elif len(decs) == 1:
-        x = nodes[0]
-        return blocks[0], Nodes(x.tokens[None], x.lay.at(None), x.real[None], x.n), d.seqs
-    T, N, E = max(map(len, blocks)), max(len(x.tokens) for x in nodes), max(b.extra.shape[-1] for b in blocks)
-    rows = []
-    for b in blocks:
-        if len(b) < T:  # exact mode's blocks are Q rows already
-            z = torch.zeros(1, T - len(b), dtype=torch.long)
-            b = Block.cat(b, Block(z, z, torch.full((T - len(b),), d.cache.trash), z + 1, z[..., None] - 1))
-        extra = F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)
-        rows.append(Block(b.tokens, b.pos, b.slots[None], b.prefix, extra))
-    block = Block(*(torch.cat([getattr(b, f) for b in rows]) for f in ("tokens", "pos", "slots", "prefix", "extra")))
-    pad = lambda t, v: torch.stack([F.pad(x, (0, N - len(x)), value=v) for x in t])
-    batch = Nodes(pad([x.tokens for x in nodes], -1), Layout.stack([x.lay for x in nodes], N),
-                  pad([x.real for x in nodes], False), n)
-    seqs = list(range(d.N)) if d.N else [x.seq for x in decs]  # a block batch: every cache row, in order
-    return block, batch, None if seqs == list(range(d.cache.k.shape[1])) else torch.tensor(seqs)
-
-
-def settle(cache: KVCache, rows, cur, path) -> None:
-    """The commit's moves, on the device: each sequence's accepted path (node i at slot cur + i) moved to slots
-    cur, cur+1, ... of its cache row, every layer at once (past the path's end, each slot onto itself)."""
-    dst = cur[:, None] + torch.arange(path.shape[-1], device=path.device)  # (B, E)
-    src = torch.where(path >= 0, cur[:, None] + path, dst)
-    for c in (cache.k, cache.v):  # (layers, B, Hkv, S, D): the gather copies first, so overlap is safe
-        c[:, rows[:, None], :, dst] = c[:, rows[:, None], :, src]
-
-
-def program(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, seqs):
+def forward_and_verify(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, seqs):
     """A step's device program for a group of sequences (batch dim first), launched, and its start time: the
-    method's forward, then (greedy) each sequence's verification, next candidates' top-k and commit's moves,
-    packed as rows of one tensor. Its inputs are one host tensor, copied to the device once. Exact mode: fixed
-    shapes, one program per method, shape key and group size (one CUDA graph each where a device layer captures
-    them)."""
+    method's forward, then (greedy) each sequence's verification, next candidates' top-k and the commit's moves
+    (KVCache.settle), packed as rows of one tensor. Its inputs are one host tensor, copied to the device once.
+    Exact mode: fixed shapes, one program per method, shape key and group size (one CUDA graph each where a
+    device layer captures them)."""
     d = decs[0]
     model, cache, exact, greedy, tail = d.model, d.cache, d.exact, d.sampler.greedy, d.tail
     R = max(drafter.topk, default=1)
     at = {x.seq: x.cur for x in decs} if d.N else dict(enumerate(x.cur for x in decs))
     cur = torch.tensor([at.get(r, 0) for r in range(len(block.tokens))])  # idle sequences: slot 0 onto itself
     lay = nodes.lay
-    fields = [block.tokens, block.pos, block.slots, block.prefix, block.extra, nodes.tokens, lay.parent, lay.depth,
-              lay.index, lay.anc, nodes.real, cur] + ([] if seqs is None else [seqs])
-    flat, spec = packed(fields)
+    flat, spec = packed([block.tokens, block.pos, block.slots, block.prefix, block.extra, nodes.tokens, lay.parent,
+                         lay.depth, lay.index, lay.anc, nodes.real, cur, seqs])
     moves = greedy and drafter.max_rows > 1  # AR's path is its root alone, already in place
 
     def run(flat):
-        tokens, pos, slots, prefix, extra, node_tokens, parent, depth, index, anc, real, cur, *seqs = unpacked(
-            flat, spec)
-        seqs = seqs[0] if seqs else None
-        f = Forward.on_cache(model, Block(tokens, pos, slots, prefix, extra), cache, exact, seqs, tail, d.dev)
+        *blk, node_tokens, parent, depth, index, anc, real, cur, seqs = unpacked(flat, spec)
+        f = Forward.on_cache(model, Block(*blk), cache, exact, seqs, tail, d.dev)
         lay = Layout(parent, depth, index, anc)
         out = drafter.forward(f, Nodes(node_tokens, lay, real.bool(), nodes.n))
-        N = node_tokens.shape[-1]  # drafts may cover the real nodes only (a path ends on one): depths are padded
-        if out.depths is not None and out.depths.shape[1] < N:
-            out.depths = F.pad(out.depths, (0, N - out.depths.shape[1]))
         if not greedy:
             return out.logits, out.drafts, out.depths, out.alive
         path, emitted = accept(node_tokens, lay, out.logits, out.alive)  # (B, E) each
         if moves:
-            settle(cache, torch.arange(len(cur), device=cur.device) if seqs is None else seqs, cur, path)
+            cache.settle(torch.arange(len(cur), device=cur.device) if seqs is None else seqs, cur, path)
         if out.drafts is None:
             return pack(path, emitted), out.logits
         last = path.max(-1).values  # each path's deepest node (indices grow along a path)
@@ -269,63 +111,36 @@ def program(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, 
     return d.launch(key, run, (flat,)), t0
 
 
-def step(live: list[Decoding], drafter: Drafter, record: bool):
-    """One step of every live sequence: draft each tree, lay the trees out as rows (a group of one drafter and
-    layout at a time), run the forward and verify on the device, read the accepted paths back once, commit
-    them. Returns the budget, per sequence (tree, path, emitted tokens, their logits if record, the whole
-    draft) and the step's rows."""
-    budget, template = drafter.planner.budget(live) if drafter.planner is not None else (None, None)
-    stepper = drafter if budget != 0 else AR  # budget 0: drafting does not pay, an AR step
-    wide = drafter.nested and budget is not None  # drafted whole, AR steps too: the planner scores every prefix
-    groups, drafted, results, rows = {}, {}, {}, 0
-    for d in live:  # draft
-        drafted[d] = (drafter if wide else stepper).draft(
-            d, d.cands, template or getattr(drafter, "template", None), None if wide else budget)
-        s, tree = d.fit(stepper, drafted[d].prefix(min(len(drafted[d]), budget + 1)) if wide else drafted[d])
-        key = (id(s), None if d.room >= s.max_rows else len(tree))  # near the cache's end: no filler
-        groups.setdefault(key, (s, []))[1].append((d, tree))
-    for s, members in groups.values():
-        decs, trees = [m[0] for m in members], [m[1] for m in members]
-        n = max(map(len, trees))  # lay out: one layout for the group, smaller trees get filler nodes
-        block, nodes, seqs = stack(decs, *zip(*(x.prepare(s, t, n) for x, t in zip(decs, trees))))
-        launched = program(decs, s, block, nodes, seqs)  # forward and verify
-        for d, tree, (path, emitted, logits) in zip(decs, trees, read_back(decs, s, trees, launched, nodes, record)):
-            d.commit(path, emitted, moved=d.sampler.greedy)  # commit
-            drafter.accepted(d, tree, path)
-            results[d], rows = (tree, path, emitted, logits, drafted[d]), rows + s.size(len(tree))
-    return budget, results, rows
-
-
 def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launched, nodes: Nodes, record: bool):
-    """A group's step program's results read back once (launched: with its start time): greedy, each sequence's
-    path and next candidates, verified on the device; sampling verifies on the host. Per sequence: (path,
-    emitted tokens, their logits if record); its next candidates go to cands (D, R) and lists, on the host."""
+    """A group's step program's results on the host, read back once (launched: with its start time). Greedy: each
+    sequence's path and next candidates, as the device verified and drafted them. Sampling: the logits, verified
+    here (sample_verify), and the drafts at each path's end proposed, one product for the batch. Per sequence:
+    (path, emitted tokens, their logits if record); its next candidates go to cands (D, R) and lists, on the host."""
     d, (res, t0) = decs[0], launched
     at = [x.seq for x in decs] if d.N else list(range(len(decs)))  # each sequence's index in the batch
     if d.sampler.greedy:
-        packed_, logits = res
-        head = packed_.tolist()  # the step's one read-back
+        flat, logits = res
+        head = flat.tolist()  # the step's one read-back
+        took = time.perf_counter() - t0
+        E, R = nodes.lay.anc.shape[-1], max(drafter.topk, default=1)
+        found = [unpack(head[b], E, R) for b in at]
     else:  # sampling verifies on the host: the logits are read back anyway
         logits, drafts, depths, alive = res
-        found = [tree_verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
-                 for b, x, t in zip(at, decs, trees)]
+        paths = [sample_verify(t, logits[b, :len(t)], x.sampler, len(x.out),
+                               None if alive is None else alive[b, :len(t)]) for b, x, t in zip(at, decs, trees)]
+        depth = [0] * len(decs)  # the depths each path's end drafted
         if drafts is not None:  # each path's end drafts: one product for the batch, as greedy's
-            ends = torch.tensor([path[-1] for path, _ in found], device=drafts.device)
-            top = drafter.propose(drafts[torch.tensor(at, device=ends.device), ends], d.dev.linear)
-            top = top.topk(max(drafter.topk), dim=-1).indices.cpu()  # (B, K, R)
-    took = time.perf_counter() - t0
+            b = torch.tensor(at, device=drafts.device)
+            ends = torch.tensor([p[-1] for p, _ in paths], device=drafts.device)
+            top = drafter.propose(drafts[b, ends], d.dev.linear).topk(max(drafter.topk), dim=-1).indices.cpu()
+            depth = depths[b, ends].tolist() if depths is not None else [top.shape[1]] * len(decs)
+        found = [(p, e, top[i, :k], top[i, :k].tolist()) if k else (p, e, None, None)
+                 for i, ((p, e), k) in enumerate(zip(paths, depth))]
+        took = time.perf_counter() - t0
     results = []
-    for b, x in enumerate(decs):
-        x.forward_s += took / len(decs)  # its share of the step's program
-        if d.sampler.greedy:
-            E = nodes.lay.anc.shape[-1]
-            path, emitted, x.cands, x.lists = unpack(head[at[b]], E, max(drafter.topk, default=1))
-        else:
-            (path, emitted), x.cands, x.lists = found[b], None, None
-            depth = 0 if drafts is None else int(depths[at[b], path[-1]]) if depths is not None else top.shape[1]
-            if depth:
-                x.cands, x.lists = top[b, :depth], top[b, :depth].tolist()
-        results.append((path, emitted, logits[at[b], path].float().cpu() if record else None))
+    for b, x, (path, emitted, cands, lists) in zip(at, decs, found):
+        x.forward_s, x.cands, x.lists = x.forward_s + took / len(decs), cands, lists  # its share of the program
+        results.append((path, emitted, logits[b, path].float().cpu() if record else None))
     return results
 
 
@@ -371,11 +186,11 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     Q, S, W = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots)
     W = tail or W
     eos = model.args.eos_id if eos_id is None else eos_id
-    rows = min(batch or len(prompts), len(prompts))
-    N = sizes.block_batch(block_batch, rows, exact, dev)
+    batch = min(batch or len(prompts), len(prompts))
+    N = sizes.block_batch(block_batch, batch, exact, dev)
     w = model.embed.weight
-    make = lambda: KVCache.for_model(model, S, N or rows, dev)
-    cache = programs.cache(model, (S, N or rows, w.dtype, w.device), make)
+    make = lambda: KVCache.for_model(model, S, N or batch, dev)
+    cache = programs.cache(model, (S, N or batch, w.dtype, w.device), make)
     reserved = cache.reserve(drafter.reserved_slots)
     check_room(max(map(len, prompts)), cache.capacity)
     waiting, outs, logits, began, prefill_s = iter(prompts), {}, {}, {}, 0.0
@@ -396,7 +211,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         began[d] = clock()
         return [d]
 
-    live = [d for seq in range(rows) for d in admit(seq)]
+    live = [d for seq in range(batch) for d in admit(seq)]
     if (planner := drafter.planner) is not None:
         planner.start(drafter, live[0])
     while live:
@@ -404,7 +219,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         budget, results, rows = step(live, drafter, record_logits)
         secs, done = time.perf_counter() - ts, []
         for i, d in enumerate(live):
-            tree, path, toks, r, drafted = results[d]
+            path, toks, r, drafted = results[d]
             if planner is not None:  # the step's rows and time once; each sequence's outcome
                 planner.observe(d, budget, rows if i == 0 else 0, secs, path, drafted, d.lists)
             logits[d].append(r)  # None unless record_logits

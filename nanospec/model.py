@@ -1,9 +1,10 @@
 """A Llama that computes a block of rows with explicit positions, cache slots and visibility.
 
-Every forward takes a Block: T rows, each with a RoPE position, the KVCache slot its key/value is written to, and
-the slots it may attend to: "the committed prefix 0..prefix-1, then `extra` in the given order" -- for a tree node,
-its ancestors by depth and itself: the canonical key order (README, "The contract"), in which each row reduces over
-its visible keys as AR would see them. A batch's sequences each have their own cache row (a forward's seqs). Two modes:
+Every forward takes a Block (block.py): T rows, each with a RoPE position, the KVCache slot its key/value is written
+to, and the slots it may attend to: "the committed prefix 0..prefix-1, then `extra` in the given order" -- for a tree
+node, its ancestors by depth and itself: the canonical key order (README, "The contract"), in which each row reduces
+over its visible keys as AR would see them. A batch's sequences each have their own cache row (a forward's seqs).
+Two modes:
 - exact: each row gathers its visible keys in canonical order, padded to the cache's S slots, so its result depends
   only on its own input and visible keys: in a fixed block of Q rows per sequence, a node's logits are bitwise AR's.
 - fast: SDPA over the used part of the cache with a boolean mask, and each product as its layer runs it (a device
@@ -13,8 +14,7 @@ window. The window is visibility, in both modes (Llama.context): a row at positi
 > p - window, as transformers does. Committed slot j holds position j, a slot the block writes its row's position
 (trees of any depth); slots of a method's own keys (BiTA's prompt) hold none and stay visible.
 """
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -22,7 +22,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import devices
+from .block import Block
 from .devices import Device
+from .fused import fuse
+from .rope import KINDS, apply_rope, inv_freq
 
 NEUTRAL = Device()  # a device that needs nothing of exact mode's rows (a GPU's view: devices.py)
 
@@ -57,7 +60,7 @@ class ModelArgs:
         if self.hd % 2:
             raise ValueError(f"head_dim={self.hd} must be even for RoPE")
         kind = (self.rope_scaling or {}).get("rope_type", "default")
-        if kind not in ("default", "linear", "llama3"):
+        if kind not in KINDS:
             raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
 
     @property
@@ -67,38 +70,6 @@ class ModelArgs:
     @property
     def hd(self) -> int:
         return self.head_dim or self.dim // self.n_heads
-
-
-@dataclass
-class Block:
-    """T rows of one forward for each of B sequences (a batch: each sequence its own cache row)."""
-    tokens: torch.Tensor  # (B, T) token ids (ignored for rows fed as embeddings)
-    pos: torch.Tensor     # (B, T) RoPE positions
-    slots: torch.Tensor   # (T,) or per sequence (B, T): the cache slot each row writes its key/value to
-    prefix: torch.Tensor  # (B, T) each row sees committed slots 0..prefix-1 ...
-    extra: torch.Tensor   # (B, T, E) ... then these slots, in this order (-1 = none)
-
-    def __len__(self):
-        return self.slots.shape[-1]
-
-    @staticmethod
-    def cat(*blocks: "Block") -> "Block":
-        E = max(b.extra.shape[-1] for b in blocks)
-        cat = lambda f, dim=1: torch.cat([getattr(b, f) for b in blocks], dim)
-        extra = torch.cat([F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1) for b in blocks], 1)
-        return Block(cat("tokens"), cat("pos"), cat("slots", -1), cat("prefix"), extra)
-
-    def pad(self, Q: int, trash: int) -> "Block":
-        """Pad to exactly Q rows; padding rows write and read only the trash slot."""
-        n = len(self)
-        assert n <= Q, f"block of {n} rows exceeds Q={Q}"
-        B, dev = self.tokens.shape[0], self.slots.device
-        z = torch.zeros(B, Q - n, dtype=torch.long, device=dev)
-        filler = Block(z, z, torch.full((*self.slots.shape[:-1], Q - n), trash, device=dev), z, (z + trash)[..., None])
-        return Block.cat(self, filler)
-
-    def to(self, device) -> "Block":
-        return Block(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 @dataclass
@@ -161,30 +132,6 @@ class Context:
         return kc, vc
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    hd, sc = args.hd, args.rope_scaling
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    kind = (sc or {}).get("rope_type", "default")
-    if kind != "llama3":
-        return inv / sc["factor"] if kind == "linear" else inv
-    # llama3: frequency-dependent scaling, as in Llama 3.1
-    factor, lo, hi, old = (sc[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                           "original_max_position_embeddings"))
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-    smooth = (old / wavelen - lo) / (hi - lo)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
-    return torch.where(medium, smoothed, scaled)
-
-
-def apply_rope(x, cos, sin):
-    """x (B, T, ..., D) rotated; cos, sin (B, T, 1, 1, D), sin signed (-sin, sin): HF's x * cos + cat(-x2, x1) * sin
-    bit for bit (a negation is exact), in four ops."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((x2, x1), dim=-1) * sin
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -232,30 +179,6 @@ def attend_fast(q, kc, vc, ctx):
     with sdpa_kernel(SDPA_BACKENDS):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, Hkv, G*T, D)
     return y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G * D)
-
-
-def fuse(module, name: str, dim: int, parts: dict[str, int], groups: int = 1, bias: bool = False) -> None:
-    """module.<name>: one product for the projections `parts` (name: output size), their weights' rows (and biases)
-    concatenated in `groups` interleaved groups (each part's rows split in as many): one kernel, not len(parts).
-    Checkpoints keep the parts, as HF names them: the state dict splits on save and joins on load."""
-    setattr(module, name, nn.Linear(dim, sum(parts.values()), bias=bias))
-    getattr(module, name).groups, getattr(module, name).role = groups, name  # role: the product's name in its layer
-    sizes, leaves = [n // groups for n in parts.values()], (".weight", ".bias")[:1 + bias]
-
-    def split(mod, state, prefix, meta):
-        for leaf in leaves:
-            w = state.pop(prefix + name + leaf)
-            w = w.view(groups, -1, *w.shape[1:]).split(sizes, 1)
-            state.update({prefix + p + leaf: t.reshape(-1, *t.shape[2:]) for p, t in zip(parts, w)})
-
-    def join(state, prefix, *_):
-        for leaf in leaves:
-            keys = [prefix + p + leaf for p in parts]
-            if all(k in state for k in keys):
-                w = [state.pop(k) for k in keys]
-                state[prefix + name + leaf] = torch.cat([t.view(groups, -1, *t.shape[1:]) for t in w], 1).flatten(0, 1)
-    module._register_state_dict_hook(split)
-    module._register_load_state_dict_pre_hook(join)
 
 
 class Attention(nn.Module):
@@ -323,7 +246,8 @@ class Llama(nn.Module):
 
     def init_rope(self, device=None):
         """RoPE's constants in fp32, whatever the weights: both halves' frequencies, sin's signs (apply_rope)."""
-        inv = rope_inv_freq(self.args).to(device)
+        a = self.args
+        inv = inv_freq(a.hd, a.rope_theta, a.rope_scaling).to(device)
         self.register_buffer("freqs", torch.cat((inv, inv)), persistent=False)
         self.register_buffer("signs", torch.cat((-torch.ones_like(inv), torch.ones_like(inv))), persistent=False)
 

@@ -20,6 +20,7 @@ by index: make_fx's `lift_fresh`; Strict), and a tensor made without a device (`
 tensor inside a device program; NoHostTensors). A program that would break under a real graph, by any of these or
 by reading state its key does not name, fails there too.
 """
+import math
 import os
 import sysconfig
 import traceback
@@ -48,6 +49,18 @@ class Programs:
 
 
 EAGER = Programs()
+
+
+def packed(tensors) -> tuple[torch.Tensor, tuple]:
+    """A program's host integer tensors (None: none given) as one, copied to the device at once, and their shapes."""
+    flat = torch.cat([t.reshape(-1).long() for t in tensors if t is not None])
+    return flat, tuple(None if t is None else tuple(t.shape) for t in tensors)
+
+
+def unpacked(flat: torch.Tensor, shapes: tuple) -> list:
+    """packed's tensors again, as views of flat (inside a program: no copy), and None where none was given."""
+    parts = iter(flat.split([math.prod(s) for s in shapes if s is not None]))
+    return [None if s is None else next(parts).view(s) for s in shapes]
 
 
 class Graph:

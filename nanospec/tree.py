@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import Block
+from .block import Block
 
 
 class Tree:
@@ -277,7 +277,7 @@ class Sampler:
         return int(ids[min(int(j), int((probs > 0).sum()) - 1)])
 
 
-def verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int, alive=None):
+def sample_verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int, alive=None):
     """Verification on the host, walking the tree (sampling; `accept` is the greedy device version).
 
     logits (n, V) are the tree rows' logits; n_out is the number of tokens emitted so far. At

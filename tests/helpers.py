@@ -17,15 +17,17 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanospec import cli, devices
+from nanospec.block import Block
 from nanospec.cache import KVCache
-from nanospec.engine import AR, Decoding, Drafter, generate, program, shapes, stack
+from nanospec.decoding import Decoding
+from nanospec.engine import AR, Drafter, forward_and_verify, generate, lay_out, shapes
 from nanospec.methods.bita import BiTA, Tuning
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
 from nanospec.methods.lookahead import Lookahead
 from nanospec.methods.medusa import Heads, Medusa
 from nanospec.methods.propd import EarlyHead, ProPD
 from nanospec.methods.sdsat import SDSAT, Delta
-from nanospec.model import Block, Llama, ModelArgs
+from nanospec.model import Llama, ModelArgs
 from nanospec.tree import Sampler, Tree, choose_tree
 from nanospec.tuning.costs import Measured
 
@@ -246,8 +248,8 @@ def one_forward(model, drafter, tree, prompt, exact, plain=False):
     dec.prefill(prompt[:-1])
     drafter.start(dec)
     d = Drafter() if plain else drafter
-    block, nodes, seqs = stack([dec], *([x] for x in dec.prepare(d, tree, len(tree))))
-    (logits, drafts, _, _), _ = program([dec], d, block, nodes, seqs)
+    block, nodes, seqs = lay_out([dec], d, [tree])
+    (logits, drafts, _, _), _ = forward_and_verify([dec], d, block, nodes, seqs)
     return logits[0, :len(tree)], None if drafts is None else drafts[0, :len(tree)]
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from helpers import ARGS, EOS, FAMILIES, METHODS, batch_drafter, check_batch, drafter, family_args, random_model
 from nanospec import engine
 from nanospec import model as model_mod
+from nanospec.decoding import Decoding
 from nanospec.engine import generate
 
 prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1, max_size=14), min_size=1, max_size=5)
@@ -70,14 +71,14 @@ def test_a_sequence_reading_its_neighbours_slot_is_caught(monkeypatch, device):
 def test_rows_one_position_off_are_caught(monkeypatch, device):
     model = random_model(ARGS, seed=1, device=device)
     prompts = [[3, 9, 4, 1], [8, 2, 6, 10, 11], [4, 4]]
-    stack = engine.stack
+    lay_out = engine.lay_out
 
-    def shifted(decs, blocks, nodes):
-        block, batch, seqs = stack(decs, blocks, nodes)
+    def shifted(decs, drafter, trees):
+        block, batch, seqs = lay_out(decs, drafter, trees)
         if block.pos.shape[0] > 1:
             block.pos[1] += 1
         return block, batch, seqs
-    monkeypatch.setattr(engine, "stack", shifted)
+    monkeypatch.setattr(engine, "lay_out", shifted)
     with pytest.raises(AssertionError, match="sequence 1"):
         check_batch(model, prompts, None, 12)
 
@@ -96,7 +97,7 @@ def test_a_refilled_row_that_sees_its_predecessors_key_is_caught(monkeypatch, de
     model = random_model(ARGS, seed=1, device=device)
     prompts = [[3, 9, 4, 1], [8, 2, 6, 10, 11], [4, 4, 7]]
     check_batch(model, prompts, None, 12, rows=2)
-    prefill, used, batching, real = engine.Decoding.prefill, set(), [False], generate
+    prefill, used, batching, real = Decoding.prefill, set(), [False], generate
 
     def tell(model, prompt, *a, **k):  # which run check_batch makes: a lone run's cache may have rows to spare too
         batching[0] = isinstance(prompt[0], list)
@@ -108,7 +109,7 @@ def test_a_refilled_row_that_sees_its_predecessors_key_is_caught(monkeypatch, de
             used.add(self.seq)
         prefill(self, tokens)
     monkeypatch.setitem(globals(), "generate", tell)
-    monkeypatch.setattr(engine.Decoding, "prefill", stale)
+    monkeypatch.setattr(Decoding, "prefill", stale)
     with pytest.raises(AssertionError, match="sequence 2"):
         check_batch(model, prompts, None, 12, rows=2)
 
@@ -123,7 +124,7 @@ def test_trees_of_different_sizes_share_one_forward(monkeypatch, device, name):
     prompts = [[7], [1, 2, 3, 4] * 7, [9, 8, 7, 6], [11, 12] * 3, [4, 4, 7]]
     d = drafter(name, model)
     check_batch(model, prompts, d, 24, peeking=(0.7,), rows=3)
-    rounds, fit, program = [], engine.Decoding.fit, engine.program  # per round of the loop: [tree sizes, forwards]
+    rounds, fit, program = [], Decoding.fit, engine.forward_and_verify  # per round of the loop: [tree sizes, forwards]
 
     def fitted(dec, s, tree):
         if not rounds or rounds[-1][1]:
@@ -134,8 +135,8 @@ def test_trees_of_different_sizes_share_one_forward(monkeypatch, device, name):
     def programmed(*a):
         rounds[-1][1] += 1
         return program(*a)
-    monkeypatch.setattr(engine.Decoding, "fit", fitted)
-    monkeypatch.setattr(engine, "program", programmed)
+    monkeypatch.setattr(Decoding, "fit", fitted)
+    monkeypatch.setattr(engine, "forward_and_verify", programmed)
     generate(model, prompts, d, max_new_tokens=24, eos_id=EOS, batch=3)
     assert any(len(set(sizes)) > 1 for sizes, _ in rounds), "no step met trees of different sizes"
     assert all(forwards == 1 for _, forwards in rounds), "a step ran more than one forward"
@@ -147,14 +148,14 @@ def test_a_full_batch_reads_its_cache_in_place(monkeypatch, device):
     per layer, which slowed a full batch's steps (RESULTS.md, "Why the heuristics stay")."""
     model = random_model(ARGS, seed=2, device=device)
     prompts = [[1 + i, 2 + i] * (1 + i) for i in range(7)]
-    full, stack = [], engine.stack
+    full, lay_out = [], engine.lay_out
 
-    def spy(decs, blocks, nodes):
-        block, batch, seqs = stack(decs, blocks, nodes)
+    def spy(decs, drafter, trees):
+        block, batch, seqs = lay_out(decs, drafter, trees)
         if len(decs) == 3:
             full.append(seqs)
         return block, batch, seqs
-    monkeypatch.setattr(engine, "stack", spy)
+    monkeypatch.setattr(engine, "lay_out", spy)
     outs = check_batch(model, prompts, batch_drafter("lookahead", model), 16, rows=3)
     assert len({o.steps for o in outs}) > 1, "the sequences stopped together: no refill out of order"
     assert len(full) > 4 and all(s is None for s in full), "a full batch gathered its cache rows"

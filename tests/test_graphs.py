@@ -59,7 +59,7 @@ def test_exact_step_does_not_sync(monkeypatch):
     model = random_model(ARGS, 0, torch.float32, "cuda")
     prompt = list(range(1, 20))
     ar = run(model, prompt)  # captures the graphs (capturing syncs)
-    program = engine.program
+    program = engine.forward_and_verify
 
     def strict(*a, **k):
         torch.cuda.set_sync_debug_mode("error")
@@ -67,7 +67,7 @@ def test_exact_step_does_not_sync(monkeypatch):
             return program(*a, **k)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    monkeypatch.setattr(engine, "program", strict)
+    monkeypatch.setattr(engine, "forward_and_verify", strict)
     assert run(model, prompt).tokens == ar.tokens
 
 

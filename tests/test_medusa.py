@@ -212,7 +212,7 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_its_ids_on_disk(tmp
         for r in heads.res:
             r.weight.normal_(std=0.3)
     h = torch.randn(6, 32)
-    got, full, ids = heads.drafts(heads.narrowed(), h), heads(h), heads.vocab
+    got, full, ids = heads(h, narrow=heads.narrowed()), heads(h), heads.vocab
     assert torch.allclose(got[..., ids], full[..., ids], atol=1e-5)
     out = torch.ones(600, dtype=torch.bool)
     out[ids] = False

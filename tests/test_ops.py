@@ -10,6 +10,7 @@ import torch
 from helpers import ARGS, METHODS, AlignedProducts, batch_drafter, family_args, full_logits, random_model
 from nanospec import devices, engine
 from nanospec import model as llama
+from nanospec.decoding import Decoding
 from nanospec.model import ModelArgs
 from nanospec.sizes import shapes
 from nanospec.tree import Tree
@@ -114,12 +115,12 @@ def test_a_step_launches_little_outside_its_program(name, batch):
 
 
 def test_an_eager_op_in_the_commit_is_counted(monkeypatch):
-    commit = engine.Decoding.commit
+    commit = Decoding.commit
 
     def eager(self, *a, **k):  # planted: a device op per sequence and step outside the program
         self.cache.k[0, self.seq, 0, 0].add_(0)
         return commit(self, *a, **k)
     model = random_model(ARGS, seed=0)
     before = host_work(model, lambda m: batch_drafter("medusa", m), 1, steps=(3, 6))
-    monkeypatch.setattr(engine.Decoding, "commit", eager)
+    monkeypatch.setattr(Decoding, "commit", eager)
     assert host_work(model, lambda m: batch_drafter("medusa", m), 1, steps=(3, 6)) == (before[0] + 1, before[1])

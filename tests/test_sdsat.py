@@ -8,11 +8,13 @@ from hypothesis import strategies as st
 
 from helpers import check_exact, descend, model_args, noisy, peek, random_model
 from nanospec import NanospecError
+from nanospec.block import Block
 from nanospec.cache import KVCache
+from nanospec.decoding import Decoding
 from nanospec.drafter import Forward
-from nanospec.engine import Decoding, generate, stack
+from nanospec.engine import generate, lay_out
 from nanospec.methods.sdsat import SDSAT, Delta, adaptive_logits, adaptive_rows, starts
-from nanospec.model import Block, ModelArgs
+from nanospec.model import ModelArgs
 from nanospec.training.forced import targets
 from nanospec.tree import Tree
 
@@ -163,8 +165,7 @@ def test_adaptive_rows_match_decoding_and_training_lowers_their_loss():
         d = SDSAT(delta, k=3)
         dec = Decoding(model, KVCache.for_model(model, 16), False, 8, x[0, :6].tolist())
         dec.prefill(dec.prompt[:-1])
-        block, nodes = dec.prepare(d, Tree.chain(dec.last), 1)
-        block, nodes, seqs = stack([dec], [block], [nodes])
+        block, nodes, seqs = lay_out([dec], d, [Tree.chain(dec.last)])
         out = d.forward(Forward.on_cache(model, block, dec.cache, False, seqs), nodes)
     assert torch.allclose(out.drafts[0, 0], logits[0], atol=1e-3)
     wins = [[(s, 4) for s in range(1, 28, 3)]] * 2

@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 
 from helpers import from_branches, keys_in_order, path_to
 from nanospec.model import Llama, ModelArgs
-from nanospec.tree import Sampler, Template, Tree, accept, layout, product_paths, verify
+from nanospec.tree import Sampler, Template, Tree, accept, layout, product_paths, sample_verify
 
 branches_st = st.lists(st.lists(st.integers(0, 4), max_size=5), max_size=8)
 
@@ -54,7 +54,7 @@ def test_greedy_verify_accepts_longest_path_ar_agrees_with(branches, seed):
     t = from_branches(1, branches)
     logits = torch.randn(len(t), 5, generator=torch.Generator().manual_seed(seed))
     target = logits.argmax(-1).tolist()
-    path, out = verify(t, logits, Sampler(), 0)
+    path, out = sample_verify(t, logits, Sampler(), 0)
     # brute force: a node is acceptable when every edge on its path carries its parent's target
     ok = [i for i in range(len(t)) if all(t.tokens[c] == target[p] for p, c in zip(path_to(t, i), path_to(t, i)[1:]))]
     best = max(len(path_to(t, i)) for i in ok)
@@ -97,7 +97,7 @@ def test_parallel_branches_are_each_verified():
     logits = torch.full((len(t), 7), -1.0)
     for node, tok in truth.items():
         logits[node, tok] = 1.0
-    path, out = verify(t, logits, Sampler(), 0)
+    path, out = sample_verify(t, logits, Sampler(), 0)
     assert path == [0, 4, 5] and out == [on, a, chair]
     dpath, demitted = accept(torch.tensor(t.tokens)[None], layout(t.parents).at(None), logits[None])
     assert dpath[0].tolist() == [0, 4, 5, -1] and demitted[0].tolist() == [on, a, chair, -1]  # -1: padding

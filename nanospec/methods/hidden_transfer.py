@@ -4,50 +4,44 @@ Spec: Pengfei Wu, Jiahao Liu, Zhuocheng Gong, Qifan Wang, Jinpeng Li, Jingang Wa
 "Parallel Decoding via Hidden Transfer for Lossless Large Language Model Acceleration", 2024, arXiv:2404.12022
 (sections 3.2-3.4, 4.4-4.5, Figures 2-7).
 
-k transfer steps. Step i is a d x d linear map W_i at layer t_i (t_1 < t_2 < ...): the
-residual state of a real token x_p after t_i layers, mapped by W_i, becomes a pseudo hidden
-state of the token p+i. It runs through the remaining layers at position p+i, attending to
-the context, to the token's tree path and to the earlier pseudo states of its own chain (the
-serialized prediction the paper argues for), and the original norm + lm_head decode it: pseudo
-state i predicts the token at p+i+1, the depth-i draft. The base model is frozen.
+k transfer steps. Step i is a d x d linear map W_i at layer t_i (t_1 < t_2 < ...): the residual state of a real token
+x_p after t_i layers, mapped by W_i, becomes a pseudo hidden state of the token p+i. It runs through the remaining
+layers at position p+i, attending to the context, to the token's tree path and to the earlier pseudo states of its
+own chain (the serialized prediction the paper argues for), and the original norm + lm_head decode it: pseudo state i
+predicts the token at p+i+1, the depth-i draft. The base model is frozen.
 
-Each step runs one forward: the tree (verified exactly as AR would) plus a group of k pseudo
-rows on every tree node, so the group of the last accepted node drafts the next tree (Figure
-2). No tree row sees a pseudo row. Fast mode adds pseudo rows at their layer (no compute below
-it); exact mode runs them as placeholder rows through every layer and overwrites them at t_i.
+Each step runs one forward: the tree (verified exactly as AR would) plus a group of k pseudo rows on every tree node,
+so the group of the last accepted node drafts the next tree (Figure 2). No tree row sees a pseudo row. Fast mode adds
+pseudo rows at their layer (no compute below it); exact mode runs them as placeholder rows through every layer and
+overwrites them at t_i.
 
 Choices where the paper is silent, and why:
-- "Layer t" is the residual stream after t layers; W_i is initialised to the identity (the copy
-  mechanism the paper starts from), with no bias.
-- Loss: KL(P || P~) with the base model's distribution P at the pseudo state's position as the
-  target, averaged over positions, summed over steps. Positions: every token of the answer
-  part of the self-distillation data (where drafting happens), as hosts; with --forced, also
-  every token of teacher-forced real text (training/forced.py) in --piece-token sequences, where
-  P is the model's own distribution whatever the text.
-- Under a planner (fast mode's default), a node's group holds the first min(k, budget) pseudo rows: the next
-  tree is at most budget deep (drafter.Ranked). A pseudo row never sees a later one, so these forge as in a
-  whole group.
-- Training attention (`--attention`): `paper` (default; section 3.3: pseudo state of step i on
-  host j sees real tokens up to j+i-1 and itself), `chain` (what decoding sees: real tokens up
-  to j, the earlier pseudo states of its chain, itself) or `masked` (real tokens up to j and
-  itself: Figure 7's ablation). Under `paper` and `masked` the steps never see each other, so
-  training them together in one forward is training them separately: the gradient of W_i
-  comes from step i alone, AdamW is per parameter and the gradient is clipped per W_i.
-- Layers (5, 6, 7) of the default model's 8, from the sweep of Figures 5-6 (RESULTS.md, "Hidden
-  Transfer"): step 1 alone is flat from layer 2 to 5 and lower at 1 and 6; step 2 over t_1 = 4 is
-  flat from 5 to 7; (5, 6, 7) matches (4, 5, 6) and costs least, since a pseudo row runs only the
-  layers from its own. lr 3e-3 (1e-3 learns slower in 80 steps; 1e-2 is no better).
-- The tree is chosen from Hidden Transfer's own held-out accuracies (saved by the trainer),
-  as Medusa's is from its heads'; `tree_size=N` picks another size. (The paper compares the
-  two at Medusa's tree; a drafter here never reads another method's weights.)
-- The first step has no pseudo states yet: it is the root and its group (one AR step that
-  already drafts).
+- "Layer t" is the residual stream after t layers; W_i is initialised to the identity (the copy mechanism the paper
+  starts from), with no bias.
+- Loss: KL(P || P~) with the base model's distribution P at the pseudo state's position as the target, averaged over
+  positions, summed over steps. Positions: every token of the answer part of the self-distillation data (where
+  drafting happens), as hosts; with --forced, also every token of teacher-forced real text (training/forced.py) in
+  --piece-token sequences, where P is the model's own distribution whatever the text.
+- Under a planner (fast mode's default), a node's group holds the first min(k, budget) pseudo rows: the next tree is
+  at most budget deep (drafter.Ranked). A pseudo row never sees a later one, so these forge as in a whole group.
+- Training attention (`--attention`): `paper` (default; section 3.3: pseudo state of step i on host j sees real
+  tokens up to j+i-1 and itself), `chain` (what decoding sees: real tokens up to j, the earlier pseudo states of its
+  chain, itself) or `masked` (real tokens up to j and itself: Figure 7's ablation). Under `paper` and `masked` the
+  steps never see each other, so training them together in one forward is training them separately: the gradient of
+  W_i comes from step i alone, AdamW is per parameter and the gradient is clipped per W_i.
+- Layers (5, 6, 7) of the default model's 8, from the sweep of Figures 5-6 (RESULTS.md, "Hidden Transfer"): step 1
+  alone is flat from layer 2 to 5 and lower at 1 and 6; step 2 over t_1 = 4 is flat from 5 to 7; (5, 6, 7) matches
+  (4, 5, 6) and costs least, since a pseudo row runs only the layers from its own. lr 3e-3 (1e-3 learns slower in 80
+  steps; 1e-2 is no better).
+- The tree is chosen from Hidden Transfer's own held-out accuracies (saved by the trainer), as Medusa's is from its
+  heads'; `tree_size=N` picks another size. (The paper compares the two at Medusa's tree; a drafter here never reads
+  another method's weights.)
+- The first step has no pseudo states yet: it is the root and its group (one AR step that already drafts).
 
-What runs where: the layer loop that forges pseudo rows, one lm_head product over the real and
-the pseudo rows (the head's weights read once a step) and verification are one device program (a
-CUDA graph per tree size in exact mode on a GPU: its row indices depend on that size alone). The
-layer loop is shared with the trainer (`transfer`, over the core's Forward), so training forges
-exactly what decoding does.
+What runs where: the layer loop that forges pseudo rows, one lm_head product over the real and the pseudo rows (the
+head's weights read once a step) and verification are one device program (a CUDA graph per tree size in exact mode on
+a GPU: its row indices depend on that size alone). The layer loop is shared with the trainer (`transfer`, over the
+core's Forward), so training forges exactly what decoding does.
 """
 from pathlib import Path
 

@@ -1,59 +1,51 @@
-"""Medusa-1 heads (Cai et al., 2024): the base ProPD builds on (section 2 of Zhong et al., "ProPD: Dynamic Token
-Tree Pruning and Generation for LLM Parallel Decoding", 2024, arXiv:2402.13485) and the baseline BiTA and Hidden
-Transfer are measured against.
+"""Medusa-1 heads (Cai et al., 2024): the base ProPD builds on (its section 2; propd.py cites it) and the baseline
+BiTA and Hidden Transfer are measured against.
 
 Spec: Tianle Cai, Yuhong Li, Zhengyang Geng, Hongwu Peng, Jason D. Lee, Deming Chen, Tri Dao, "Medusa: Simple LLM
 Inference Acceleration Framework with Multiple Decoding Heads", 2024, arXiv:2401.10774.
 
-K heads read the base model's final (normed) hidden state h of a token x_t. The lm_head gives
-x_{t+1}; head k guesses x_{t+1+k}. Head k is a residual SiLU block, h + SiLU(W_k h + b_k)
-with W_k and b_k zero-initialised (or a stack of such blocks: Medusa's own code takes the
-number of layers per head as an option), then its own vocabulary projection initialised from
-the lm_head, so an untrained head repeats the next-token guess. The base model is frozen.
+K heads read the base model's final (normed) hidden state h of a token x_t. The lm_head gives x_{t+1}; head k guesses
+x_{t+1+k}. Head k is a residual SiLU block, h + SiLU(W_k h + b_k) with W_k and b_k zero-initialised (or a stack of
+such blocks: Medusa's own code takes the number of layers per head as an option), then its own vocabulary projection
+initialised from the lm_head, so an untrained head repeats the next-token guess. The base model is frozen.
 
-Each step verifies a sparse static tree of head candidates with the core engine. The same
-forward yields h for every tree node, and the heads on the last accepted node give the next
-step's candidates, so drafting costs no extra forward.
+Each step verifies a sparse static tree of head candidates with the core engine. The same forward yields h for every
+tree node, and the heads on the last accepted node give the next step's candidates: drafting costs no extra forward.
 
 Choices where the papers are silent, and why:
-- Head k's loss is weighted 0.8^(k-1), Medusa's decay: later heads are less accurate and
-  should not dominate the shared gradient scale.
-- Targets are hard labels: the model's own greedy continuations (self-distillation), which
-  are exactly what greedy verification accepts; with --forced, also teacher-forced windows of
-  real text, where a target is the model's own token wherever the text went on as the model
-  would up to it (training/forced.py).
-- The tree comes from measured accuracies: acc[k][r] is how often head k's rank-r candidate is
-  right on held-out data. Greedy expansion adds the path with the highest product of
-  accuracies whose parent is already in the tree (Medusa's sparse trees), up to tree_size nodes.
-- Vocabulary projection: each head's own (the paper's; the default model's shipped heads) or,
-  with --shared-head, the model's frozen lm_head shared by all heads (EAGLE's choice), which the
-  SmolLM2 heads use: an own projection there is 28M parameters per head. On the default model,
-  same data and schedule, sharing costs a little accuracy and acceptance for a file 30 times
-  smaller (RESULTS.md, "Medusa").
-- The first step of a generation has no hidden state yet for the prompt's last token, so it
-  drafts nothing (one AR step).
+- Head k's loss is weighted 0.8^(k-1), Medusa's decay: later heads are less accurate and should not dominate the
+  shared gradient scale.
+- Targets are hard labels: the model's own greedy continuations (self-distillation), which are exactly what greedy
+  verification accepts; with --forced, also teacher-forced windows of real text, where a target is the model's own
+  token wherever the text went on as the model would up to it (training/forced.py).
+- The tree comes from measured accuracies: acc[k][r] is how often head k's rank-r candidate is right on held-out
+  data. Greedy expansion adds the path with the highest product of accuracies whose parent is already in the tree
+  (Medusa's sparse trees), up to tree_size nodes.
+- Vocabulary projection: each head's own (the paper's; the default model's shipped heads) or, with --shared-head, the
+  model's frozen lm_head shared by all heads (EAGLE's choice), which the SmolLM2 heads use: an own projection there
+  is 28M parameters per head. On the default model, same data and schedule, sharing costs a little accuracy and
+  acceptance for a file 30 times smaller (RESULTS.md, "Medusa").
+- A generation's first step has no hidden state yet for the prompt's last token, so it drafts nothing (one AR step).
 
-One option is not Medusa-1's. With --token-input (the SmolLM2 heads) head k reads h + T_k e, e
-the embedding of x_{t+1}, the token the lm_head picks from h, and T_k a zero-initialised linear
-map. Under greedy decoding x_{t+1} is known when the heads run: it is the next tree's root, the
-token the verifying forward just emitted. A head that reads h alone has to recover that token,
-an argmax over the vocabulary, with a few small blocks; handed over, it lifts SmolLM2's heads at
-every depth (RESULTS.md, "SmolLM2 drafters"). Hydra (Ankner et al., 2024) and EAGLE feed drafted
-tokens back in the same way; this reads only the token that is certain, so the tree and its
-verification stay Medusa's, and the heads cost one gather and one small map more. Under
-sampling the emitted root is drawn, not the argmax: the heads still read the argmax, which can
-cost acceptance, never exactness.
+One option is not Medusa-1's. With --token-input (the SmolLM2 heads) head k reads h + T_k e, e the embedding of
+x_{t+1}, the token the lm_head picks from h, and T_k a zero-initialised linear map. Under greedy decoding x_{t+1} is
+known when the heads run: it is the next tree's root, the token the verifying forward just emitted. A head that reads
+h alone has to recover that token, an argmax over the vocabulary, with a few small blocks; handed over, it lifts
+SmolLM2's heads at every depth (RESULTS.md, "SmolLM2 drafters"). Hydra (Ankner et al., 2024) and EAGLE feed drafted
+tokens back in the same way; this reads only the token that is certain, so the tree and its verification stay
+Medusa's, and the heads cost one gather and one small map more. Under sampling the emitted root is drawn, not the
+argmax: the heads still read the argmax, which can cost acceptance, never exactness.
 
-Another option is not Medusa-1's. With --draft-vocab N (the SmolLM2 heads) shared heads draft only the N
-tokens their training targets use most, as FR-Spec (Zhao et al., 2025) does for EAGLE's head: at a few
-rows the heads' product reads the whole lm_head, drafting's largest cost at a large vocabulary on a CPU,
-while a model's own continuations use a small part of its tokens. The rows of those tokens are copied
-out once (Heads.narrowed) and every other token's logit is -inf, so it is never a candidate; the trainer
-measures its accuracies the same way. Verification reads the model's logits alone, so the output stays AR's.
+Another option is not Medusa-1's. With --draft-vocab N (the SmolLM2 heads) shared heads draft only the N tokens their
+training targets use most, as FR-Spec (Zhao et al., 2025) does for EAGLE's head: at a few rows the heads' product
+reads the whole lm_head, drafting's largest cost at a large vocabulary on a CPU, while a model's own continuations
+use a small part of its tokens. The rows of those tokens are copied out once (Heads.narrowed) and every other token's
+logit is -inf, so it is never a candidate; the trainer measures its accuracies the same way. Verification reads the
+model's logits alone, so the output stays AR's.
 
-What runs where: the forward, greedy verification and the heads on the last accepted node (then
-their top-k) are one device program, a CUDA graph in exact mode on a GPU; the host reads back the
-accepted path and the candidates, and the tree's shape is laid out once (tree.Template).
+What runs where: the forward, greedy verification and the heads on the last accepted node (then their top-k) are one
+device program, a CUDA graph in exact mode on a GPU; the host reads back the accepted path and the candidates, and
+the tree's shape is laid out once (tree.Template).
 """
 import math
 import time
@@ -85,10 +77,8 @@ def plain(layer, x):
 
 
 class Heads(nn.Module):
-    """K heads. Each has its own vocabulary projection, or (shared=lm_head) all use the model's
-    frozen lm_head, as EAGLE's head does: a 576 x 49,152 projection per head would not fit a
-    small repository at SmolLM2's vocabulary (see the header). token=model: each head also reads
-    the embedding of the token the model emits after h (the header's --token-input)."""
+    """K heads, each with its own vocabulary projection or (shared=lm_head) all on the model's frozen lm_head (the
+    header's --shared-head); token=model: each also reads the embedding of the token the model emits after h."""
 
     def __init__(self, dim: int, vocab: int, K: int, shared: nn.Linear | None = None, layers: int = 1,
                  token: nn.Module | None = None, draft_vocab: int = 0):
@@ -126,8 +116,13 @@ class Heads(nn.Module):
             x.append(y)
         return torch.stack(x)
 
-    def forward(self, h, e=None, linear=plain):  # (..., D) -> (K, ..., V): every head's logits, whole vocabulary
-        x = self.states(h, e)  # linear(layer, x): the product's form (propose: the device's)
+    def forward(self, h, e=None, linear=None, narrow: nn.Linear | None = None):
+        """(..., D) -> (K, ..., V): every head's logits. linear(layer, x): the products' form (propose: the device's;
+        None: the layer's own). narrow (Heads.narrowed): only the draft vocabulary's tokens scored, the others -inf."""
+        x, linear = self.states(h, e), linear or plain
+        if narrow is not None:
+            out = x.new_full((*x.shape[:-1], self.shared[0].weight.shape[0]), -math.inf)
+            return out.index_copy_(-1, self.vocab, linear(narrow, x))
         if self.proj is None:
             return linear(self.shared[0], x)  # one product for all heads
         return torch.stack([linear(p, y) for p, y in zip(self.proj, x)])
@@ -140,17 +135,6 @@ class Heads(nn.Module):
         layer = nn.Linear(w.shape[1], len(self.vocab), bias=False, device=w.device, dtype=w.dtype)
         layer.weight = nn.Parameter(w.detach()[self.vocab], requires_grad=False)
         return layer
-
-    def drafts(self, narrow: nn.Linear | None, h, e=None, linear=None):
-        """(..., D) -> (K, ..., V): the logits the heads draft from. With a draft vocabulary (narrow: its layer)
-        only its tokens are scored; every other token's logit is -inf, so it is never a candidate. linear(layer, x):
-        the products' form (None: the layer's own)."""
-        linear = linear or plain
-        if narrow is None:
-            return self(h, e, linear)
-        x = self.states(h, e)
-        out = x.new_full((*x.shape[:-1], self.shared[0].weight.shape[0]), -math.inf)
-        return out.index_copy_(-1, self.vocab, linear(narrow, x))
 
 
 class Medusa(Ranked):
@@ -175,7 +159,7 @@ class Medusa(Ranked):
         return Out(logits, drafts=torch.stack([h[:, :N], f.model.embed(logits.argmax(-1))], 2), alive=alive)
 
     def propose(self, drafts, linear=None):  # (B, K, V): head k guesses the token k+1 after the next
-        return self.heads.drafts(self.narrow, *drafts.unbind(1), linear=linear).transpose(0, 1)
+        return self.heads(*drafts.unbind(1), linear=linear, narrow=self.narrow).transpose(0, 1)
 
 
 # --- weights on disk ---------------------------------------------------------------------------
@@ -223,8 +207,7 @@ def samples(model, items, K: int):
 
 
 def loss_fn(logits, targets):  # logits (K, N, V), targets (N, K)
-    K = logits.shape[0]
-    return sum(0.8 ** k * F.cross_entropy(logits[k], targets[:, k], ignore_index=-100) for k in range(K))
+    return sum(0.8 ** k * F.cross_entropy(x, targets[:, k], ignore_index=-100) for k, x in enumerate(logits))
 
 
 def draft_vocab(targets, n: int, vocab: int) -> torch.Tensor:
@@ -240,7 +223,7 @@ def accuracy(heads, h, targets, topk: int, batch: int = 4096) -> list[list[float
     decoding drafts: within the draft vocabulary, if any)."""
     acc, narrow = RankAccuracy(targets.shape[1], topk), heads.narrowed()
     for i in range(0, len(h), batch):
-        acc.add(heads.drafts(narrow, h[i:i + batch]).transpose(0, 1), targets[i:i + batch])
+        acc.add(heads(h[i:i + batch], narrow=narrow).transpose(0, 1), targets[i:i + batch])
     return acc.result()
 
 

@@ -63,7 +63,7 @@ class Delta(nn.Module):
 
     def factors(self) -> list[dict]:
         """Per layer, {a product's role: (A^T, B^T)}, made of the parameters (gradients flow). B^T's columns follow
-        the fused product's: each part's in `groups` chunks, interleaved (model.fuse)."""
+        the fused product's: each part's in `groups` chunks, interleaved (fused.fuse)."""
         def b(keys, i, groups):
             parts = torch.block_diag(*[self.b[k][i].t() for k in keys]).split([len(self.b[k][i]) for k in keys], 1)
             return torch.cat([c for g in zip(*(p.chunk(groups, 1) for p in parts)) for c in g], 1)

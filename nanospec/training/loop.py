@@ -6,11 +6,12 @@ from pathlib import Path
 import torch
 
 from .. import NanospecError
+from ..block import Block
 from ..io.checkpoint import load
 from ..io.files import atomic_write, hardware
 from ..io.sources import base_of
 from ..io.tokenizer import load_tokenizer
-from ..model import Block, Llama
+from ..model import Llama
 from .data import chat_encoder, distill
 
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..cache import KVCache
-from ..engine import Decoding
+from ..decoding import Decoding
 from ..io.files import atomic_write, cache_root, fingerprint, hardware
 from ..sizes import MIN_BLOCK
 from ..tree import Tree
