@@ -30,11 +30,15 @@ SIZES = (0, 1, 3, 7, 15, 31, 63)  # the paper names none: with its root, each a 
 PRIOR = 8  # drafting steps' worth of belief in the model's own lengths before the calibration moves it
 
 
+def expected_lengths(paths: list[tuple[int, ...]], p: list[list[float]]) -> list[float]:
+    """[i]: the expected accepted length of a tree of the first i paths (Figure 6)."""
+    return list(itertools.accumulate((math.prod(p[d][r] for d, r in enumerate(q)) for q in paths), initial=1.0))
+
+
 def tree_lengths(p: list[list[float]], sizes, family=None) -> dict[int, float]:
-    """The expected accepted length of the best tree of each size (the best s paths are the first s of the best):
-    1, plus each of its paths' probability (Figure 6)."""
+    """The expected length of the best tree of each size (the best s paths are the first s of the best)."""
     paths = choose_tree(p, max(sizes), family)
-    length = list(itertools.accumulate((math.prod(p[d][r] for d, r in enumerate(q)) for q in paths), initial=1.0))
+    length = expected_lengths(paths, p)
     return {s: length[min(s, len(paths))] for s in sizes}
 
 
@@ -78,8 +82,11 @@ class Planner:
         if sure:
             return raw
         self.raw = raw
-        ratio = self.got / self.want if self.want > 0 else 1.0  # draft tokens accepted per one expected (1: none yet)
-        return {s: 1 + ratio * (n - 1) for s, n in raw.items()}
+        return {s: 1 + self.calibration() * (n - 1) for s, n in raw.items()}
+
+    def calibration(self) -> float:
+        """Draft tokens accepted per draft token the model expected, over the drafting steps (1: none yet)."""
+        return self.got / self.want if self.want > 0 else 1.0
 
     def seconds(self, s: int, bare: bool = False) -> float:
         """A step's cost with a budget of s draft nodes for each sequence of the batch (bare: its forward's)."""
