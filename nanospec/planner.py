@@ -3,19 +3,16 @@
 ProPD's section 4.2 (Shuzhang Zhong, Zebin Yang, Meng Li, Ruihao Gong, Runsheng Wang, Ru Huang, "ProPD: Dynamic
 Token Tree Pruning and Generation for LLM Parallel Decoding", 2024, arXiv:2402.13485), in the core so every ranked
 method gets it: a cost model of a step's seconds by (batch, rows) that the planner is given (ProPD's own online
-costs.CostModel, or a device layer's: tuning/costs.Measured), acceptance per depth and rank, the
-expected accepted length of a tree (1, plus each node's path probability: Figure 6), and the size
-with the most expected tokens per second, replanned every `replan` tokens of the planner's clock
-(not a cursor, which a refill restarts) and whenever the batch size changes. The cost model learns
-at each plan, from the steps since. Two generalisations:
-- Size 0, an AR step: drafting that does not pay stops.
-- The expected lengths are calibrated by what drafting steps got: the draft tokens accepted over
-  those the model expected (an EMA over the steps after a drafting step; a step after AR has no
-  drafts to verify, a switch's price). Figure 6 scores a tree as if every step had drafts: a drafter
-  whose drafts ride on one node (SDSAT's adaptive tokens) has none after a step that stops short of
-  it, and a plan made on a good run of acceptance meets the run's end. The estimates per depth stay
-  the paper's; the ratio prices what they leave out, so a drafter the planner trusted goes to AR
-  where its drafts do not pay.
+costs.CostModel, or a device layer's: tuning/costs.Measured), acceptance per depth and rank, the expected accepted
+length of a tree (1, plus each node's path probability: Figure 6), and the size with the most expected tokens per
+second, replanned every `replan` tokens of the planner's clock (not a cursor, which a refill restarts) and whenever
+the batch size changes. The cost model learns at each plan, from the steps since. Two generalisations: - Size 0, an
+AR step: drafting that does not pay stops. - The expected lengths are calibrated by what drafting steps got: the
+draft tokens accepted over those the model expected (an EMA over the steps after a drafting step; a step after AR
+has no drafts to verify, a switch's price). Figure 6 scores a tree as if every step had drafts: a drafter whose
+drafts ride on one node (SDSAT's adaptive tokens) has none after a step that stops short of it, and a plan made on a
+good run of acceptance meets the run's end. The estimates per depth stay the paper's; the ratio prices what they
+leave out, so a drafter the planner trusted goes to AR where its drafts do not pay.
 
 A device layer may hand a drafter a planner that adds to this one (tuning/planner.py: probes,
 unranked drafters' gains, sizes that fill a CPU's row buckets), and sizes of its own.
