@@ -58,8 +58,8 @@ class KVCache:
     def settle(self, seqs: torch.Tensor, cur: torch.Tensor, path: torch.Tensor) -> None:
         """The commit's moves of a batch's step, on the device: each sequence's accepted path (node i at slot cur + i,
         -1 padded) moved to slots cur, cur+1, ... of its cache row (seqs), every layer at once (past the path's end,
-        each slot onto itself)."""
-        dst = cur[:, None] + torch.arange(path.shape[-1], device=path.device)  # (B, E)
-        src = torch.where(path >= 0, cur[:, None] + path, dst)
+        the trash slot onto itself: a path's padding may reach past the cache's last slot)."""
+        dst = torch.where(path >= 0, cur[:, None] + torch.arange(path.shape[-1], device=path.device), self.trash)
+        src = torch.where(path >= 0, cur[:, None] + path, self.trash)  # (B, E)
         for c in (self.k, self.v):  # (layers, B, Hkv, S, D): the gather copies first, so overlap is safe
             c[:, seqs[:, None], :, dst] = c[:, seqs[:, None], :, src]
