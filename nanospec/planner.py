@@ -79,8 +79,11 @@ class Planner:
         if sure:
             return raw
         self.raw = raw
-        ratio = self.got / self.want if self.want > 0 else 1.0  # draft tokens accepted per one expected (1: none yet)
-        return {s: 1 + ratio * (n - 1) for s, n in raw.items()}
+        return {s: 1 + self.calibration() * (n - 1) for s, n in raw.items()}
+
+    def calibration(self) -> float:
+        """Draft tokens accepted per draft token the model expected, over the drafting steps (1: none yet)."""
+        return self.got / self.want if self.want > 0 else 1.0
 
     def seconds(self, s: int, bare: bool = False) -> float:
         """A step's cost with a budget of s draft nodes for each sequence of the batch (bare: its forward's)."""
