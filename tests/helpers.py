@@ -471,6 +471,24 @@ PRODUCT_FORMS = {  # a product's forms over n items of 16 rows: x (n, 16, K), w 
 }
 
 
+class ProductsOf(TorchDispatchMode):
+    """Records every matrix product that reads a given weight (through any view of it), however the
+    product is called (a layer's forward, F.linear, a tuned kernel)."""
+    aten = torch.ops.aten
+    PRODUCTS = {aten.linear.default, aten.matmul.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
+                aten.baddbmm.default}
+
+    def __init__(self, weight):
+        super().__init__()
+        self.storage, self.calls = weight.untyped_storage().data_ptr(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.PRODUCTS and any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self.storage
+                                         for a in args):
+            self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
 class RowCountProducts(TorchDispatchMode):
     """The matrix products (F.linear, @, bmm, mm, and addmm/baddbmm's epilogue) as a library that picks its
     kernel by a product's total rows computes them, as cuBLAS does in fp32: the inner dimension summed in

@@ -59,7 +59,7 @@ def test_a_steps_candidates_at_depth_k_are_its_proposals_at_depth_k(sampling):
     d = Medusa(distinct_heads(model, False, False), choose_tree([[0.5, 0.3, 0.2]] * 3, 8))
     proposed, drafted = [], []
     propose, draft = d.propose, d.draft
-    d.propose = lambda drafts: proposed.append(propose(drafts)) or proposed[-1]
+    d.propose = lambda drafts, *a: proposed.append(propose(drafts, *a)) or proposed[-1]
     d.draft = lambda dec, cands, *a: drafted.append(cands) or draft(dec, cands, *a)
     generate(model, [1, 2, 3], d, max_new_tokens=8, eos_id=-1, **sampling)
     assert drafted[0] is None and len(drafted) == len(proposed) > 3
@@ -184,7 +184,7 @@ def test_token_heads_read_the_token_each_step_emits_last_and_keep_it_on_disk(tmp
 
     d, seen = Medusa(heads, [(0,), (0, 0)]), []
     propose = d.propose
-    d.propose = lambda drafts: seen.append(drafts[:, 1].clone()) or propose(drafts)
+    d.propose = lambda drafts, *a: seen.append(drafts[:, 1].clone()) or propose(drafts, *a)
     out = generate(model, [1, 2, 3], d, max_new_tokens=12, eos_id=-1)
     ends = torch.tensor(out.accepted).cumsum(0) - 1  # each step's last emitted token
     assert len(seen) == out.steps

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import ARGS, METHODS, batch_drafter, call, decode_main, prime, random_model
+from nanospec.cache import KVCache
 from nanospec.engine import generate
 from nanospec.tuning.second_device import SHOWN, OnDevice, second_device
 
@@ -69,13 +70,11 @@ def test_every_method_decodes_on_the_second_device():
 
 def test_the_stand_in_catches_a_host_index_in_a_program(monkeypatch):
     """Planted: the commit's moves, inside the step's program, indexed by a tensor made on the host."""
-    from nanospec import engine
-
-    def settle(cache, rows, cur, path):
+    def settle(cache, seqs, cur, path):
         dst = cur[:, None] + torch.arange(path.shape[-1])  # the fault: no device
         for c in (cache.k, cache.v):
-            c[:, rows[:, None], :, dst] = c[:, rows[:, None], :, torch.where(path >= 0, cur[:, None] + path, dst)]
-    monkeypatch.setattr(engine, "settle", settle)
+            c[:, seqs[:, None], :, dst] = c[:, seqs[:, None], :, torch.where(path >= 0, cur[:, None] + path, dst)]
+    monkeypatch.setattr(KVCache, "settle", settle)
     with second_device():
         model = random_model(ARGS, seed=4, device="cuda")
         with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
