@@ -118,8 +118,8 @@ class Context:
     def select(self, rows: torch.Tensor) -> "Context":
         """The context of a subset of rows (e.g. survivors of pruning), sliced rather than rebuilt."""
         pick = lambda t: None if t is None else t[:, rows]
-        return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact, None, None, self.b,
-                       self.h, pick(self.mask), self.L, self.seqs, dev=self.dev)  # fast mode only
+        return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact, b=self.b,
+                       mask=pick(self.mask), L=self.L, seqs=self.seqs, dev=self.dev)  # fast mode only
 
     def write(self, kc, vc, k, v):
         """Store the rows' keys and values (B, T, Hkv, D) in their sequences' cache rows; returns (kc, vc)."""

@@ -53,9 +53,8 @@ class Planner:
         self.used, self.clock = Counter(), 0  # steps per size; tokens decoded
         self.steps = []  # steps not yet learnt by the cost model
         self.batch = 1  # the sequences of the step planned (the cost model's key: a batch's rows share a forward)
-        self.P = None
+        self.P, self.last = None, {}  # per depth and rank: acceptance (start); per sequence: its last step's size
         self.raw, self.got, self.want, self.seen = {}, 0.0, 0.0, 0  # calibration: model lengths; EMAs, steps
-        self.last = {}  # per sequence: its last step's size
 
     def start(self, drafter, dec) -> None:
         self.drafter = drafter

@@ -131,10 +131,12 @@ class Traced:
     """The CPU stand-in for a Graph (Simulated): fn traced once into its ops (Strict), then replayed."""
 
     def __init__(self, fn, args, device):
+        from torch._guards import TracingContext, tracing
+        from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.proxy_tensor import make_fx
         self.args = [None if a is None else a.to(device, copy=True) for a in args]
-        try:
-            with NoHostTensors(), Strict():
+        try:  # one fake mode for the nodes' metadata (else make_fx makes one per value, each costly to make)
+            with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))), NoHostTensors(), Strict():
                 self.gm = make_fx(fn)(*self.args)
         except RuntimeError as e:
             if "get value out of a tracing tensor" not in str(e):
