@@ -79,7 +79,7 @@ def test_shipped_drafters_are_exact_and_accept(spec, dtype, device):
     model = load(W, dtype).to(device)
     d = load_drafter(spec, model, W)
     prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
-    out = check_exact(model, prompt, d, 48, fast=False)
+    out = check_exact(model, prompt, d, 48 if dtype == torch.float32 else 32, fast=False)  # a CPU's bf16 is slow
     assert out.mean_accepted > (1.2 if "prompting" in spec else 1.5)  # BiTA's weaker ablations accept less
     if spec.startswith("propd"):
         assert pruned_rows(d) > 0

@@ -92,5 +92,5 @@ def test_decode_py_runs_on_the_second_device(weights, tmp_path, monkeypatch):
                               "--prompt", "def f(x):", "--max-new-tokens", 12, "--check")
         assert code == 0 and "identical" in err, err[-2000:]
         code, out, err = call(decode_main, "--weights", weights, "--device", "cuda", "--bench", "--methods",
-                              "ar,lookahead", "--prompts", prompts, "--batch", "1,2", "--max-new-tokens", 12, "--json")
-    assert code == 0 and [r["mismatches"] for r in json.loads(out.splitlines()[-1])["results"]] == [0] * 4, err[-2000:]
+                              "ar,lookahead", "--prompts", prompts, "--batch", "2", "--max-new-tokens", 12, "--json")
+    assert code == 0 and [r["mismatches"] for r in json.loads(out.splitlines()[-1])["results"]] == [0] * 2, err[-2000:]
