@@ -136,7 +136,7 @@ def tune(args, model, exact: bool, drafters) -> Device:
     if exact:
         return replace(dev, call=compiled.layer) if args.compile else dev
     if args.kernels == "tuned" and args.device == "cpu":
-        dev = replace(dev, kernels=kernels.tuned(model))
+        dev = replace(dev, kernels=kernels.tuned(model, *drafters))  # the drafters' products too
     for d in drafters:
         if d.planner is not None:
             own_sizes(d)
