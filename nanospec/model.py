@@ -5,10 +5,11 @@ to, and the slots it may attend to: "the committed prefix 0..prefix-1, then `ext
 node, its ancestors by depth and itself: the canonical key order (README, "The contract"), in which each row reduces
 over its visible keys as AR would see them. A batch's sequences each have their own cache row (a forward's seqs).
 Two modes:
-- exact: each row gathers its visible keys in canonical order, padded to the cache's S slots, so its result depends
-  only on its own input and visible keys: in a fixed block of Q rows per sequence, a node's logits are bitwise AR's.
-- fast: SDPA over the used part of the cache with a boolean mask, and each product as its layer runs it (a device
-  layer may install faster forms on the layers: tuning/products.py).
+- exact: each row reduces over its visible keys in canonical order, the keys before its last W read in place and
+  the last W gathered (attend_exact), at fixed shapes, so its result depends only on its own input and visible
+  keys: in a fixed block of Q rows per sequence, a node's logits are bitwise AR's.
+- fast: SDPA over the used part of the cache with a boolean mask, and each product in the device's form
+  (devices.Device.linear: a tuned one, tuning/products.py, else F.linear).
 The families beside Llama are data in ModelArgs: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Mistral's sliding
 window. The window is visibility, in both modes (Llama.context): a row at position p sees keys at positions
 > p - window, as transformers does. Committed slot j holds position j, a slot the block writes its row's position
@@ -186,7 +187,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = args.n_heads, args.kv_heads, args.hd
         H, Hkv = args.n_heads * args.hd, args.kv_heads * args.hd
-        # per key head: its G query heads, its key, its value (q and k then rotate at once; q needs no copy)
+        # per key head: its G query heads, its key, its value (q and k then rotate at once)
         fuse(self, "qkv", args.dim, {"q_proj": H, "k_proj": Hkv, "v_proj": Hkv}, args.kv_heads, args.qkv_bias)
         self.q_norm, self.k_norm = (RMSNorm(args.hd, args.norm_eps) for _ in "qk") if args.qk_norm else (None, None)
         self.o_proj = nn.Linear(H, args.dim, bias=False)
@@ -269,8 +270,8 @@ class Llama(nn.Module):
         dev = devices.of(block.extra.device) if dev is None else dev
         ctx = Context(*self.rope(block.pos, dev if exact else None), block.slots, exact, seqs=seqs, dev=dev)
         prefix, extra, win = block.prefix[..., None], block.extra, self.args.sliding_window
-        gone = block.pos[..., None] - (win or 1 << 62)  # keys at positions <= gone are out of the window (docstring)
-        if win is not None:
+        gone = None if win is None else block.pos[..., None] - win  # keys at positions <= gone: out of the window
+        if gone is not None:
             at = torch.full((len(extra), n_slots), 1 << 62, device=extra.device)  # each slot's position
             at = at.scatter_(1, block.slots.expand(len(extra), -1), block.pos)
             extra = extra.masked_fill(at.gather(1, extra.clamp(min=0).flatten(1)).view_as(extra) <= gone, -1)
@@ -283,12 +284,18 @@ class Llama(nn.Module):
             start = prefix + ((extra >= 0) * (e + 1)).amax(-1, keepdim=True) - tail  # (B, T, 1) the tail's start
             k = start + torch.arange(tail, device=on)  # (B, T, W) the tail's canonical indices
             at = torch.where(k < prefix, k, extra.gather(-1, (k - prefix).clamp(0, E - 1)))
-            at = torch.where((k < 0) | (k < prefix) & (k <= gone), -1, at)  # gone: out of the window
+            drop = k < 0
+            if gone is not None:  # committed keys out of the window
+                drop |= (k < prefix) & (k <= gone)
+            at = torch.where(drop, -1, at)
             # in place: committed slots below the tail's start, and any extra before it (rows that see more extra
             # keys than the tail holds, never a verified row's), in slot order; column n_slots collects the rest
             j = torch.arange(n_slots + 1, device=on)
             before = torch.where((e < start - prefix) & (extra >= 0), extra, n_slots)
-            seen = ((j < torch.minimum(start, prefix)) & (j > gone)).scatter_(-1, before, True)[..., :n_slots]
+            seen = j < torch.minimum(start, prefix)
+            if gone is not None:
+                seen &= j > gone
+            seen = seen.scatter_(-1, before, True)[..., :n_slots]
             dt = self.embed.weight.dtype  # the masks as the scores' biases: log 1 = 0, log 0 = -inf
             bias_in = seen.to(dt).log()[:, None, :, None].expand(B, Hkv, T, G, n_slots).reshape(B * Hkv, T * G, -1)
             bias_tail = (at >= 0).to(dt).log()[:, None, :, None].expand(B, Hkv, T, 1, tail).reshape(-1, 1, tail)
@@ -298,7 +305,9 @@ class Llama(nn.Module):
             ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)
             # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
             j = torch.arange(L + 1, device=extra.device)
-            mask = (j < prefix) & (j > gone)
+            mask = j < prefix
+            if gone is not None:
+                mask &= j > gone
             mask = mask.scatter_(-1, torch.where(extra < 0, L, extra), True)[..., :L]
             ctx.mask = None if bool(mask.all()) else mask
         return ctx
