@@ -148,7 +148,7 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         fwd_ms = 1000 * sum(o.forward_s for o in runs) / steps
         kernel = kernel_ms(lambda d, p: run(d, p, exact), d, prompts[0])
         if profile:
-            base = devices.of(dev or model.embed.weight).programs if exact else EAGER
+            base = (devices.of(dev or model.embed.weight).programs if exact else None) or EAGER
             print(host_profile(lambda d, p, programs: run(d, p, exact, programs=programs), d, prompts[0], base),
                   file=sys.stderr, flush=True)
         results.append(dict(method=d.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=steps,
@@ -200,14 +200,14 @@ def kernel_ms(run, drafter, prompt) -> float | None:
 
     def start_profiled(dec):  # the engine calls start after prefill and finish at the end
         if dec.device.type == "cuda":
-            dec.sync()
+            dec.dev.sync(dec.device)
             prof.start()
         start(dec)
 
     def finish_profiled(dec):
         finish(dec)
         if dec.device.type == "cuda":
-            dec.sync()
+            dec.dev.sync(dec.device)
             prof.stop()
 
     d.start, d.finish = start_profiled, finish_profiled

@@ -1,6 +1,17 @@
-"""Exact and fast mode's static KV cache: slots per sequence and layer, a method's reserved slots, a trash slot
-for padding rows, and rollback that moves a step's accepted entries into place."""
+"""Exact and fast mode's static KV cache, and the Block of rows a forward writes to it and reads from it.
+
+KVCache: slots per sequence and layer, a method's reserved slots, a trash slot for padding rows, and rollback that
+moves a step's accepted entries into place. Block: the rows of one forward, each with its position, its cache slot
+and the slots it sees. The model (model.py) computes a block; the trees (tree.py) and the engine lay blocks out, on
+the host, and the engine stacks a batch's sequences' blocks into one (each sequence its own cache row). Exact mode
+pads a block to a fixed shape (Block.pad), so that its forward's shapes are the same every step. A forward's host
+inputs, a block's and its nodes', travel to the device as one tensor (packed).
+"""
+import math
+from dataclasses import dataclass, fields
+
 import torch
+import torch.nn.functional as F
 
 from . import devices
 
@@ -43,6 +54,12 @@ class KVCache:
         self.n_reserved += n
         return torch.arange(self.capacity, self.capacity + n)  # host tensor, like the blocks that use it
 
+    def keep(self, seq: int, slots: torch.Tensor, keys, values) -> None:
+        """Per-layer keys and values (P of them a head) written to sequence seq's slots (a method's reserved ones)."""
+        for i, kv in enumerate(zip(keys, values)):
+            for c, x in zip(self.layer(i), kv):
+                c[seq:seq + 1, :, slots.to(c.device), :x.shape[-1]] = x  # a cache's head width may be padded
+
     def compact(self, src: list[int], dst_start: int, seq: int = 0) -> None:
         """Rollback/commit of sequence seq: move the entries at slots src to dst_start, dst_start+1, ...
         in order (the accepted path, scattered over scratch slots, after the prefix); every other slot stays."""
@@ -63,3 +80,64 @@ class KVCache:
         src = torch.where(path >= 0, cur[:, None] + path, self.trash)  # (B, E)
         for c in (self.k, self.v):  # (layers, B, Hkv, S, D): the gather copies first, so overlap is safe
             c[:, seqs[:, None], :, dst] = c[:, seqs[:, None], :, src]
+
+
+@dataclass
+class Block:
+    """T rows of one forward for each of B sequences (a batch: each sequence its own cache row)."""
+    tokens: torch.Tensor  # (B, T) token ids (ignored for rows fed as embeddings)
+    pos: torch.Tensor     # (B, T) RoPE positions
+    slots: torch.Tensor   # (T,) or per sequence (B, T): the cache slot each row writes its key/value to
+    prefix: torch.Tensor  # (B, T) each row sees committed slots 0..prefix-1 ...
+    extra: torch.Tensor   # (B, T, E) ... then these slots, in this order (-1 = none)
+
+    def __len__(self):
+        return self.slots.shape[-1]
+
+    @staticmethod
+    def cat(*blocks: "Block") -> "Block":
+        E = max(b.extra.shape[-1] for b in blocks)
+        cat = lambda f, dim=1: torch.cat([getattr(b, f) for b in blocks], dim)
+        extra = torch.cat([F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1) for b in blocks], 1)
+        return Block(cat("tokens"), cat("pos"), cat("slots", -1), cat("prefix"), extra)
+
+    @staticmethod
+    def stack(blocks: list["Block"], trash: int) -> "Block":
+        """Blocks of one sequence each as one batch, each padded to the longest (exact mode's are Q rows already):
+        a padding row writes the trash slot and sees slot 0 of its own sequence, so it widens no attention."""
+        T, E = max(map(len, blocks)), max(b.extra.shape[-1] for b in blocks)
+        padded = []
+        for b in blocks:
+            if len(b) < T:
+                z = torch.zeros(1, T - len(b), dtype=torch.long)
+                b = Block.cat(b, Block(z, z, torch.full((T - len(b),), trash), z + 1, z[..., None] - 1))
+            extra = F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)
+            padded.append(Block(b.tokens, b.pos, b.slots[None], b.prefix, extra))
+        return Block(*(torch.cat([getattr(b, f.name) for b in padded]) for f in fields(Block)))
+
+    def pad(self, Q: int, trash: int, E: int) -> "Block":
+        """Pad to exactly Q rows, each row's visible slots to E (-1: none); padding rows write and read only the
+        trash slot."""
+        n = len(self)
+        assert n <= Q, f"block of {n} rows exceeds Q={Q}"
+        B, dev = self.tokens.shape[0], self.slots.device
+        z = torch.zeros(B, Q - n, dtype=torch.long, device=dev)
+        filler = Block(z, z, torch.full((*self.slots.shape[:-1], Q - n), trash, device=dev), z, (z + trash)[..., None])
+        b = Block.cat(self, filler)
+        b.extra = F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)
+        return b
+
+    def to(self, device) -> "Block":
+        return Block(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+def packed(tensors) -> tuple[torch.Tensor, tuple]:
+    """A program's host integer tensors (None: none given) as one, copied to the device at once, and their shapes."""
+    flat = torch.cat([t.reshape(-1).long() for t in tensors if t is not None])
+    return flat, tuple(None if t is None else tuple(t.shape) for t in tensors)
+
+
+def unpacked(flat: torch.Tensor, shapes: tuple) -> list:
+    """packed's tensors again, as views of flat (inside a program: no copy), and None where none was given."""
+    parts = iter(flat.split([math.prod(s) for s in shapes if s is not None]))
+    return [None if s is None else next(parts).view(s) for s in shapes]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .programs import EAGER, Graphs, Programs, graphs_enabled
+from .programs import Graphs, Programs, graphs_enabled
 
 # Exact mode's fewest rows per forward, on every device: MKL computes the last rows of a GEMM with 5-11 rows on
 # another path than the first ones (tests/test_model.py checks blocks of 16 and more).
@@ -26,9 +26,9 @@ MIN_BLOCK = 16
 
 @dataclass(frozen=True)
 class Device:
-    programs: Programs = EAGER  # how exact mode's programs run (a step, a prefill chunk), and on which caches
+    programs: Programs | None = None  # how exact mode's programs (a step, a prefill) run, and on which caches
     call: object = None         # exact mode's layer as fn(layer, x, ctx, kc, vc) (None: the layer's own forward)
-    kernels: object = None      # fast mode's products as kernels.linear(layer, x) (None: F.linear)
+    kernels: object = None      # fast mode's products as kernels(layer, x) (None: F.linear)
     block_batch = None          # sequences' blocks per exact forward by default (None: the live ones)
 
     def rows(self, x):
@@ -42,12 +42,6 @@ class Device:
 
     def sync(self, device) -> None:
         pass
-
-    def linear(self, layer, x):
-        """Fast mode's product of a layer: its tuned form if any (bias-free layers), else F.linear."""
-        if self.kernels is None or layer.bias is not None:
-            return F.linear(x, layer.weight, layer.bias)
-        return self.kernels.linear(layer, x)
 
 
 @dataclass(frozen=True)
@@ -85,7 +79,7 @@ class CUDA(Device):
         torch.cuda.synchronize(device)
 
 
-DEVICES = {"cpu": CPU(), "cuda": CUDA(Graphs() if graphs_enabled() else EAGER)}
+DEVICES = {"cpu": CPU(), "cuda": CUDA(Graphs() if graphs_enabled() else None)}
 
 
 def of(device) -> Device:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .block import Block
+from .cache import Block
 from .model import Context
 from .tree import Layout, Tree, layout
 
@@ -195,7 +195,7 @@ class Drafter:
 
     def propose(self, drafts: torch.Tensor, linear=None) -> torch.Tensor:
         """Logits per draft depth (B, K, V) from each sequence's last accepted node's drafts (B, K', D); linear(layer,
-        x): the device's form of a product (devices.Device.linear: a draft's need not be AR's kernel)."""
+        x): the device's form of a product (devices.Device.kernels: a draft's need not be AR's kernel)."""
         return drafts
 
     def accepted(self, dec, tree: Tree, path: list[int]) -> None:

@@ -1,40 +1,42 @@
-"""The decoding loop: prefill, then steps until a stop. A step (`step`), each part a function below, in this order:
+"""The decoding loop: prefill, then steps until a stop. A step (`step`) is the functions below, in this order:
 
 - draft: each live sequence's drafter proposes a tree, on the host, trimmed to its cache's room (drafter.py: the
-  contract, one hook per step of a paper); the sequences that step alike form a group.
+  contract); the sequences that step alike form a group.
 - lay out: a group's trees become rows and nodes (the drafter's rows, tree.py), exact mode's padded to Q rows, as
-  one batch (decoding.py: each sequence's part).
-- forward and verify: one device program per group, its inputs one host tensor copied to the device once (the
-  device's programs run it: programs.py): the method's forward, then (greedy) each sequence's verification, its next
-  candidates' top-k, and the commit's moves of its accepted keys into place.
-- read back: the accepted paths and next candidates (tree.pack), the step's one host-device sync; sampling verifies
-  here, on the host.
-- commit: each sequence's cursor and tokens advance, on the host (Decoding.commit; sampling's keys move then).
+  one batch (Decoding.prepare, stack).
+- forward and verify: one device program per group (step_program), its inputs one host tensor: the method's
+  forward, then (greedy) verification, the next candidates' top-k and the commit's moves of accepted keys.
+- read back: the accepted paths and next candidates, the step's one host-device sync (sampling verifies here).
+- commit: each sequence's cursor and tokens advance, on the host (Decoding.commit).
 
-In exact mode every forward runs Q rows per sequence on a cache of S slots, each row gathering its last W keys
-(sizes.shapes): runs compared bitwise share them. With a block batch of N (sizes.block_batch), every exact forward
-runs N sequences' blocks, idle ones padded, so a product's total rows (a library may pick its kernel by them) never
-change.
+A Decoding is one sequence's generation: its state, handed to its drafter at every step. In exact mode every forward
+runs Q rows per sequence on a cache of S slots, each row gathering its last W keys (sizes.shapes), and with a block
+batch of N (sizes.block_batch) N sequences' blocks, idle ones padded, so a product's total rows never change. A
+device's Programs (programs.py: CUDA graphs) run the step's and prefill's programs; without one, they run eagerly.
 """
+from __future__ import annotations
+
+import functools
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 
 from . import NanospecError, compiled, devices, sizes
-from .block import Block
-from .cache import KVCache
-from .decoding import Decoding, stack
-from .drafter import AR, Drafter, Forward, Nodes
-from .programs import EAGER, packed, unpacked
+from .cache import Block, KVCache, packed, unpacked
+from .devices import Device
+from .drafter import AR, Drafter, Forward, Nodes, idle, ones
 from .sizes import check_prompt, check_room, shapes
-from .tree import Layout, Sampler, Tree, accept, pack, sample_verify, unpack
+from .tree import Layout, Sampler, Tree, accept, layout, pack, sample_verify, step_layout, unpack
+
+PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
+HOST = torch.device("cpu")  # where a step is drafted and laid out
 
 
 def step(live: list[Decoding], drafter: Drafter, record: bool):
-    """One step of every live sequence, a group of one drafter and layout at a time: draft, lay out, forward and
-    verify, read back, commit. Returns the budget, per sequence (path, emitted tokens, their logits if record, the
-    whole draft) and the step's rows."""
+    """One step of every live sequence, a group of one drafter and layout at a time. Returns the budget, per sequence
+    (path, emitted tokens, their logits if record, the whole draft) and the step's rows."""
     budget, groups = draft(live, drafter)
     results, rows = {}, 0
     for s, members in groups:
@@ -74,75 +76,205 @@ def lay_out(decs: list[Decoding], drafter: Drafter, trees: list[Tree]) -> tuple[
 
 
 def forward_and_verify(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, seqs):
-    """A step's device program for a group of sequences (batch dim first), launched, and its start time: the
-    method's forward, then (greedy) each sequence's verification, next candidates' top-k and the commit's moves
-    (KVCache.settle), packed as rows of one tensor. Its inputs are one host tensor, copied to the device once.
-    Exact mode: fixed shapes, one program per method, shape key and group size (one CUDA graph each where a
-    device layer captures them)."""
+    """A group's step program (step_program, batch dim first) launched on one host tensor, and its start time. Exact
+    mode: fixed shapes, one program per method, shape key and group size (one CUDA graph each, on a GPU)."""
     d = decs[0]
-    model, cache, exact, greedy, tail = d.model, d.cache, d.exact, d.sampler.greedy, d.tail
-    R = max(drafter.topk, default=1)
     at = {x.seq: x.cur for x in decs} if d.N else dict(enumerate(x.cur for x in decs))
     cur = torch.tensor([at.get(r, 0) for r in range(len(block.tokens))])  # idle sequences: slot 0 onto itself
     lay = nodes.lay
     flat, spec = packed([block.tokens, block.pos, block.slots, block.prefix, block.extra, nodes.tokens, lay.parent,
                          lay.depth, lay.index, lay.anc, nodes.real, cur, seqs])
-    moves = greedy and drafter.max_rows > 1  # AR's path is its root alone, already in place
+    key = ("step", id(drafter), drafter.shape_key(nodes) if d.exact else None, d.sampler.greedy, spec)
+    t0 = time.perf_counter()  # a capture keeps the program, and so d and drafter
+    return d.launch(key, functools.partial(step_program, d, drafter, nodes.n, spec), (flat,)), t0
 
-    def run(flat):
-        *blk, node_tokens, parent, depth, index, anc, real, cur, seqs = unpacked(flat, spec)
-        f = Forward.on_cache(model, Block(*blk), cache, exact, seqs, tail, d.dev)
-        lay = Layout(parent, depth, index, anc)
-        out = drafter.forward(f, Nodes(node_tokens, lay, real.bool(), nodes.n))
-        if not greedy:
-            return out.logits, out.drafts, out.depths, out.alive
-        path, emitted = accept(node_tokens, lay, out.logits, out.alive)  # (B, E) each
-        if moves:
-            cache.settle(torch.arange(len(cur), device=cur.device) if seqs is None else seqs, cur, path)
-        if out.drafts is None:
-            return pack(path, emitted), out.logits
-        last = path.max(-1).values  # each path's deepest node (indices grow along a path)
-        b = torch.arange(len(last), device=last.device)
-        cands = drafter.propose(out.drafts[b, last], d.dev.linear).topk(R, dim=-1).indices  # (B, K, R): one product
-        depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])
-        return pack(path, emitted, depth, cands), out.logits
-    key = ("step", id(drafter), drafter.shape_key(nodes) if exact else None, greedy, spec)  # a capture keeps drafter
-    t0 = time.perf_counter()
-    return d.launch(key, run, (flat,)), t0
+
+def step_program(d: Decoding, drafter: Drafter, n: int, spec: tuple, flat: torch.Tensor):
+    """A group's step on the device: the method's forward, then (greedy) each sequence's verification (tree.accept),
+    the commit's moves (KVCache.settle) and its path end's drafts' top-k, as one tensor (tree.pack)."""
+    *blk, tokens, parent, depth, index, anc, real, cur, seqs = unpacked(flat, spec)
+    f = Forward.on_cache(d.model, Block(*blk), d.cache, d.exact, seqs, d.tail, d.dev)
+    lay = Layout(parent, depth, index, anc)
+    out = drafter.forward(f, Nodes(tokens, lay, real.bool(), n))
+    if not d.sampler.greedy:
+        return out.logits, out.drafts, out.depths, out.alive
+    path, emitted = accept(tokens, lay, out.logits, out.alive)  # (B, E) each
+    if drafter.max_rows > 1:  # AR's path is its root alone, already in place
+        d.cache.settle(torch.arange(len(cur), device=cur.device) if seqs is None else seqs, cur, path)
+    if out.drafts is None:
+        return pack(path, emitted), out.logits
+    last = path.max(-1).values  # each path's deepest node (indices grow along a path)
+    b = torch.arange(len(last), device=last.device)
+    cands = drafter.propose(out.drafts[b, last], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices  # (B, K, R)
+    depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])
+    return pack(path, emitted, depth, cands), out.logits
 
 
 def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launched, nodes: Nodes, record: bool):
     """A group's step program's results on the host, read back once (launched: with its start time). Greedy: each
-    sequence's path and next candidates, as the device verified and drafted them. Sampling: the logits, verified
-    here (sample_verify), and the drafts at each path's end proposed, one product for the batch. Per sequence:
-    (path, emitted tokens, their logits if record); its next candidates go to cands (D, R) and lists, on the host."""
+    sequence's path and next candidates, as the device verified and drafted them; sampling: sample_back's. Per
+    sequence: (path, emitted tokens, their logits if record); its next candidates go to cands (D, R) and lists."""
     d, (res, t0) = decs[0], launched
     at = [x.seq for x in decs] if d.N else list(range(len(decs)))  # each sequence's index in the batch
     if d.sampler.greedy:
-        flat, logits = res
+        (flat, logits), R = res, max(drafter.topk, default=1)
         head = flat.tolist()  # the step's one read-back
-        took = time.perf_counter() - t0
-        E, R = nodes.lay.anc.shape[-1], max(drafter.topk, default=1)
-        found = [unpack(head[b], E, R) for b in at]
-    else:  # sampling verifies on the host: the logits are read back anyway
-        logits, drafts, depths, alive = res
-        paths = [sample_verify(t, logits[b, :len(t)], x.sampler, len(x.out),
-                               None if alive is None else alive[b, :len(t)]) for b, x, t in zip(at, decs, trees)]
-        depth = [0] * len(decs)  # the depths each path's end drafted
-        if drafts is not None:  # each path's end drafts: one product for the batch, as greedy's
-            b = torch.tensor(at, device=drafts.device)
-            ends = torch.tensor([p[-1] for p, _ in paths], device=drafts.device)
-            top = drafter.propose(drafts[b, ends], d.dev.linear).topk(max(drafter.topk), dim=-1).indices.cpu()
-            depth = depths[b, ends].tolist() if depths is not None else [top.shape[1]] * len(decs)
-        found = [(p, e, top[i, :k], top[i, :k].tolist()) if k else (p, e, None, None)
-                 for i, ((p, e), k) in enumerate(zip(paths, depth))]
-        took = time.perf_counter() - t0
-    results = []
+        found = [unpack(head[b], nodes.lay.anc.shape[-1], R) for b in at]
+    else:
+        logits, found = res[0], sample_back(decs, drafter, trees, res, at)
+    took, results = time.perf_counter() - t0, []
     for b, x, (path, emitted, cands, lists) in zip(at, decs, found):
         x.forward_s, x.cands, x.lists = x.forward_s + took / len(decs), cands, lists  # its share of the program
         results.append((path, emitted, logits[b, path].float().cpu() if record else None))
     return results
 
+
+def sample_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], res, at: list[int]) -> list:
+    """Sampling's read-back: the logits verified here, on the host (sample_verify), and the drafts at each path's end
+    proposed, one product for the batch, as greedy's program does. Per sequence: (path, emitted, cands, lists)."""
+    logits, drafts, depths, alive = res
+    paths = [sample_verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
+             for b, x, t in zip(at, decs, trees)]
+    depth = [0] * len(decs)  # the depths each path's end drafted
+    if drafts is not None:
+        b = torch.tensor(at, device=drafts.device)
+        ends = torch.tensor([p[-1] for p, _ in paths], device=drafts.device)
+        top = drafter.propose(drafts[b, ends], decs[0].dev.kernels).topk(max(drafter.topk), dim=-1).indices.cpu()
+        depth = depths[b, ends].tolist() if depths is not None else [top.shape[1]] * len(decs)
+    return [(p, e, top[i, :k], top[i, :k].tolist()) if k else (p, e, None, None)
+            for i, ((p, e), k) in enumerate(zip(paths, depth))]
+
+
+class Decoding:
+    """The state of one sequence's generation, handed to its drafter at every step. A batch is a Decoding per
+    sequence on one cache, each with its own cache row (seq) and cursor (cur)."""
+
+    def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None,
+                 sampler: Sampler | None = None, seq: int = 0, block_batch: int | None = None,
+                 dev: Device | None = None, tail: int | None = None, programs=None):
+        self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
+        self.tail = tail or Q      # exact mode: the keys each row gathers in canonical order (sizes.shapes' W)
+        self.N = block_batch if exact else None  # exact forwards run N sequences' blocks (None: the live ones)
+        self.reserved = reserved   # the drafter's own cache slots (e.g. BiTA's prompt keys)
+        self.device = model.embed.weight.device
+        self.dev = devices.of(dev or self.device)  # the device's layout and speed (devices.py)
+        self.sampler = sampler or Sampler()
+        self.prompt = prompt
+        self.seq = seq             # this sequence's cache row
+        self.seqs = None if cache.k.shape[1] == 1 else torch.tensor([seq])
+        self.out: list[int] = []   # tokens emitted so far
+        self.last = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
+        self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
+        self.forward_s = 0.0       # time from a step's launch to its read-back (in a batch, its share)
+        self.cands = self.lists = None  # the next candidates its last accepted node drafted, (D, R) and as lists
+        self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
+        self.programs = programs or (self.dev.programs if exact else None)  # how its programs run (None: eagerly)
+
+    def block(self, tree: Tree, hosts=(), M: int = 0, reserved: bool = False, chained: bool = True, n=0) -> Block:
+        """The tree's rows at the current position, on the host, then filler nodes up to n (token 0, children of the
+        root, never verified: a batch's trees share one layout), then (M > 0) a group of M rows after each host node
+        (tree.group_rows; reserved: they also see the drafter's reserved slots). Laid out once per shape at position 0
+        (tree.step_layout) and moved to cur."""
+        parents = tree.parents + (0,) * (n - len(tree))
+        b, seq = step_layout(parents, tuple(hosts), M, self.reserved_slots if reserved else (), chained,
+                             self.cache.capacity, None)
+        tokens, cur = F.pad(torch.as_tensor(tree.tokens, device=HOST), (0, len(b) - len(tree))).view(1, -1), self.cur
+        return Block(tokens, b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
+
+    @property
+    def room(self) -> int:  # rows the next forward may write: slots cur..capacity-1
+        return self.cache.capacity - self.cur
+
+    def fit(self, drafter: Drafter, tree: Tree) -> tuple[Drafter, Tree]:
+        """The tree trimmed to the cache's room; with no room even for the root's own rows, an AR step."""
+        m = len(tree)
+        while m > 1 and drafter.size(m) > self.room:
+            m -= 1
+        return (AR, tree.prefix(1)) if drafter.size(m) > self.room else (drafter, tree.prefix(m))
+
+    def prepare(self, drafter: Drafter, tree: Tree, largest: int) -> tuple[Block, Nodes]:
+        """A step's rows and nodes, on the host, laid out for its group's largest tree; exact mode pads both to Q."""
+        n = len(tree)
+        tokens, real = torch.as_tensor(tree.tokens, device=HOST), ones(n, HOST)
+        block = drafter.rows(self, Tree(tokens, tree.parents), largest)
+        # rows write slots cur..cur+len-1: past the capacity lie the reserved slots and the trash slot
+        assert len(block) <= self.room, f"a step of {len(block)} rows overruns the cache ({self.room} slots left)"
+        lay = layout(tree.parents)
+        if self.exact:
+            if lay.anc.shape[-1] > self.tail:  # its deepest row's keys would not all be gathered in canonical order
+                raise NanospecError(f"a path of {lay.anc.shape[-1]} nodes exceeds exact mode's tail of {self.tail} "
+                                    f"keys ({drafter.name}'s max_depth is {drafter.max_depth})")
+            block, lay = self.fixed(block), lay.pad(self.Q)
+            tokens, real = F.pad(tokens, (0, self.Q - n), value=-1), F.pad(real, (0, self.Q - n))
+        return block, Nodes(tokens, lay, real, largest)
+
+    def fixed(self, block: Block) -> Block:
+        """An exact-mode block at fixed shapes, the same every step: Q rows, each seeing up to the cache's S slots."""
+        if len(block) > self.Q:
+            raise NanospecError(f"a step of {len(block)} rows exceeds the exact-mode block of Q={self.Q} rows; "
+                                "raise --block")
+        return block.pad(self.Q, self.cache.trash, self.cache.n_slots)
+
+    def run(self, block: Block, embeds=None) -> torch.Tensor:
+        """A forward without verification (prefill, BiTA's shallow prompt rows): the block's rows' logits."""
+        n = len(block)
+        if int(block.slots.max()) >= self.cache.trash:  # the sequence's slots, then the drafter's reserved ones
+            raise NanospecError(f"a step of {n} rows does not fit the cache at {self.cur} tokens")
+        block = self.fixed(block) if self.exact else block
+        if embeds is not None and self.exact:
+            embeds = F.pad(embeds, (0, 0, 0, self.Q - n))
+        seqs, at = self.seqs, 0
+        if self.N:  # N sequences' blocks, this one's at its cache row
+            (block, _, seqs), at = stack([self], [block], [self.idle()[1]]), self.seq
+            embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, at, self.N - 1 - at))
+        flat, spec = packed([block.tokens, block.pos, block.slots, block.prefix, block.extra, seqs])
+
+        def run(flat, embeds):
+            *b, seqs = unpacked(flat, spec)
+            f = Forward.on_cache(self.model, Block(*b), self.cache, self.exact, seqs, self.tail, self.dev)
+            x = f.embed() if embeds is None else embeds
+            return f.logits(f.norm(f.layers(x)), len(f.block))
+        return self.launch(("run", spec), run, (flat, embeds))[at, :n]
+
+    def idle(self) -> tuple[Block, Nodes]:  # a padding sequence's block and nodes (drafter.idle)
+        return idle(self.Q, self.cache.trash, self.cache.n_slots, HOST)
+
+    def launch(self, key, fn, args):  # fn(*args) on the device: eagerly, or as the generation's Programs run it
+        if self.programs is None:
+            return fn(*(None if a is None else a.to(self.device) for a in args))
+        return self.programs.run(self.cache, key, fn, args, self.device)
+
+    def prefill(self, tokens: list[int]) -> None:
+        """Commit tokens in chunks (Q rows in exact mode: the same for every method)."""
+        chunk = self.Q if self.exact else PREFILL_CHUNK_FAST
+        for s in range(0, len(tokens), chunk):
+            part = tokens[s:s + chunk]
+            self.run(Tree.chain(part[0], part[1:]).block(self.cur))
+            self.cur += len(part)
+
+    def commit(self, path: list[int], tokens: list[int], moved: bool = True) -> None:
+        """The accepted path's tokens emitted and its keys kept: node i, at slot cur+i, moves to cur, cur+1, ...
+        (moved: the step's program moved them, as greedy steps do)."""
+        if not moved:
+            self.cache.compact([self.cur + i for i in path], self.cur, self.seq)
+        self.cur += len(path)
+        self.out += tokens
+        self.last = tokens[-1]
+
+
+def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
+    """A group's rows and nodes as one batch, on the host (Block.stack, Nodes.stack), and its cache rows (None: the
+    cache's own order). With a block batch of N, every cache row's sequence, in order: the group's, and idle ones."""
+    d, n = decs[0], nodes[0].n  # every sequence's tree laid out for the group's largest
+    if d.N:
+        own, padding = dict(zip((x.seq for x in decs), zip(blocks, nodes))), d.idle()
+        blocks, nodes = zip(*(own.get(r, padding) for r in range(d.N)))
+    elif len(decs) == 1:
+        x = nodes[0]
+        return blocks[0], Nodes(x.tokens[None], x.lay.at(None), x.real[None], x.n), d.seqs
+    seqs = list(range(d.N)) if d.N else [x.seq for x in decs]  # a block batch: every cache row, in order
+    in_order = seqs == list(range(d.cache.k.shape[1]))
+    return Block.stack(blocks, d.cache.trash), Nodes.stack(nodes, n), None if in_order else torch.tensor(seqs)
 
 @dataclass
 class Output:
@@ -180,7 +312,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     if compile and not exact:
         raise NanospecError("compile=True needs exact=True")
     dev = replace(dev, call=compiled.layer) if compile else dev
-    programs = programs or (dev.programs if exact else EAGER)
+    programs = programs or (dev.programs if exact else None)
     many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
     prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if many else [prompt])]
     Q, S, W = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots)
@@ -190,7 +322,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     N = sizes.block_batch(block_batch, batch, exact, dev)
     w = model.embed.weight
     make = lambda: KVCache.for_model(model, S, N or batch, dev)
-    cache = programs.cache(model, (S, N or batch, w.dtype, w.device), make)
+    cache = programs.cache(model, (S, N or batch, w.dtype, w.device), make) if programs else make()
     reserved = cache.reserve(drafter.reserved_slots)
     check_room(max(map(len, prompts)), cache.capacity)
     waiting, outs, logits, began, prefill_s = iter(prompts), {}, {}, {}, 0.0
@@ -206,7 +338,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
                      sampler=Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1))  # a stream each
         d.prefill(p[:-1])
         drafter.start(d)
-        d.sync()
+        d.dev.sync(d.device)
         outs[d], logits[d], prefill_s = Output([], "max_new_tokens"), [], prefill_s + time.perf_counter() - t
         began[d] = clock()
         return [d]

@@ -1,6 +1,6 @@
 """A Llama that computes a block of rows with explicit positions, cache slots and visibility.
 
-Every forward takes a Block (block.py): T rows, each with a RoPE position, the KVCache slot its key/value is written
+Every forward takes a Block (cache.py): T rows, each with a RoPE position, the KVCache slot its key/value is written
 to, and the slots it may attend to: "the committed prefix 0..prefix-1, then `extra` in the given order" -- for a tree
 node, its ancestors by depth and itself: the canonical key order (README, "The contract"), in which each row reduces
 over its visible keys as AR would see them. A batch's sequences each have their own cache row (a forward's seqs).
@@ -9,7 +9,7 @@ Two modes:
   the last W gathered (attend_exact), at fixed shapes, so its result depends only on its own input and visible
   keys: in a fixed block of Q rows per sequence, a node's logits are bitwise AR's.
 - fast: SDPA over the used part of the cache with a boolean mask, and each product in the device's form
-  (devices.Device.linear: a tuned one, tuning/products.py, else F.linear).
+  (devices.Device.kernels: a tuned one, tuning/products.py, else F.linear).
 The families beside Llama are data in ModelArgs: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Mistral's sliding
 window. The window is visibility, in both modes (Llama.context): a row at position p sees keys at positions
 > p - window, as transformers does. Committed slot j holds position j, a slot the block writes its row's position
@@ -23,14 +23,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import devices
-from .block import Block
+from .cache import Block
 from .devices import Device
 from .fused import fuse
-from .rope import KINDS, apply_rope, inv_freq
+from .rope import KINDS, inv_freq
 
 NEUTRAL = Device()  # a device that needs nothing of exact mode's rows (a GPU's view: devices.py)
 
-# Fast mode's SDPA backends, explicit: on CUDA PyTorch may pick cuDNN, which replans per key length.
+# Fast mode's SDPA backends, explicit: left to choose, PyTorch may pick cuDNN, which replans per key length.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -102,9 +102,9 @@ class Context:
     def mm(self, layer, x, add=None):
         """A layer's product (with its bias, if any), plus add (a residual, bias-free layers) if given. Exact mode:
         one kernel on the rows folded into one matrix, F.linear, or addmm with add in its epilogue (AR's kernel).
-        Fast mode: the device's form of the product (devices.Device.linear: a tuned one, else F.linear)."""
+        Fast mode: the device's form of the product (devices.Device.kernels: a tuned one, else F.linear)."""
         if not self.exact:
-            y = self.dev.linear(layer, x)
+            y = F.linear(x, layer.weight, layer.bias) if self.dev.kernels is None else self.dev.kernels(layer, x)
         elif add is None:
             y = F.linear(x.flatten(0, -2), layer.weight, layer.bias).view(*x.shape[:-1], -1)
         else:
@@ -142,6 +142,13 @@ class RMSNorm(nn.Module):
     def forward(self, x, weight=None):  # weight: in place of its own (Attention: q's and k's at once)
         xf, w = x.float(), self.weight if weight is None else weight
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x (B, T, ..., D) rotated; cos, sin (B, T, 1, 1, D), sin signed (-sin, sin): HF's x * cos + cat(-x2, x1) * sin
+    bit for bit (a negation is exact), in four ops."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
 @torch.no_grad()  # inference only: the scores are written into one buffer (out=), which autograd does not follow
@@ -276,40 +283,46 @@ class Llama(nn.Module):
             at = at.scatter_(1, block.slots.expand(len(extra), -1), block.pos)
             extra = extra.masked_fill(at.gather(1, extra.clamp(min=0).flatten(1)).view_as(extra) <= gone, -1)
         ctx.b = (torch.arange(len(extra), device=extra.device) if seqs is None else seqs)[:, None, None, None]
-        if exact:  # canonical order: committed slots 0..prefix-1, then extra; its last `tail` keys are gathered
-            tail -= tail % -dev.grain(self.embed.weight.dtype)[0]
-            (B, T, E), on = extra.shape, extra.device
-            Hkv, G = self.args.kv_heads, self.args.n_heads // self.args.kv_heads
-            e = torch.arange(E, device=on)
-            start = prefix + ((extra >= 0) * (e + 1)).amax(-1, keepdim=True) - tail  # (B, T, 1) the tail's start
-            k = start + torch.arange(tail, device=on)  # (B, T, W) the tail's canonical indices
-            at = torch.where(k < prefix, k, extra.gather(-1, (k - prefix).clamp(0, E - 1)))
-            drop = k < 0
-            if gone is not None:  # committed keys out of the window
-                drop |= (k < prefix) & (k <= gone)
-            at = torch.where(drop, -1, at)
-            # in place: committed slots below the tail's start, and any extra before it (rows that see more extra
-            # keys than the tail holds, never a verified row's), in slot order; column n_slots collects the rest
-            j = torch.arange(n_slots + 1, device=on)
-            before = torch.where((e < start - prefix) & (extra >= 0), extra, n_slots)
-            seen = j < torch.minimum(start, prefix)
-            if gone is not None:
-                seen &= j > gone
-            seen = seen.scatter_(-1, before, True)[..., :n_slots]
-            dt = self.embed.weight.dtype  # the masks as the scores' biases: log 1 = 0, log 0 = -inf
-            bias_in = seen.to(dt).log()[:, None, :, None].expand(B, Hkv, T, G, n_slots).reshape(B * Hkv, T * G, -1)
-            bias_tail = (at >= 0).to(dt).log()[:, None, :, None].expand(B, Hkv, T, 1, tail).reshape(-1, 1, tail)
-            ctx.tail, ctx.bias = at.clamp(min=0)[:, None], (bias_in, bias_tail)
-            ctx.h = torch.arange(Hkv, device=on)[None, :, None, None]
-        else:
-            ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)
-            # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
-            j = torch.arange(L + 1, device=extra.device)
-            mask = j < prefix
-            if gone is not None:
-                mask &= j > gone
-            mask = mask.scatter_(-1, torch.where(extra < 0, L, extra), True)[..., :L]
-            ctx.mask = None if bool(mask.all()) else mask
+        if exact:
+            return self.canonical(ctx, prefix, extra, gone, n_slots, tail)
+        ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)  # fast: SDPA over slots 0..L-1, masked
+        # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
+        j = torch.arange(L + 1, device=extra.device)
+        mask = j < prefix
+        if gone is not None:
+            mask &= j > gone
+        mask = mask.scatter_(-1, torch.where(extra < 0, L, extra), True)[..., :L]
+        ctx.mask = None if bool(mask.all()) else mask
+        return ctx
+
+    def canonical(self, ctx: Context, prefix, extra, gone, n_slots: int, tail: int) -> Context:
+        """Exact mode's attention inputs: each row's keys in canonical order, committed slots 0..prefix-1 then extra,
+        its last `tail` gathered (ctx.tail, ctx.h) and the rest read in place, both as the scores' masks (ctx.bias);
+        gone: each row's last position out of the window (None: no window)."""
+        tail -= tail % -ctx.dev.grain(self.embed.weight.dtype)[0]
+        (B, T, E), on = extra.shape, extra.device
+        Hkv, G = self.args.kv_heads, self.args.n_heads // self.args.kv_heads
+        e = torch.arange(E, device=on)
+        start = prefix + ((extra >= 0) * (e + 1)).amax(-1, keepdim=True) - tail  # (B, T, 1) the tail's start
+        k = start + torch.arange(tail, device=on)  # (B, T, W) the tail's canonical indices
+        at = torch.where(k < prefix, k, extra.gather(-1, (k - prefix).clamp(0, E - 1)))
+        drop = k < 0
+        if gone is not None:  # committed keys out of the window
+            drop |= (k < prefix) & (k <= gone)
+        at = torch.where(drop, -1, at)
+        # in place: committed slots below the tail's start, and any extra before it (rows that see more extra
+        # keys than the tail holds, never a verified row's), in slot order; column n_slots collects the rest
+        j = torch.arange(n_slots + 1, device=on)
+        before = torch.where((e < start - prefix) & (extra >= 0), extra, n_slots)
+        seen = j < torch.minimum(start, prefix)
+        if gone is not None:
+            seen &= j > gone
+        seen = seen.scatter_(-1, before, True)[..., :n_slots]
+        dt = self.embed.weight.dtype  # the masks as the scores' biases: log 1 = 0, log 0 = -inf
+        bias_in = seen.to(dt).log()[:, None, :, None].expand(B, Hkv, T, G, n_slots).reshape(B * Hkv, T * G, -1)
+        bias_tail = (at >= 0).to(dt).log()[:, None, :, None].expand(B, Hkv, T, 1, tail).reshape(-1, 1, tail)
+        ctx.tail, ctx.bias = at.clamp(min=0)[:, None], (bias_in, bias_tail)
+        ctx.h = torch.arange(Hkv, device=on)[None, :, None, None]
         return ctx
 
     def forward(self, block: Block, cache=None, exact: bool = False, tail: int = 1, dev=None):

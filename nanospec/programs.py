@@ -1,4 +1,4 @@
-"""How exact mode's device programs run: as the Python they are (EAGER), or as CUDA graphs (Graphs).
+"""How exact mode's device programs run as CUDA graphs (Graphs); without a Programs the engine runs them eagerly.
 
 Exact mode runs every forward with the same shapes: Q rows against a cache of S slots, each row gathering the
 same number of keys. That is what a CUDA graph needs. A program is captured once per shape (and per method
@@ -20,7 +20,6 @@ by index: make_fx's `lift_fresh`; Strict), and a tensor made without a device (`
 tensor inside a device program; NoHostTensors). A program that would break under a real graph, by any of these or
 by reading state its key does not name, fails there too.
 """
-import math
 import os
 import sysconfig
 import traceback
@@ -37,8 +36,9 @@ def graphs_enabled() -> bool:
 
 
 class Programs:
-    """How a generation's device programs (a step, a prefill chunk) run, and on which cache: as the Python
-    they are, on a new cache each time. Graphs runs exact mode's as CUDA graphs, bound to caches it keeps."""
+    """How a generation's device programs (a step, a prefill chunk) run, and on which cache: here as the Python
+    they are, on a new cache each time (EAGER: what wrappers that count or profile run). Graphs runs exact mode's
+    as CUDA graphs, bound to caches it keeps."""
 
     def cache(self, model, key, make):
         """The cache for model at key (its slots, batch, dtype and device): make() builds one."""
@@ -49,18 +49,6 @@ class Programs:
 
 
 EAGER = Programs()
-
-
-def packed(tensors) -> tuple[torch.Tensor, tuple]:
-    """A program's host integer tensors (None: none given) as one, copied to the device at once, and their shapes."""
-    flat = torch.cat([t.reshape(-1).long() for t in tensors if t is not None])
-    return flat, tuple(None if t is None else tuple(t.shape) for t in tensors)
-
-
-def unpacked(flat: torch.Tensor, shapes: tuple) -> list:
-    """packed's tensors again, as views of flat (inside a program: no copy), and None where none was given."""
-    parts = iter(flat.split([math.prod(s) for s in shapes if s is not None]))
-    return [None if s is None else next(parts).view(s) for s in shapes]
 
 
 class Graph:

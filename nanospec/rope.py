@@ -1,6 +1,5 @@
-"""RoPE, the rotary position embedding: its inverse frequencies (unscaled, or scaled linearly or as Llama 3.1 does)
-and the rotation of queries and keys. The model keeps the constants (Llama.init_rope) and turns a block's positions
-into angles (Llama.rope).
+"""RoPE's inverse frequencies: unscaled, or scaled linearly or as Llama 3.1 does. The model keeps the constants
+(Llama.init_rope), turns a block's positions into angles (Llama.rope) and rotates queries and keys (apply_rope).
 """
 import math
 
@@ -24,10 +23,3 @@ def inv_freq(hd: int, theta: float, scaling: dict | None) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old / hi) & (wavelen <= old / lo)
     return torch.where(medium, smoothed, scaled)
-
-
-def apply_rope(x, cos, sin):
-    """x (B, T, ..., D) rotated; cos, sin (B, T, 1, 1, D), sin signed (-sin, sin): HF's x * cos + cat(-x2, x1) * sin
-    bit for bit (a negation is exact), in four ops."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((x2, x1), dim=-1) * sin

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .block import Block
+from .cache import Block
 
 
 class Tree:

@@ -17,10 +17,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanospec import cli, devices
-from nanospec.block import Block
-from nanospec.cache import KVCache
-from nanospec.decoding import Decoding
-from nanospec.engine import AR, Drafter, forward_and_verify, generate, lay_out, shapes
+from nanospec.cache import Block, KVCache
+from nanospec.engine import AR, Decoding, Drafter, forward_and_verify, generate, lay_out, shapes
 from nanospec.methods.bita import BiTA, Tuning
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
 from nanospec.methods.lookahead import Lookahead

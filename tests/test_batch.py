@@ -13,8 +13,7 @@ import helpers
 from helpers import ARGS, EOS, FAMILIES, METHODS, batch_drafter, check_batch, drafter, family_args, random_model
 from nanospec import engine
 from nanospec import model as model_mod
-from nanospec.decoding import Decoding
-from nanospec.engine import generate
+from nanospec.engine import Decoding, generate
 
 prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1, max_size=14), min_size=1, max_size=5)
 

@@ -29,7 +29,7 @@ def test_every_form_and_padding_computes_the_layer(form, M, extra, lead):
     x = torch.randn(1, M, 24) if lead else torch.randn(M, 24)
     b = next((b for b in BUCKETS if b >= M), None)
     k = Kernels({(33, 24, b): (form, M + extra)} if b else {})
-    y = k.linear(layer, x)
+    y = k(layer, x)
     assert y.shape == (*x.shape[:-1], 33)
     assert y.is_contiguous()  # row-major, as F.linear's: a transposed layout slows the ops after it
     torch.testing.assert_close(y, layer(x), rtol=1e-5, atol=1e-5)
@@ -53,7 +53,7 @@ def test_padding_runs_the_product_on_more_rows():
     try:
         layer = torch.nn.Linear(8, 5, bias=False)
         x = torch.randn(3, 8)
-        y = Kernels({(5, 8, 3): ("spy", 4)}).linear(layer, x)
+        y = Kernels({(5, 8, 3): ("spy", 4)})(layer, x)
     finally:
         del FORMS["spy"]
     assert seen == [4] and y.shape == (3, 5)
@@ -119,7 +119,7 @@ def test_the_packed_form_is_offered_where_onednn_is():
     layer = torch.nn.Linear(24, 33, bias=False)
     before = layer.weight.detach().clone()
     with torch.inference_mode():
-        y = Kernels({(33, 24, 8): ("packed", 8)}).linear(layer, torch.randn(8, 24))
+        y = Kernels({(33, 24, 8): ("packed", 8)})(layer, torch.randn(8, 24))
     assert y.shape == (8, 33) and torch.equal(layer.weight, before)
 
 

@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 
 from helpers import full_logits, keys_in_order, model_args, random_model, rows_by_index
 from nanospec import NanospecError, devices
-from nanospec.block import Block
-from nanospec.cache import KVCache
+from nanospec.cache import Block, KVCache
 from nanospec.engine import generate
 from nanospec.io.checkpoint import from_hf_config, load, load_args, save, to_hf_config
 from nanospec.model import Llama, ModelArgs

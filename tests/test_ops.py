@@ -10,7 +10,7 @@ import torch
 from helpers import ARGS, METHODS, AlignedProducts, batch_drafter, family_args, full_logits, random_model
 from nanospec import devices, engine
 from nanospec import model as llama
-from nanospec.decoding import Decoding
+from nanospec.engine import Decoding
 from nanospec.model import ModelArgs
 from nanospec.sizes import shapes
 from nanospec.tree import Tree

@@ -8,11 +8,9 @@ from hypothesis import strategies as st
 
 from helpers import check_exact, descend, model_args, noisy, peek, random_model
 from nanospec import NanospecError
-from nanospec.block import Block
-from nanospec.cache import KVCache
-from nanospec.decoding import Decoding
+from nanospec.cache import Block, KVCache
 from nanospec.drafter import Forward
-from nanospec.engine import generate, lay_out
+from nanospec.engine import Decoding, generate, lay_out
 from nanospec.methods.sdsat import SDSAT, Delta, adaptive_logits, adaptive_rows, starts
 from nanospec.model import ModelArgs
 from nanospec.training.forced import targets

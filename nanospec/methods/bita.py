@@ -52,6 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
+from ..cache import Block
 from ..drafter import Forward, Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
@@ -113,10 +114,15 @@ class BiTA(Ranked):
         return n + self.groups(n) * self.masks(budget)
 
     def start(self, dec):
-        if self.tune.prompting == "deep":  # the prompt tokens' keys and values, in every layer
-            dec.keep(self.tune.key, self.tune.value)
-        elif self.tune.prompting == "shallow":  # P rows, causal among themselves, keys into the reserved slots
-            dec.keep(embeds=self.tune.prompt)
+        """The prompt's keys and values into the reserved slots: deep, as trained, in every layer; shallow, those
+        its P rows compute, causal among themselves from position 0."""
+        slots, P = dec.reserved, len(dec.reserved_slots)
+        if self.tune.prompting == "deep":
+            dec.cache.keep(dec.seq, slots, self.tune.key, self.tune.value)
+        elif self.tune.prompting == "shallow":
+            extra = torch.where(torch.arange(P)[None] <= torch.arange(P)[:, None], slots[None], -1)
+            z = torch.zeros(1, P, dtype=torch.long)
+            dec.run(Block(z, torch.arange(P)[None], slots, z, extra[None]), embeds=self.tune.prompt[None])
 
     def rows(self, dec, tree, n):
         return dec.block(tree, range(self.groups(n)), self.masks(), reserved=True, n=n)

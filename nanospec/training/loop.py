@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from .. import NanospecError
-from ..block import Block
+from ..cache import Block
 from ..io.checkpoint import load
 from ..io.files import atomic_write, hardware
 from ..io.sources import base_of

@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..cache import KVCache
-from ..decoding import Decoding
+from ..engine import Decoding
 from ..io.files import atomic_write, cache_root, fingerprint, hardware
 from ..sizes import MIN_BLOCK
 from ..tree import Tree
@@ -90,10 +90,10 @@ def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps
     points = {}
     for rep in range(reps + 1):  # the first round warms up
         for n, block in blocks.items():
-            dec.sync()
+            dec.dev.sync(dec.device)
             t0 = time.perf_counter()
             dec.run(block)
-            dec.sync()
+            dec.dev.sync(dec.device)
             if rep:
                 points[n] = min(points.get(n, math.inf), time.perf_counter() - t0)
     path.parent.mkdir(parents=True, exist_ok=True)

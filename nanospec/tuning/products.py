@@ -1,6 +1,6 @@
 """Fast mode's matrix products by row count (`--kernels tuned`, the default on a CPU): each product's
 fastest form on this machine, tuned once and cached, handed to the model as the device's `kernels`
-(devices.Device.linear: model.Context.mm calls it for each product of a fast forward).
+(devices.Device.kernels: model.Context.mm calls it for each product of a fast forward).
 
 A forward of a few rows on a CPU is bound by reading the weights, yet eager `F.linear` handles
 a small row count almost row by row. The same product written weight-first, `(W @ x.T).T`, or
@@ -55,9 +55,11 @@ class Kernels:
     def __deepcopy__(self, memo):  # a copied layer (a drafter copied for another run) shares the table
         return self
 
-    def linear(self, layer, x):
-        """layer(x) for a bias-free layer, in its shape's and row count's form."""
+    def __call__(self, layer, x):
+        """layer(x) in its shape's and row count's form (a layer with a bias: F.linear)."""
         M, w = x.shape[:-1].numel(), layer.weight
+        if layer.bias is not None:
+            return F.linear(x, w, layer.bias)
         b = next((b for b in BUCKETS if b >= M), None)
         form, rows = self.table.get((*w.shape, b), ("linear", M)) if b else ("linear", M)
         if form == "linear" and rows == M:
