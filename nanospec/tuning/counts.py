@@ -59,10 +59,11 @@ class Counted(Programs):
 def step_costs(model, drafter=None, steps: int = 3, n_slots=None, batch: int = 1) -> list[tuple[int, float]]:
     """(ops, MB) of each of an exact generation's step programs with drafter (AR: None), as a GPU runs them
     (a GPU's layout: devices.Device, not the CPU's), its own (AR's where it drafted none): batch sequences
-    (a block batch of that many) of prompts filling half of n_slots (default: 8 tokens)."""
+    (a block batch of that many) of 8-token prompts on a cache of n_slots. Exact mode's programs have the same
+    shapes wherever a prompt ends, so a short one counts what a long one would, without its prefill."""
     drafter = copy.deepcopy(drafter or AR)  # the count leaves a method's state (its trie, its planner) as it was
-    counted, plen = Counted(), n_slots // 2 if n_slots else 8
-    prompts = [[1 + (7 * i + j) % 50 for j in range(plen)] for i in range(batch)]
+    counted = Counted()
+    prompts = [[1 + (7 * i + j) % 50 for j in range(8)] for i in range(batch)]
     generate(model, prompts, drafter, max_new_tokens=steps, exact=True, eos_id=-1, n_slots=n_slots,
              block_batch=batch if batch > 1 else None, dev=Device(), programs=counted)  # a GPU's layout
     counts = {k: c[1:] for k, c in counted.counts.items()}
