@@ -276,6 +276,7 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
     in_order = seqs == list(range(d.cache.k.shape[1]))
     return Block.stack(blocks, d.cache.trash), Nodes.stack(nodes, n), None if in_order else torch.tensor(seqs)
 
+
 @dataclass
 class Output:
     tokens: list[int]
