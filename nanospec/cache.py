@@ -23,8 +23,10 @@ class KVCache:
     def __init__(self, n_layers, batch, n_slots, n_kv_heads, head_dim, dtype, device, grain=(1, 1)):
         """grain: the multiples of (slots, head width) its buffers are laid out at (a device's exact layout,
         devices.Device.grain): the padding slots are never visible, the padding columns stay zero."""
-        shape = (n_layers, batch, n_kv_heads, n_slots - n_slots % -grain[0], head_dim - head_dim % -grain[1])
-        self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        shape = (n_layers, 2, batch, n_kv_heads, n_slots - n_slots % -grain[0], head_dim - head_dim % -grain[1])
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)  # keys and values: a layer's written in one copy
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]  # views (layers, B, Hkv, S, D)
+        self.ids = torch.arange(max(shape[-2] + 1, batch, n_kv_heads), device=device)  # a program's indices: views
         self.n_slots, self.trash, self.n_reserved = n_slots, n_slots - 1, 0
 
     @classmethod
@@ -40,12 +42,11 @@ class KVCache:
 
     def reset(self) -> None:
         """Empty, for a new generation (its buffers stay: what a captured program is bound to)."""
-        self.k.zero_()
-        self.v.zero_()
+        self.kv.zero_()
         self.n_reserved = 0
 
     def layer(self, i):
-        return self.k[i], self.v[i]  # each (B, Hkv, S, D), views: writes land in the cache
+        return self.kv[i]  # (2, B, Hkv, S, D), a view: writes land in the cache
 
     def reserve(self, n: int) -> torch.Tensor:
         """Claim n slots for method-owned keys, just below the trash slot."""
@@ -57,8 +58,8 @@ class KVCache:
     def keep(self, seq: int, slots: torch.Tensor, keys, values) -> None:
         """Per-layer keys and values (P of them a head) written to sequence seq's slots (a method's reserved ones)."""
         for i, kv in enumerate(zip(keys, values)):
-            for c, x in zip(self.layer(i), kv):
-                c[seq:seq + 1, :, slots.to(c.device), :x.shape[-1]] = x  # a cache's head width may be padded
+            for j, x in enumerate(kv):  # a cache's head width may be padded
+                self.kv[i, j, seq:seq + 1, :, slots.to(self.kv.device), :x.shape[-1]] = x
 
     def compact(self, src: list[int], dst_start: int, seq: int = 0) -> None:
         """Rollback/commit of sequence seq: move the entries at slots src to dst_start, dst_start+1, ...
@@ -76,10 +77,10 @@ class KVCache:
         """The commit's moves of a batch's step, on the device: each sequence's accepted path (node i at slot cur + i,
         -1 padded) moved to slots cur, cur+1, ... of its cache row (seqs), every layer at once (past the path's end,
         the trash slot onto itself: a path's padding may reach past the cache's last slot)."""
-        dst = torch.where(path >= 0, cur[:, None] + torch.arange(path.shape[-1], device=path.device), self.trash)
-        src = torch.where(path >= 0, cur[:, None] + path, self.trash)  # (B, E)
-        for c in (self.k, self.v):  # (layers, B, Hkv, S, D): the gather copies first, so overlap is safe
-            c[:, seqs[:, None], :, dst] = c[:, seqs[:, None], :, src]
+        kept, trash = path >= 0, self.ids[self.trash]
+        dst, src = (torch.where(kept, cur[:, None] + i, trash) for i in (self.ids[:path.shape[-1]], path))  # (B, E)
+        kv = self.kv  # (layers, 2, B, Hkv, S, D): the gather copies first, so overlap is safe
+        kv[:, :, seqs[:, None], :, dst] = kv[:, :, seqs[:, None], :, src]
 
 
 @dataclass

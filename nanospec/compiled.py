@@ -41,11 +41,11 @@ def compiled_layer():
     return _layer
 
 
-def layer(layer, x, ctx, kc, vc):
+def layer(layer, x, ctx, kv):
     """A layer's exact forward through the compiled callable (a device's `call`: devices.Device)."""
     t = time.perf_counter()
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    y = compiled_layer()(layer, x, ctx, kc, vc)
+    y = compiled_layer()(layer, x, ctx, kv)
     if torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames:
         compiles.append(time.perf_counter() - t)
     return y

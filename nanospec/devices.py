@@ -27,7 +27,7 @@ MIN_BLOCK = 16
 @dataclass(frozen=True)
 class Device:
     programs: Programs | None = None  # how exact mode's programs (a step, a prefill) run, and on which caches
-    call: object = None         # exact mode's layer as fn(layer, x, ctx, kc, vc) (None: the layer's own forward)
+    call: object = None         # exact mode's layer as fn(layer, x, ctx, kv) (None: the layer's own forward)
     kernels: object = None      # fast mode's products as kernels(layer, x) (None: F.linear)
     block_batch = None          # sequences' blocks per exact forward by default (None: the live ones)
 

@@ -47,7 +47,8 @@ class Forward:
     def on_cache(cls, model, block: Block, cache, exact: bool, seqs=None, tail: int = 1, dev=None) -> "Forward":
         """seqs (B,): the cache rows of the block's sequences (None: the cache's rows in order); tail: exact
         mode's keys gathered per row (sizes.shapes' W); dev: the device's layout and speed (devices.py)."""
-        return cls(model, block, model.context(block, cache.k.shape[-2], exact, seqs, tail, dev), cache.layer)
+        ctx = model.context(block, cache.k.shape[-2], exact, seqs, tail, dev, cache.ids)
+        return cls(model, block, ctx, cache.layer)
 
     @classmethod
     def training(cls, model, tokens, pos, vis, prefix=None) -> "Forward":
@@ -61,11 +62,11 @@ class Forward:
         w = model.embed.weight
 
         def kv(i):
-            k, v = (w.new_zeros(B, a.kv_heads, R, a.hd) for _ in range(2))
+            kv = w.new_zeros(2, B, a.kv_heads, R, a.hd)
             if prefix is None:
-                return k, v
-            pk, pv = prefix(i) if callable(prefix) else prefix[i]
-            return torch.cat([pk.expand(B, -1, -1, -1), k], 2), torch.cat([pv.expand(B, -1, -1, -1), v], 2)
+                return kv
+            pkv = prefix(i) if callable(prefix) else prefix[i]  # (2, 1 or B, Hkv, K, D)
+            return torch.cat([pkv.expand(-1, B, -1, -1, -1), kv], 3)
         return cls(model, blk, ctx, kv)
 
     def embed(self) -> torch.Tensor:
@@ -86,7 +87,7 @@ class Forward:
             y = x
         for i in layers:
             c = ctx if delta is None else replace(ctx, delta=delta[i])
-            y = c.layer(self.model.layers[i], y, *self.kv(i))
+            y = c.layer(self.model.layers[i], y, self.kv(i))
         return y if rows is None else x.index_copy(1, rows, y)
 
     def norm(self, x) -> torch.Tensor:

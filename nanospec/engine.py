@@ -98,13 +98,14 @@ def step_program(d: Decoding, drafter: Drafter, n: int, spec: tuple, flat: torch
     out = drafter.forward(f, Nodes(tokens, lay, real.bool(), n))
     if not d.sampler.greedy:
         return out.logits, out.drafts, out.depths, out.alive
-    path, emitted = accept(tokens, lay, out.logits, out.alive)  # (B, E) each
-    if drafter.max_rows > 1:  # AR's path is its root alone, already in place
-        d.cache.settle(torch.arange(len(cur), device=cur.device) if seqs is None else seqs, cur, path)
+    if drafter.max_rows == 1:  # AR: its path is its root alone, accepted, its key already in place
+        path, emitted = anc[:, 0], out.logits[:, :1].argmax(-1)
+    else:
+        path, emitted = accept(tokens, lay, out.logits, out.alive)  # (B, E) each
+        d.cache.settle(d.cache.ids[:len(cur)] if seqs is None else seqs, cur, path)
     if out.drafts is None:
         return pack(path, emitted), out.logits
-    last = path.max(-1).values  # each path's deepest node (indices grow along a path)
-    b = torch.arange(len(last), device=last.device)
+    last, b = path.max(-1).values, d.cache.ids[:len(path)]  # each path's deepest node (indices grow along a path)
     cands = drafter.propose(out.drafts[b, last], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices  # (B, K, R)
     depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])
     return pack(path, emitted, depth, cands), out.logits

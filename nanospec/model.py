@@ -94,10 +94,10 @@ class Context:
         """Matmul input: in exact mode, as the device's products need it (devices.Device.rows)."""
         return self.dev.rows(x) if self.exact else x
 
-    def layer(self, layer, x, kc, vc):
+    def layer(self, layer, x, kv):
         """A layer over the rows: in exact mode through the device's callable for it, if any (a compiled layer)."""
         call = self.dev.call if self.exact else None
-        return layer(x, self, kc, vc) if call is None else call(layer, x, self, kc, vc)
+        return layer(x, self, kv) if call is None else call(layer, x, self, kv)
 
     def mm(self, layer, x, add=None):
         """A layer's product (with its bias, if any), plus add (a residual, bias-free layers) if given. Exact mode:
@@ -122,15 +122,16 @@ class Context:
         return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact, b=self.b,
                        mask=pick(self.mask), L=self.L, seqs=self.seqs, dev=self.dev)  # fast mode only
 
-    def write(self, kc, vc, k, v):
-        """Store the rows' keys and values (B, T, Hkv, D) in their sequences' cache rows; returns (kc, vc)."""
+    def write(self, kv, new):
+        """Store the rows' keys and values, new (B, T, Hkv, 2, D), in their sequences' cache rows of kv (2, B, Hkv,
+        S, D'), both in one copy; returns kv."""
         b = None if self.seqs is None and self.slots.dim() == 1 else self.b.view(-1, 1)
-        for c, x in ((kc[..., :k.shape[-1]], k), (vc[..., :v.shape[-1]], v)):  # a cache's head width may be padded
-            if b is None:  # one row of slots for the batch: the faster copy
-                c.index_copy_(2, self.slots, x.transpose(1, 2))
-            else:
-                c[b, :, self.slots] = x  # advanced indices first: (B, T, Hkv, D)
-        return kc, vc
+        c = kv[..., :new.shape[-1]]  # a cache's head width may be padded
+        if b is None:  # one row of slots for the batch: the faster copy
+            c.index_copy_(3, self.slots, new.permute(3, 0, 2, 1, 4))
+        else:
+            c[:, b, :, self.slots] = new.transpose(2, 3)  # advanced indices first: (B, T, 2, Hkv, D)
+        return kv
 
 
 class RMSNorm(nn.Module):
@@ -145,24 +146,25 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x, cos, sin):
-    """x (B, T, ..., D) rotated; cos, sin (B, T, 1, 1, D), sin signed (-sin, sin): HF's x * cos + cat(-x2, x1) * sin
-    bit for bit (a negation is exact), in four ops."""
+    """x (B, T, ..., D) rotated; cos, sin (B, T, 1, G + 2, D) (a key head's query heads, its key, its value), sin
+    signed (-sin, sin): HF's x * cos + cat(-x2, x1) * sin bit for bit (a negation is exact), in four ops. The
+    value's angle is 0 (cos 1, sin 0): it stays itself (a negative zero may turn positive, which no sum of other
+    terms sees), beside its key, so the two land in the cache in one copy."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
 @torch.no_grad()  # inference only: the scores are written into one buffer (out=), which autograd does not follow
-def attend_exact(q, kc, vc, ctx):
-    """q (B, T, Hkv, G, D), query head h * G + g using key head h; kc, vc (B, Hkv, S, D') (D' >= D: a cache's
-    head width may be padded). Each row reduces over its keys in canonical order, split where its position alone
-    says: the keys before its last W are read in place, in slot order; the last W are gathered, in canonical
+def attend_exact(q, kv, ctx):
+    """q (B, T, Hkv, G, D), query head h * G + g using key head h; kv (2, B, Hkv, S, D'): keys, values (D' >= D:
+    a cache's head width may be padded). Each row reduces over its keys in canonical order, split where its position
+    alone says: the keys before its last W are read in place, in slot order; the last W are gathered, in canonical
     order. AR's row at the same position splits at the same key, so a tree row's scores, softmax and weighted
     sums are AR's bit for bit, and no row copies more than W keys of the cache."""
-    (B, T, Hkv, G, D), (S, Dc), W = q.shape, kc.shape[-2:], ctx.tail.shape[-1]
+    (B, T, Hkv, G, D), (S, Dc), W = q.shape, kv.shape[-2:], ctx.tail.shape[-1]
     q = F.pad(q.transpose(1, 2), (0, Dc - D)) if Dc > D else q.transpose(1, 2).contiguous()  # (B, Hkv, T, G, D')
-    kt, vt = (c[ctx.b, ctx.h, ctx.tail] for c in (kc, vc))  # (B, Hkv, T, W, D'): the tails, canonical order
-    if ctx.seqs is not None:  # a subset of the cache's rows: theirs alone
-        kc, vc = kc.index_select(0, ctx.seqs), vc.index_select(0, ctx.seqs)
+    kt, vt = kv[:, ctx.b, ctx.h, ctx.tail]  # (B, Hkv, T, W, D') each: the tails, canonical order
+    kc, vc = kv if ctx.seqs is None else kv.index_select(1, ctx.seqs)  # a subset of the cache's rows: theirs alone
     scale, (bias_in, bias_tail), L = D ** -0.5, ctx.bias, S + W
     att = q.new_empty(B, Hkv, T, G, L)  # the scores: the keys read in place, then the tail's, scaled and masked
     torch.baddbmm(bias_in, q.view(-1, T * G, Dc), kc.view(-1, S, Dc).transpose(1, 2), alpha=scale,
@@ -175,11 +177,11 @@ def attend_exact(q, kc, vc, ctx):
     return y.view(B, Hkv, T, G, Dc)[..., :D].transpose(1, 2).contiguous().view(B, T, Hkv * G * D)
 
 
-def attend_fast(q, kc, vc, ctx):
+def attend_fast(q, kv, ctx):
     """SDPA over cache slots 0..L-1; query heads folded into rows so GQA needs no key copy."""
     B, T, Hkv, G, D = q.shape
     seqs = slice(None) if ctx.seqs is None else ctx.seqs
-    k, v = kc[seqs, :, :ctx.L, :D], vc[seqs, :, :ctx.L, :D]  # (B, Hkv, L, D): a cache's head width may be padded
+    k, v = kv[:, seqs, :, :ctx.L, :D]  # (B, Hkv, L, D) each: a cache's head width may be padded
     q = q.permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
     mask = ctx.mask
     if mask is not None:
@@ -200,18 +202,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H, args.dim, bias=False)
         self.o_proj.role = "o_proj"
 
-    def forward(self, x, ctx: Context, kc, vc, residual):
+    def forward(self, x, ctx: Context, kv, residual):
         B, T, _ = x.shape
         G = self.n_heads // self.n_kv
-        qkv = ctx.mm(self.qkv, ctx.rows(x)).view(B, T, self.n_kv, G + 2, self.hd)
-        qk = qkv[:, :, :, :G + 1]  # (B, T, Hkv, G + 1, D)
+        qkv = ctx.mm(self.qkv, ctx.rows(x)).view(B, T, self.n_kv, G + 2, self.hd)  # (B, T, Hkv, G + 2, D)
         if self.q_norm is not None:  # each head of q and of k normed by its own weight, before RoPE
-            qk = self.q_norm(qk, torch.cat((self.q_norm.weight.expand(G, -1), self.k_norm.weight[None])))
-        qk = apply_rope(qk, ctx.cos, ctx.sin)
-        q, k, v = qk[:, :, :, :G], qk[:, :, :, G], qkv[:, :, :, G + 1]
+            w = torch.cat((self.q_norm.weight.expand(G, -1), self.k_norm.weight[None]))
+            qkv = torch.cat((self.q_norm(qkv[:, :, :, :G + 1], w), qkv[:, :, :, G + 1:]), 3)
+        qkv = apply_rope(qkv, ctx.cos, ctx.sin)  # the values unturned
+        q, new = qkv[:, :, :, :G], qkv[:, :, :, G:]
         # no cache (training): the rows' own keys are slots 0..T-1
-        kc, vc = (k.transpose(1, 2), v.transpose(1, 2)) if kc is None else ctx.write(kc, vc, k, v)
-        y = (attend_exact if ctx.exact else attend_fast)(q, kc, vc, ctx)
+        kv = new.permute(3, 0, 2, 1, 4) if kv is None else ctx.write(kv, new)
+        y = (attend_exact if ctx.exact else attend_fast)(q, kv, ctx)
         return ctx.mm(self.o_proj, ctx.rows(y), residual)
 
 
@@ -235,8 +237,8 @@ class Layer(nn.Module):
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, ctx, kc, vc):
-        x = self.attn(self.attn_norm(x), ctx, kc, vc, residual=x)
+    def forward(self, x, ctx, kv):
+        x = self.attn(self.attn_norm(x), ctx, kv, residual=x)
         return self.mlp(self.mlp_norm(x), ctx, residual=x)
 
 
@@ -253,10 +255,12 @@ class Llama(nn.Module):
         self.init_rope()
 
     def init_rope(self, device=None):
-        """RoPE's constants in fp32, whatever the weights: both halves' frequencies, sin's signs (apply_rope)."""
-        a = self.args
+        """RoPE's constants in fp32, whatever the weights: both halves' frequencies for a key head's query heads and
+        its key, 0 for its value (apply_rope), and sin's signs."""
+        a, G = self.args, self.args.n_heads // self.args.kv_heads
         inv = inv_freq(a.hd, a.rope_theta, a.rope_scaling).to(device)
-        self.register_buffer("freqs", torch.cat((inv, inv)), persistent=False)
+        both = torch.cat((inv, inv))
+        self.register_buffer("freqs", torch.cat((both.expand(G + 1, -1), 0 * both[None])), persistent=False)
         self.register_buffer("signs", torch.cat((-torch.ones_like(inv), torch.ones_like(inv))), persistent=False)
 
     def _apply(self, fn, *args, **kwargs):  # model.to(dtype, device): the RoPE constants move, and stay fp32
@@ -265,16 +269,21 @@ class Llama(nn.Module):
         return self
 
     def rope(self, pos: torch.Tensor, dev: Device | None = None):
-        """cos and signed sin (B, T, 1, 1, D) for positions (B, T) (see apply_rope); dev: exact mode's device."""
+        """cos and signed sin (B, T, 1, G + 2, D) for positions (B, T) (see apply_rope); dev: exact mode's device."""
         freqs, dt = pos[..., None, None, None] * self.freqs, self.embed.weight.dtype  # fp32 like HF (int * float)
         f = dev.elementwise if dev else lambda fn, x: fn(x)
         return f(torch.cos, freqs).to(dt), (f(torch.sin, freqs) * self.signs).to(dt)
 
-    def context(self, block: Block, n_slots: int, exact: bool, seqs=None, tail: int = 1, dev=None) -> Context:
+    def context(self, block: Block, n_slots: int, exact: bool, seqs=None, tail: int = 1, dev=None,
+                ids=None) -> Context:
         """The block's attention inputs. n_slots: the cache's (its physical slots); tail: in exact mode the keys each
         row gathers in canonical order (at least the deepest row's ancestors and itself; the rest it reads in place);
-        dev: the device's layout and speed (default: devices.of the block's device)."""
+        dev: the device's layout and speed (default: devices.of the block's device); ids: 0, 1, ... on the device,
+        at least n_slots + 1 and the batch of them (KVCache.ids: made once, a program's indices are its views)."""
         dev = devices.of(block.extra.device) if dev is None else dev
+        W = tail - tail % -dev.grain(self.embed.weight.dtype)[0]  # whole rows of the device's grain
+        n = max(n_slots + 1, W, len(block.extra), block.extra.shape[-1] + 1, self.args.kv_heads)
+        ids = torch.arange(n, device=block.extra.device) if ids is None or len(ids) < n else ids
         ctx = Context(*self.rope(block.pos, dev if exact else None), block.slots, exact, seqs=seqs, dev=dev)
         prefix, extra, win = block.prefix[..., None], block.extra, self.args.sliding_window
         gone = None if win is None else block.pos[..., None] - win  # keys at positions <= gone: out of the window
@@ -282,9 +291,9 @@ class Llama(nn.Module):
             at = torch.full((len(extra), n_slots), 1 << 62, device=extra.device)  # each slot's position
             at = at.scatter_(1, block.slots.expand(len(extra), -1), block.pos)
             extra = extra.masked_fill(at.gather(1, extra.clamp(min=0).flatten(1)).view_as(extra) <= gone, -1)
-        ctx.b = (torch.arange(len(extra), device=extra.device) if seqs is None else seqs)[:, None, None, None]
+        ctx.b = (ids[:len(extra)] if seqs is None else seqs)[:, None, None, None]
         if exact:
-            return self.canonical(ctx, prefix, extra, gone, n_slots, tail)
+            return self.canonical(ctx, prefix, extra, gone, n_slots, W, ids)
         ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)  # fast: SDPA over slots 0..L-1, masked
         # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
         j = torch.arange(L + 1, device=extra.device)
@@ -295,41 +304,36 @@ class Llama(nn.Module):
         ctx.mask = None if bool(mask.all()) else mask
         return ctx
 
-    def canonical(self, ctx: Context, prefix, extra, gone, n_slots: int, tail: int) -> Context:
+    def canonical(self, ctx: Context, prefix, extra, gone, S: int, W: int, ids) -> Context:
         """Exact mode's attention inputs: each row's keys in canonical order, committed slots 0..prefix-1 then extra,
-        its last `tail` gathered (ctx.tail, ctx.h) and the rest read in place, both as the scores' masks (ctx.bias);
-        gone: each row's last position out of the window (None: no window)."""
-        tail -= tail % -ctx.dev.grain(self.embed.weight.dtype)[0]
-        (B, T, E), on = extra.shape, extra.device
-        Hkv, G = self.args.kv_heads, self.args.n_heads // self.args.kv_heads
-        e = torch.arange(E, device=on)
-        start = prefix + ((extra >= 0) * (e + 1)).amax(-1, keepdim=True) - tail  # (B, T, 1) the tail's start
-        k = start + torch.arange(tail, device=on)  # (B, T, W) the tail's canonical indices
-        at = torch.where(k < prefix, k, extra.gather(-1, (k - prefix).clamp(0, E - 1)))
-        drop = k < 0
+        its last W gathered (ctx.tail, ctx.h) and the rest read in place, both as the scores' masks (ctx.bias);
+        gone: each row's last position out of the window (None: no window); ids: 0, 1, ... (context)."""
+        (B, T, E), Hkv, G = extra.shape, self.args.kv_heads, self.args.n_heads // self.args.kv_heads
+        valid = extra >= 0
+        n = (valid * ids[1:E + 1]).amax(-1, keepdim=True)  # (B, T, 1) the extra keys a row's order holds
+        m = n - W  # the tail's start, from prefix on
+        # the tail: of the W committed keys before prefix, then extra, the W from the tail's start on
+        at = torch.cat((prefix - W + ids[:W], extra), -1).gather(-1, n + ids[:W])  # (B, T, W) < 0: none
         if gone is not None:  # committed keys out of the window
-            drop |= (k < prefix) & (k <= gone)
-        at = torch.where(drop, -1, at)
+            at = torch.where((at <= gone) & (ids[:W] < -m), -1, at)
         # in place: committed slots below the tail's start, and any extra before it (rows that see more extra
-        # keys than the tail holds, never a verified row's), in slot order; column n_slots collects the rest
-        j = torch.arange(n_slots + 1, device=on)
-        before = torch.where((e < start - prefix) & (extra >= 0), extra, n_slots)
-        seen = j < torch.minimum(start, prefix)
+        # keys than the tail holds, never a verified row's), in slot order; column S collects the rest
+        seen = ids[:S + 1] < prefix + m.clamp(max=0)
         if gone is not None:
-            seen &= j > gone
-        seen = seen.scatter_(-1, before, True)[..., :n_slots]
-        dt = self.embed.weight.dtype  # the masks as the scores' biases: log 1 = 0, log 0 = -inf
-        bias_in = seen.to(dt).log()[:, None, :, None].expand(B, Hkv, T, G, n_slots).reshape(B * Hkv, T * G, -1)
-        bias_tail = (at >= 0).to(dt).log()[:, None, :, None].expand(B, Hkv, T, 1, tail).reshape(-1, 1, tail)
-        ctx.tail, ctx.bias = at.clamp(min=0)[:, None], (bias_in, bias_tail)
-        ctx.h = torch.arange(Hkv, device=on)[None, :, None, None]
+            seen &= ids[:S + 1] > gone
+        seen = seen.scatter_(-1, torch.where((ids[:E] < m) & valid, extra, ids[S]), True)[..., :S]
+        dt = self.embed.weight.dtype  # the masks as the scores' biases (log 1 = 0, log 0 = -inf), written whole
+        bias_in = seen.to(dt)[:, None, :, None].expand(B, Hkv, T, G, S).log().reshape(B * Hkv, T * G, S)
+        bias_tail = (at >= 0).to(dt)[:, None, :, None].expand(B, Hkv, T, 1, W).log().reshape(-1, 1, W)
+        ctx.tail, ctx.bias, ctx.h = at.clamp(min=0)[:, None], (bias_in, bias_tail), ids[:Hkv, None, None]
         return ctx
 
     def forward(self, block: Block, cache=None, exact: bool = False, tail: int = 1, dev=None):
         """Logits (B, T, V) for the block's rows. cache=None (training): row t's key is slot t, so the
         block's slots must be 0..T-1 and visibility refers to rows (training.causal: a plain LM block)."""
-        ctx = self.context(block, cache.k.shape[-2] if cache else len(block), exact, tail=tail, dev=dev)
+        S, ids = (cache.k.shape[-2], cache.ids) if cache else (len(block), None)
+        ctx = self.context(block, S, exact, tail=tail, dev=dev, ids=ids)
         x = self.embed(block.tokens)
         for i, layer in enumerate(self.layers):
-            x = ctx.layer(layer, x, *(cache.layer(i) if cache else (None, None)))
+            x = ctx.layer(layer, x, cache.layer(i) if cache else None)
         return ctx.mm(self.lm_head, ctx.rows(self.norm(x)))

@@ -231,7 +231,7 @@ def rows_by_index(model, seed: int, T: int, device="cpu"):
 def keys_in_order(ctx, b: int, t: int) -> list[int]:
     """The cache slots exact row t of sequence b reduces over, in order (model.attend_exact): those it reads in
     place, in slot order, then its gathered tail; key head 0's (every key head's alike)."""
-    (bias_in, bias_tail), (B, _, T, W), Hkv = ctx.bias, ctx.tail.shape, ctx.h.shape[1]
+    (bias_in, bias_tail), (B, _, T, W), Hkv = ctx.bias, ctx.tail.shape, ctx.h.numel()
     in_place = bias_in.reshape(B, Hkv, T, -1, bias_in.shape[-1])[b, 0, t, 0] == 0
     gathered = bias_tail.reshape(B, Hkv, T, W)[b, 0, t] == 0
     return in_place.nonzero().flatten().tolist() + ctx.tail[b, 0, t][gathered].tolist()

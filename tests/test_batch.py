@@ -58,11 +58,11 @@ def test_a_sequence_reading_its_neighbours_slot_is_caught(monkeypatch, device):
     check_batch(model, prompts, drafter("medusa", model), 12)
     attend = model_mod.attend_exact
 
-    def leaky(q, kc, vc, ctx):
+    def leaky(q, kv, ctx):
         if q.shape[0] > 1:  # sequence 0 sees sequence 1's key at slot 0
-            kc = kc.clone()
-            kc[0, :, 0] = kc[1, :, 0]
-        return attend(q, kc, vc, ctx)
+            kv = kv.clone()
+            kv[0, 0, :, 0] = kv[0, 1, :, 0]
+        return attend(q, kv, ctx)
     monkeypatch.setattr(model_mod, "attend_exact", leaky)
     with pytest.raises(AssertionError, match="sequence 0"):
         check_batch(model, prompts, drafter("medusa", model), 12)

@@ -210,7 +210,8 @@ def pack(items: list, M: int, G: int, P: int, shallow: bool, gen, device="cpu"):
 def sar_logits(model, tune: Tuning, tokens, kind, pos, vis):
     """Logits (B, G*M, V) of the mask rows of a packed batch; cache-free, the model frozen."""
     deep = tune.prompting == "deep"  # the prompt's keys and values sit before the rows in every layer
-    f = Forward.training(model, tokens, pos, vis, (lambda i: (tune.key[i], tune.value[i])) if deep else None)
+    prompt = (lambda i: torch.stack((tune.key[i], tune.value[i]))[:, None]) if deep else None
+    f = Forward.training(model, tokens, pos, vis, prompt)
     x = torch.where((kind >= 1)[..., None], tune.mask[(kind - 1).clamp(min=0)], f.embed())
     if tune.prompting == "shallow":
         x = torch.where((kind < 0)[..., None], tune.prompt[(-1 - kind).clamp(min=0)], x)

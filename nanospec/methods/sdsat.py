@@ -227,7 +227,7 @@ def adaptive_logits(model, delta: Delta, x: torch.Tensor, wins, diverse: bool, a
         keys = [f.kv(i) for i in range(len(model.layers))]  # the buffers each layer writes its keys and values into
         h = f.embed()
         for layer, kv in zip(model.layers, keys):
-            h = layer(h, f.ctx, *kv)
+            h = layer(h, f.ctx, kv)
     which, pos, vis, lab = (t.to(dev) for t in adaptive_rows(x.cpu(), wins, diverse, ahead))
     f = Forward.training(model, torch.zeros_like(pos), pos, vis, prefix=keys)
     h = f.norm(f.layers(delta.embed[which], delta=delta.on(None)))

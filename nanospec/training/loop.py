@@ -65,7 +65,7 @@ def hidden_states(model: Llama, seqs: list[list[int]], layer: int | None = None,
         ctx = model.context(blk, T, False)
         x = model.embed(blk.tokens)
         for L in model.layers[:layer]:
-            x = L(x, ctx, None, None)
+            x = L(x, ctx, None)
         h = model.norm(x) if layer is None else x
         out += [h[j, :len(s)] for j, s in enumerate(part)]
     return out
