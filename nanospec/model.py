@@ -83,7 +83,7 @@ class Context:
     tail: torch.Tensor | None = None   # exact: (B, 1, T, W) the slots of each row's last W keys, canonical order
     bias: tuple | None = None          # exact: the scores' masks (0 visible, -inf not): in place, then the tail
     b: torch.Tensor | None = None      # (B, 1, 1, 1) the cache rows (the writes' index), and in exact mode
-    h: torch.Tensor | None = None      # (1, Hkv, 1, 1) the key heads: with b, the tail's gather indices
+    h: torch.Tensor | None = None      # (Hkv, 1, 1) the key heads: with b, the tail's gather indices
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
     seqs: torch.Tensor | None = None   # (B,) the cache rows of the block's sequences; None: 0..B-1
