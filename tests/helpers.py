@@ -65,10 +65,11 @@ HF_FAMILIES = {  # name: (its transformers config class, the settings beside the
 PRE = {"llama": "llama-bpe", "mistral": "default", "qwen2": "qwen2", "qwen3": "qwen2"}  # each one's pre-tokenizer
 
 
-def hf_family(path: Path, name: str, seed: int = 0):
+def hf_family(path: Path, name: str, seed: int = 0, **settings):
     """A tiny random checkpoint of one of HF_FAMILIES as transformers writes it (save_pretrained), with a byte-level
     BPE tokenizer.json split as the family's tokenizers split (bpe()'s vocabulary) and a ChatML template. Its
-    logits are spread out (std of a few units), so greedy near-ties are rare. Returns the transformers model."""
+    logits are spread out (std of a few units), so greedy near-ties are rare. settings: config values beside the
+    family's (a window's length). Returns the transformers model."""
     transformers = pytest.importorskip("transformers")
     from nanospec.io.gguf_tokenizer import build
     transformers.logging.set_verbosity_error()
@@ -76,7 +77,7 @@ def hf_family(path: Path, name: str, seed: int = 0):
     cls, extra = HF_FAMILIES[name]
     cfg = getattr(transformers, cls)(vocab_size=len(tokens), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, intermediate_size=40, max_position_embeddings=256,
-                                     bos_token_id=1, eos_token_id=2, **extra)
+                                     bos_token_id=1, eos_token_id=2, **{**extra, **settings})
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():

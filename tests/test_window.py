@@ -1,0 +1,138 @@
+"""Sliding windows as real checkpoints have them: longer than exact mode's tail. A Mistral's window (4,096 keys) is far
+longer than the W keys each exact row gathers in canonical order, so its rows read most in-window keys in place, and
+the window's edge falls among them; only a window shorter than the tail puts the edge inside the tail.
+
+Against transformers' own Mistral checkpoints with windows shorter than the tail, equal to it, one key longer and
+several times longer, on prompts that outrun the window: logits at every position (the prefill's chunks and each
+decoded token) and greedy ids, in exact and fast mode; a Lookahead and a Medusa step past the window bitwise AR's in
+exact mode (fp32 and bf16). Each planted off-by-one, at the edge of the keys read in place and at the tail's, is
+caught: the plant rewrites one comparison of `Llama.canonical`'s source in a copy, never the file."""
+import inspect
+import textwrap
+from unittest import mock
+
+import pytest
+import torch
+
+from helpers import hf_family, peek
+from nanospec import devices
+from nanospec import model as llama
+from nanospec.drafter import AR
+from nanospec.engine import Decoding, generate, shapes
+from nanospec.io.checkpoint import load
+from nanospec.methods.lookahead import Lookahead
+from nanospec.methods.medusa import Heads, Medusa
+from nanospec.model import Llama
+from nanospec.tree import choose_tree
+
+transformers = pytest.importorskip("transformers")
+TAIL = shapes([AR], 1, 1)[2] - shapes([AR], 1, 1)[2] % -devices.of("cpu").grain(torch.float32)[0]  # AR's W here
+WINDOWS = {"shorter": 8, "tail": TAIL, "tail+1": TAIL + 1, "3tail+5": 3 * TAIL + 5}
+PROMPT = torch.randint(3, 400, (110,), generator=torch.Generator().manual_seed(2)).tolist()  # past every window
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """window -> (transformers' Mistral with that window, its directory), written once."""
+    out = {}
+    for window in WINDOWS.values():
+        path = tmp_path_factory.mktemp(f"mistral{window}")
+        out[window] = hf_family(path, "mistral", sliding_window=window), path
+    return out
+
+
+def planted(monkeypatch, old: str, new: str) -> None:
+    """Llama.canonical with one comparison rewritten (old -> new), from a copy of its source."""
+    src = textwrap.dedent(inspect.getsource(Llama.canonical))
+    assert src.count(old) == 1, f"{old!r} is not in Llama.canonical: plant the fault in the code that replaced it"
+    scope = {}
+    exec(compile(src.replace(old, new), llama.__file__, "exec"), vars(llama), scope)
+    monkeypatch.setattr(Llama, "canonical", scope["canonical"])
+
+
+def our_logits(model, exact: bool) -> tuple[torch.Tensor, list[int]]:
+    """(logits at every position of PROMPT and its greedy continuation, as decoding computes them: the prefill's
+    chunks, each reading the keys committed before it, then each step's; the continuation's ids)."""
+    chunks, run = [], Decoding.run
+    with mock.patch.object(Decoding, "run", lambda d, block: chunks.append(run(d, block)) or chunks[-1]):
+        out = generate(model, PROMPT, max_new_tokens=NEW, exact=exact, eos_id=-1, record_logits=True)
+    return torch.cat(chunks + [out.logits]).float(), out.tokens
+
+
+def agrees(hf, model, exact: bool) -> bool:
+    """Our logits within 1e-5 of transformers' at every position, and our greedy ids its generate's."""
+    logits, ids = our_logits(model, exact)
+    prompt = torch.tensor([PROMPT])
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT + ids[:-1]])).logits[0].float()
+        theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    return ids == theirs and (logits - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("name", WINDOWS)
+def test_logits_and_ids_are_transformers(mistral, name):
+    hf, path = mistral[WINDOWS[name]]
+    model = load(path)
+    assert model.args.sliding_window == WINDOWS[name] and len(PROMPT) > WINDOWS[name]
+    assert agrees(hf, model, exact=True) and agrees(hf, model, exact=False)
+
+
+def test_the_windows_are_measured_against_the_tail_in_use(mistral, monkeypatch):
+    """TAIL is the tail the steps above and below gather (a device's grain may round it up)."""
+    seen, canonical = set(), Llama.canonical
+
+    def spy(self, *args, **kwargs):
+        ctx = canonical(self, *args, **kwargs)
+        seen.add(ctx.tail.shape[-1])
+        return ctx
+    monkeypatch.setattr(Llama, "canonical", spy)
+    model = load(mistral[TAIL][1])
+    for d in [None, *methods(model).values()]:
+        generate(model, PROMPT[:20], d, max_new_tokens=4, exact=True, eos_id=-1)
+    assert seen == {TAIL}
+
+
+def methods(model):
+    """Lookahead and Medusa on the model (Medusa's heads from its lm_head, so their drafts are its own)."""
+    a = model.args
+    heads = Heads(a.dim, a.vocab_size, 3).init_from(model.lm_head).to(model.embed.weight)
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
+    return {"lookahead": Lookahead(decoding_length=8, branch_length=4), "medusa": Medusa(heads, choose_tree(acc, 12))}
+
+
+@pytest.mark.parametrize("window, dtype", [(TAIL, torch.float32), (TAIL + 1, torch.float32), (TAIL + 1, torch.bfloat16),
+                                           (3 * TAIL + 5, torch.float32)])
+@pytest.mark.parametrize("method", ["lookahead", "medusa"])
+def test_tree_steps_past_the_window_are_ar_bitwise(mistral, method, window, dtype):
+    """Every step sits past the window (its rows read in-window keys in place and see some leave); drafts carry
+    AR's tokens (Lookahead's pool warmed with them, Medusa peeking), so tree rows get accepted and checked."""
+    model = load(mistral[window][1], dtype)
+    d = methods(model)[method]
+    Q, S, W = shapes([d], len(PROMPT), NEW)
+    kw = dict(max_new_tokens=NEW, exact=True, Q=Q, n_slots=S, tail=W, eos_id=-1, record_logits=True)
+    ar = generate(model, PROMPT, **kw)
+    if method == "lookahead":
+        d.warm_up([PROMPT[-1:] + ar.tokens])
+    else:
+        peek(d, ar.tokens)
+    out = generate(model, PROMPT, d, **kw)
+    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+    assert out.steps < NEW / 2, "too few drafts accepted to test tree rows"
+
+
+@pytest.mark.parametrize("name", ["tail", "tail+1", "3tail+5"])
+def test_a_key_kept_at_the_edge_read_in_place_is_caught(mistral, name, monkeypatch):
+    """`> gone` -> `>= gone`: a row reads in place one key that left its window."""
+    hf, path = mistral[WINDOWS[name]]
+    planted(monkeypatch, "ids[:S + 1] > gone", "ids[:S + 1] >= gone")
+    assert not agrees(hf, load(path), exact=True)
+
+
+def test_a_key_kept_at_the_edge_of_the_tail_is_caught(mistral, monkeypatch):
+    """`at <= gone` -> `at < gone`: a row gathers into its tail one key that left its window (a window shorter than
+    the tail, where the edge falls in the tail)."""
+    hf, path = mistral[WINDOWS["shorter"]]
+    planted(monkeypatch, "(at <= gone)", "(at < gone)")
+    assert not agrees(hf, load(path), exact=True)
