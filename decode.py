@@ -202,7 +202,7 @@ def main(argv=None):
             note_own_model(weights)
         print("[bench] counting what each method's exact step costs a GPU (a small cache, before any tuning)",
               file=sys.stderr, flush=True)
-        counts = {B: {m: step_counts(model, lambda there, m=m: load_drafter(m, there, weights), d, B)
+        counts = {B: {m: step_counts(model, lambda there, m=m: load_drafter(m, there, weights), d, B, args.compile)
                       for m, d in zip(methods, drafters)} for B in batches}
         dev = tune(args, model, exact, drafters)
         peers = transformers_peers(weights, dtype, args.device) if args.peers else ()

@@ -24,7 +24,8 @@ from . import NanospecError, devices
 from .engine import Drafter, Output, generate, shapes
 from .programs import EAGER, Programs
 
-COUNTS = ("ops_per_layer", "step_mb", "launches_per_step", "syncs_per_step")  # tuning.counts, per method
+# tuning.counts, per method (compiled kernels: with --compile)
+COUNTS = ("ops_per_layer", "compiled_kernels_per_layer", "step_mb", "launches_per_step", "syncs_per_step")
 
 
 def load_prompts(path) -> list[str]:

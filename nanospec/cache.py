@@ -1,6 +1,6 @@
 """Exact and fast mode's static KV cache, and the Block of rows a forward writes to it and reads from it.
 
-KVCache: slots per sequence and layer, a method's reserved slots, a trash slot for padding rows, and rollback that
+KVCache: slots per sequence and layer, a method's reserved slots, a trash slot for padding rows, and the commit that
 moves a step's accepted entries into place. Block: the rows of one forward, each with its position, its cache slot
 and the slots it sees. The model (model.py) computes a block; the trees (tree.py) and the engine lay blocks out, on
 the host, and the engine stacks a batch's sequences' blocks into one (each sequence its own cache row). Exact mode
@@ -45,9 +45,6 @@ class KVCache:
         self.kv.zero_()
         self.n_reserved = 0
 
-    def layer(self, i):
-        return self.kv[i]  # (2, B, Hkv, S, D), a view: writes land in the cache
-
     def reserve(self, n: int) -> torch.Tensor:
         """Claim n slots for method-owned keys, just below the trash slot."""
         if n > self.capacity - 1:
@@ -61,22 +58,10 @@ class KVCache:
             for j, x in enumerate(kv):  # a cache's head width may be padded
                 self.kv[i, j, seq:seq + 1, :, slots.to(self.kv.device), :x.shape[-1]] = x
 
-    def compact(self, src: list[int], dst_start: int, seq: int = 0) -> None:
-        """Rollback/commit of sequence seq: move the entries at slots src to dst_start, dst_start+1, ...
-        in order (the accepted path, scattered over scratch slots, after the prefix); every other slot stays."""
-        # entries already in place (the root, and a path along the tree's first nodes) stay
-        k = next((i for i, s in enumerate(src) if s != dst_start + i), len(src))
-        if k == len(src):  # decided on the host: no device sync
-            return
-        idx = torch.tensor(src[k:], device=self.k.device)
-        lo, hi = dst_start + k, dst_start + len(src)
-        for c in (self.k[:, seq], self.v[:, seq]):  # (layers, Hkv, S, D) views
-            c[:, :, lo:hi] = c.index_select(2, idx)  # index_select copies first, so overlap is safe
-
-    def settle(self, seqs: torch.Tensor, cur: torch.Tensor, path: torch.Tensor) -> None:
-        """The commit's moves of a batch's step, on the device: each sequence's accepted path (node i at slot cur + i,
-        -1 padded) moved to slots cur, cur+1, ... of its cache row (seqs), every layer at once (past the path's end,
-        the trash slot onto itself: a path's padding may reach past the cache's last slot)."""
+    def commit(self, seqs: torch.Tensor, cur: torch.Tensor, path: torch.Tensor) -> None:
+        """A step's accepted keys kept, on the device, for greedy and sampled steps alike: each sequence's accepted
+        path (node i at slot cur + i, -1 padded) moved to slots cur, cur+1, ... of its cache row (seqs), every layer
+        at once (past the path's end, the trash slot onto itself: a path's padding may reach past the last slot)."""
         kept, trash = path >= 0, self.ids[self.trash]
         dst, src = (torch.where(kept, cur[:, None] + i, trash) for i in (self.ids[:path.shape[-1]], path))  # (B, E)
         kv = self.kv  # (layers, 2, B, Hkv, S, D): the gather copies first, so overlap is safe

@@ -2,17 +2,19 @@
 
 - draft: each live sequence's drafter proposes a tree, on the host, trimmed to its cache's room (drafter.py: the
   contract); the sequences that step alike form a group.
-- lay out: a group's trees become rows and nodes (the drafter's rows, tree.py), exact mode's padded to Q rows, as
-  one batch (Decoding.prepare, stack).
-- forward and verify: one device program per group (step_program), its inputs one host tensor: the method's
-  forward, then (greedy) verification, the next candidates' top-k and the commit's moves of accepted keys.
-- read back: the accepted paths and next candidates, the step's one host-device sync (sampling verifies here).
-- commit: each sequence's cursor and tokens advance, on the host (Decoding.commit).
+- lay out: a group's trees become rows and nodes, on the host: the tree's rows, then the groups of rows the drafter
+  asks for (Drafter.groups, tree.step_rows), exact mode's padded to Q rows, as one batch (Decoding.prepare, stack).
+- launch: one device program per group (step_program), its inputs one host tensor: the method's forward, then
+  (greedy) verification, the commit of the accepted keys (KVCache.commit) and the next candidates' top-k.
+- read back: the accepted paths and next candidates, the step's one host-device sync (sampling verifies here, then
+  commits the accepted keys through the same KVCache.commit).
+- advance: each sequence's cursor and tokens, on the host (Decoding.advance).
 
 A Decoding is one sequence's generation: its state, handed to its drafter at every step. In exact mode every forward
-runs Q rows per sequence on a cache of S slots, each row gathering its last W keys (sizes.shapes), and with a block
-batch of N (sizes.block_batch) N sequences' blocks, idle ones padded, so a product's total rows never change. A
-device's Programs (programs.py: CUDA graphs) run the step's and prefill's programs; without one, they run eagerly.
+runs Q rows per sequence on a cache of S slots, each row gathering its last W keys (sizes.shapes), and the blocks of a
+block batch of sequences (sizes.block_batch), idle ones padded, so a product's total rows never change
+(exact.py says why that makes a tree's logits AR's). A device's Programs (programs.py: CUDA graphs) run the step's and
+prefill's programs; without one, they run eagerly.
 """
 from __future__ import annotations
 
@@ -26,9 +28,11 @@ import torch.nn.functional as F
 from . import NanospecError, compiled, devices, sizes
 from .cache import Block, KVCache, packed, unpacked
 from .devices import Device
-from .drafter import AR, Drafter, Forward, Nodes, idle, ones
+from .drafter import AR, Drafter
+from .model import Forward
+from .programs import of as programs_of
 from .sizes import check_prompt, check_room, shapes
-from .tree import Layout, Sampler, Tree, accept, layout, pack, sample_verify, step_layout, unpack
+from .tree import Layout, Nodes, Sampler, Tree, accept, layout, pack_results, sample_verify, step_rows, unpack_results
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 HOST = torch.device("cpu")  # where a step is drafted and laid out
@@ -41,13 +45,13 @@ def step(live: list[Decoding], drafter: Drafter, record: bool):
     results, rows = {}, 0
     for s, members in groups:
         decs, trees = [m[0] for m in members], [m[1] for m in members]
-        block, nodes, seqs = lay_out(decs, s, trees)
-        launched = forward_and_verify(decs, s, block, nodes, seqs)
+        block, nodes, seqs = lay_out(decs, s, trees, budget)
+        launched = launch_step(decs, s, block, nodes, seqs)
         outcomes = read_back(decs, s, trees, launched, nodes, record)
         for (d, tree, whole), (path, emitted, logits) in zip(members, outcomes):
-            d.commit(path, emitted, moved=d.sampler.greedy)
+            d.advance(path, emitted)
             drafter.accepted(d, tree, path)
-            results[d], rows = (path, emitted, logits, whole), rows + s.size(len(tree))
+            results[d], rows = (path, emitted, logits, whole), rows + s.size(len(tree), budget)
     return budget, results, rows
 
 
@@ -62,53 +66,54 @@ def draft(live: list[Decoding], drafter: Drafter):
     for d in live:
         whole = (drafter if wide else stepper).draft(
             d, d.cands, template or getattr(drafter, "template", None), None if wide else budget)
-        s, tree = d.fit(stepper, whole.prefix(min(len(whole), budget + 1)) if wide else whole)
+        s, tree = d.fit(stepper, whole.prefix(min(len(whole), budget + 1)) if wide else whole, budget)
         key = (id(s), None if d.room >= s.max_rows else len(tree))  # near the cache's end: no filler
         groups.setdefault(key, (s, []))[1].append((d, tree, whole))
     return budget, list(groups.values())
 
 
-def lay_out(decs: list[Decoding], drafter: Drafter, trees: list[Tree]) -> tuple[Block, Nodes, torch.Tensor | None]:
+def lay_out(decs: list[Decoding], drafter: Drafter, trees: list[Tree], budget=None):
     """A group's trees as rows and nodes, on the host: each laid out for the group's largest (smaller trees get filler
     nodes; exact mode pads to Q rows), then stacked as one batch, with the group's cache rows (stack)."""
     n = max(map(len, trees))
-    return stack(decs, *zip(*(d.prepare(drafter, t, n) for d, t in zip(decs, trees))))
+    return stack(decs, *zip(*(d.prepare(drafter, t, n, budget) for d, t in zip(decs, trees))))
 
 
-def forward_and_verify(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, seqs):
+def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, seqs):
     """A group's step program (step_program, batch dim first) launched on one host tensor, and its start time. Exact
-    mode: fixed shapes, one program per method, shape key and group size (one CUDA graph each, on a GPU)."""
+    mode: fixed shapes, one program per method, tree size and group rows (one CUDA graph each, on a GPU)."""
     d = decs[0]
-    at = {x.seq: x.cur for x in decs} if d.N else dict(enumerate(x.cur for x in decs))
-    cur = torch.tensor([at.get(r, 0) for r in range(len(block.tokens))])  # idle sequences: slot 0 onto itself
+    cursors = {x.seq: x.cur for x in decs} if d.block_batch else dict(enumerate(x.cur for x in decs))
+    cur = torch.tensor([cursors.get(r, 0) for r in range(len(block.tokens))])  # idle sequences: slot 0 onto itself
     lay = nodes.lay
     flat, spec = packed([block.tokens, block.pos, block.slots, block.prefix, block.extra, nodes.tokens, lay.parent,
                          lay.depth, lay.index, lay.anc, nodes.real, cur, seqs])
-    key = ("step", id(drafter), drafter.shape_key(nodes) if d.exact else None, d.sampler.greedy, spec)
+    shape = (nodes.n, nodes.M) if d.exact and nodes.M else None  # what the forward depends on beyond its inputs
+    key = ("step", id(drafter), shape, d.sampler.greedy, spec)
     t0 = time.perf_counter()  # a capture keeps the program, and so d and drafter
-    return d.launch(key, functools.partial(step_program, d, drafter, nodes.n, spec), (flat,)), t0
+    return d.launch(key, functools.partial(step_program, d, drafter, nodes.n, nodes.M, spec), (flat,)), t0
 
 
-def step_program(d: Decoding, drafter: Drafter, n: int, spec: tuple, flat: torch.Tensor):
+def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, flat: torch.Tensor):
     """A group's step on the device: the method's forward, then (greedy) each sequence's verification (tree.accept),
-    the commit's moves (KVCache.settle) and its path end's drafts' top-k, as one tensor (tree.pack)."""
+    the commit of its accepted keys (KVCache.commit) and its path end's drafts' top-k, as one tensor (pack_results)."""
     *blk, tokens, parent, depth, index, anc, real, cur, seqs = unpacked(flat, spec)
     f = Forward.on_cache(d.model, Block(*blk), d.cache, d.exact, seqs, d.tail, d.dev)
     lay = Layout(parent, depth, index, anc)
-    out = drafter.forward(f, Nodes(tokens, lay, real.bool(), n))
+    out = drafter.forward(f, Nodes(tokens, lay, real.bool(), n, M))
     if not d.sampler.greedy:
-        return out.logits, out.drafts, out.depths, out.alive
+        return out.logits, out.draft_inputs, out.depths, out.alive
     if drafter.max_rows == 1:  # AR: its path is its root alone, accepted, its key already in place
         path, emitted = anc[:, 0], out.logits[:, :1].argmax(-1)
     else:
         path, emitted = accept(tokens, lay, out.logits, out.alive)  # (B, E) each
-        d.cache.settle(d.cache.ids[:len(cur)] if seqs is None else seqs, cur, path)
-    if out.drafts is None:
-        return pack(path, emitted), out.logits
+        d.cache.commit(d.cache.ids[:len(cur)] if seqs is None else seqs, cur, path)
+    if out.draft_inputs is None:
+        return pack_results(path, emitted), out.logits
     last, b = path.max(-1).values, d.cache.ids[:len(path)]  # each path's deepest node (indices grow along a path)
-    cands = drafter.propose(out.drafts[b, last], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices  # (B, K, R)
-    depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])
-    return pack(path, emitted, depth, cands), out.logits
+    cands = drafter.propose(out.draft_inputs[b, last], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices
+    depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])  # cands (B, K, R)
+    return pack_results(path, emitted, depth, cands), out.logits
 
 
 def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launched, nodes: Nodes, record: bool):
@@ -116,31 +121,36 @@ def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launche
     sequence's path and next candidates, as the device verified and drafted them; sampling: sample_back's. Per
     sequence: (path, emitted tokens, their logits if record); its next candidates go to cands (D, R) and lists."""
     d, (res, t0) = decs[0], launched
-    at = [x.seq for x in decs] if d.N else list(range(len(decs)))  # each sequence's index in the batch
+    rows = [x.seq for x in decs] if d.block_batch else list(range(len(decs)))  # each sequence's index in the batch
     if d.sampler.greedy:
         (flat, logits), R = res, max(drafter.topk, default=1)
         head = flat.tolist()  # the step's one read-back
-        found = [unpack(head[b], nodes.lay.anc.shape[-1], R) for b in at]
+        found = [unpack_results(head[b], nodes.lay.anc.shape[-1], R) for b in rows]
     else:
-        logits, found = res[0], sample_back(decs, drafter, trees, res, at)
+        logits, found = res[0], sample_back(decs, drafter, trees, res, rows)
     took, results = time.perf_counter() - t0, []
-    for b, x, (path, emitted, cands, lists) in zip(at, decs, found):
+    for b, x, (path, emitted, cands, lists) in zip(rows, decs, found):
         x.forward_s, x.cands, x.lists = x.forward_s + took / len(decs), cands, lists  # its share of the program
         results.append((path, emitted, logits[b, path].float().cpu() if record else None))
     return results
 
 
-def sample_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], res, at: list[int]) -> list:
-    """Sampling's read-back: the logits verified here, on the host (sample_verify), and the drafts at each path's end
-    proposed, one product for the batch, as greedy's program does. Per sequence: (path, emitted, cands, lists)."""
-    logits, drafts, depths, alive = res
+def sample_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], res, rows: list[int]) -> list:
+    """Sampling's read-back: the logits verified here, on the host (sample_verify), the accepted keys committed
+    (KVCache.commit, as greedy's program does), and the drafts at each path's end proposed, one product for the batch.
+    Per sequence: (path, emitted, cands, lists)."""
+    logits, draft_inputs, depths, alive = res
     paths = [sample_verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
-             for b, x, t in zip(at, decs, trees)]
+             for b, x, t in zip(rows, decs, trees)]
+    d, E = decs[0], max(len(p) for p, _ in paths)
+    keep = lambda v: torch.tensor(v, device=d.cache.kv.device)
+    d.cache.commit(keep([x.seq for x in decs]), keep([x.cur for x in decs]),
+                   keep([p + [-1] * (E - len(p)) for p, _ in paths]))
     depth = [0] * len(decs)  # the depths each path's end drafted
-    if drafts is not None:
-        b = torch.tensor(at, device=drafts.device)
-        ends = torch.tensor([p[-1] for p, _ in paths], device=drafts.device)
-        top = drafter.propose(drafts[b, ends], decs[0].dev.kernels).topk(max(drafter.topk), dim=-1).indices.cpu()
+    if draft_inputs is not None:
+        b = keep(rows)
+        ends = keep([p[-1] for p, _ in paths])
+        top = drafter.propose(draft_inputs[b, ends], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices.cpu()
         depth = depths[b, ends].tolist() if depths is not None else [top.shape[1]] * len(decs)
     return [(p, e, top[i, :k], top[i, :k].tolist()) if k else (p, e, None, None)
             for i, ((p, e), k) in enumerate(zip(paths, depth))]
@@ -155,49 +165,44 @@ class Decoding:
                  dev: Device | None = None, tail: int | None = None, programs=None):
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
         self.tail = tail or Q      # exact mode: the keys each row gathers in canonical order (sizes.shapes' W)
-        self.N = block_batch if exact else None  # exact forwards run N sequences' blocks (None: the live ones)
+        self.block_batch = block_batch if exact else None  # exact forwards run this many sequences' blocks (None: live)
         self.reserved = reserved   # the drafter's own cache slots (e.g. BiTA's prompt keys)
         self.device = model.embed.weight.device
         self.dev = devices.of(dev or self.device)  # the device's layout and speed (devices.py)
-        self.sampler = sampler or Sampler()
-        self.prompt = prompt
+        self.sampler, self.prompt = sampler or Sampler(), prompt
         self.seq = seq             # this sequence's cache row
-        self.seqs = None if cache.k.shape[1] == 1 else torch.tensor([seq])
+        self.seqs = None if cache.kv.shape[2] == 1 else torch.tensor([seq])
         self.out: list[int] = []   # tokens emitted so far
         self.last = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
         self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
         self.forward_s = 0.0       # time from a step's launch to its read-back (in a batch, its share)
         self.cands = self.lists = None  # the next candidates its last accepted node drafted, (D, R) and as lists
         self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
-        self.programs = programs or (self.dev.programs if exact else None)  # how its programs run (None: eagerly)
-
-    def block(self, tree: Tree, hosts=(), M: int = 0, reserved: bool = False, chained: bool = True, n=0) -> Block:
-        """The tree's rows at the current position, on the host, then filler nodes up to n (token 0, children of the
-        root, never verified: a batch's trees share one layout), then (M > 0) a group of M rows after each host node
-        (tree.group_rows; reserved: they also see the drafter's reserved slots). Laid out once per shape at position 0
-        (tree.step_layout) and moved to cur."""
-        parents = tree.parents + (0,) * (n - len(tree))
-        b, seq = step_layout(parents, tuple(hosts), M, self.reserved_slots if reserved else (), chained,
-                             self.cache.capacity, None)
-        tokens, cur = F.pad(torch.as_tensor(tree.tokens, device=HOST), (0, len(b) - len(tree))).view(1, -1), self.cur
-        return Block(tokens, b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
+        self.programs = programs or (programs_of(self.dev) if exact else None)  # how its programs run (None: eagerly)
 
     @property
     def room(self) -> int:  # rows the next forward may write: slots cur..capacity-1
         return self.cache.capacity - self.cur
 
-    def fit(self, drafter: Drafter, tree: Tree) -> tuple[Drafter, Tree]:
+    def fit(self, drafter: Drafter, tree: Tree, budget=None) -> tuple[Drafter, Tree]:
         """The tree trimmed to the cache's room; with no room even for the root's own rows, an AR step."""
         m = len(tree)
-        while m > 1 and drafter.size(m) > self.room:
+        while m > 1 and drafter.size(m, budget) > self.room:
             m -= 1
-        return (AR, tree.prefix(1)) if drafter.size(m) > self.room else (drafter, tree.prefix(m))
+        return (AR, tree.prefix(1)) if drafter.size(m, budget) > self.room else (drafter, tree.prefix(m))
 
-    def prepare(self, drafter: Drafter, tree: Tree, largest: int) -> tuple[Block, Nodes]:
-        """A step's rows and nodes, on the host, laid out for its group's largest tree; exact mode pads both to Q."""
-        n = len(tree)
-        tokens, real = torch.as_tensor(tree.tokens, device=HOST), ones(n, HOST)
-        block = drafter.rows(self, Tree(tokens, tree.parents), largest)
+    def prepare(self, drafter: Drafter, tree: Tree, largest: int, budget=None) -> tuple[Block, Nodes]:
+        """A step's rows and nodes, on the host, laid out for its group's largest tree: the tree's rows at the current
+        position, filler nodes up to largest (token 0, children of the root, never verified: a batch's trees share one
+        layout), then the groups of rows the drafter asks for (tree.Groups), laid out once per shape at position 0
+        (tree.step_rows) and moved to cur; exact mode pads rows and nodes to Q."""
+        n, groups, cur = len(tree), drafter.groups(tree, largest, budget), self.cur
+        b, seq = step_rows(tree.parents + (0,) * (largest - n), groups, self.reserved_slots, self.cache.capacity, None)
+        tokens, real = torch.as_tensor(tree.tokens, device=HOST), torch.ones(n, dtype=torch.bool)
+        ids = F.pad(tokens, (0, len(b) - n))
+        if groups.tokens:  # the group rows' own ids (else 0: the forward embeds them)
+            ids[largest:largest + len(groups.tokens)] = torch.as_tensor(groups.tokens)
+        block = Block(ids[None], b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
         # rows write slots cur..cur+len-1: past the capacity lie the reserved slots and the trash slot
         assert len(block) <= self.room, f"a step of {len(block)} rows overruns the cache ({self.room} slots left)"
         lay = layout(tree.parents)
@@ -207,7 +212,7 @@ class Decoding:
                                     f"keys ({drafter.name}'s max_depth is {drafter.max_depth})")
             block, lay = self.fixed(block), lay.pad(self.Q)
             tokens, real = F.pad(tokens, (0, self.Q - n), value=-1), F.pad(real, (0, self.Q - n))
-        return block, Nodes(tokens, lay, real, largest)
+        return block, Nodes(tokens, lay, real, largest, groups.M)
 
     def fixed(self, block: Block) -> Block:
         """An exact-mode block at fixed shapes, the same every step: Q rows, each seeing up to the cache's S slots."""
@@ -224,10 +229,11 @@ class Decoding:
         block = self.fixed(block) if self.exact else block
         if embeds is not None and self.exact:
             embeds = F.pad(embeds, (0, 0, 0, self.Q - n))
-        seqs, at = self.seqs, 0
-        if self.N:  # N sequences' blocks, this one's at its cache row
-            (block, _, seqs), at = stack([self], [block], [self.idle()[1]]), self.seq
-            embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, at, self.N - 1 - at))
+        seqs, row = self.seqs, 0
+        if self.block_batch:  # the block batch's sequences' blocks, this one's at its cache row
+            padding = Nodes.idle(self.Q, self.cache.trash, self.cache.n_slots)
+            (block, _, seqs), row = stack([self], [block], [padding[1]]), self.seq
+            embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, row, self.block_batch - 1 - row))
         flat, spec = packed([block.tokens, block.pos, block.slots, block.prefix, block.extra, seqs])
 
         def run(flat, embeds):
@@ -235,10 +241,7 @@ class Decoding:
             f = Forward.on_cache(self.model, Block(*b), self.cache, self.exact, seqs, self.tail, self.dev)
             x = f.embed() if embeds is None else embeds
             return f.logits(f.norm(f.layers(x)), len(f.block))
-        return self.launch(("run", spec), run, (flat, embeds))[at, :n]
-
-    def idle(self) -> tuple[Block, Nodes]:  # a padding sequence's block and nodes (drafter.idle)
-        return idle(self.Q, self.cache.trash, self.cache.n_slots, HOST)
+        return self.launch(("run", spec), run, (flat, embeds))[row, :n]
 
     def launch(self, key, fn, args):  # fn(*args) on the device: eagerly, or as the generation's Programs run it
         if self.programs is None:
@@ -253,11 +256,8 @@ class Decoding:
             self.run(Tree.chain(part[0], part[1:]).block(self.cur))
             self.cur += len(part)
 
-    def commit(self, path: list[int], tokens: list[int], moved: bool = True) -> None:
-        """The accepted path's tokens emitted and its keys kept: node i, at slot cur+i, moves to cur, cur+1, ...
-        (moved: the step's program moved them, as greedy steps do)."""
-        if not moved:
-            self.cache.compact([self.cur + i for i in path], self.cur, self.seq)
+    def advance(self, path: list[int], tokens: list[int]) -> None:
+        """The accepted path's tokens emitted, and the cursor past its keys (KVCache.commit moved them to cur, ...)."""
         self.cur += len(path)
         self.out += tokens
         self.last = tokens[-1]
@@ -266,16 +266,16 @@ class Decoding:
 def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
     """A group's rows and nodes as one batch, on the host (Block.stack, Nodes.stack), and its cache rows (None: the
     cache's own order). With a block batch of N, every cache row's sequence, in order: the group's, and idle ones."""
-    d, n = decs[0], nodes[0].n  # every sequence's tree laid out for the group's largest
-    if d.N:
-        own, padding = dict(zip((x.seq for x in decs), zip(blocks, nodes))), d.idle()
-        blocks, nodes = zip(*(own.get(r, padding) for r in range(d.N)))
+    d, n, M = decs[0], nodes[0].n, nodes[0].M  # every sequence's tree laid out for the group's largest
+    if d.block_batch:
+        own, idle = dict(zip((x.seq for x in decs), zip(blocks, nodes))), (d.Q, d.cache.trash, d.cache.n_slots)
+        blocks, nodes = zip(*(own.get(r) or Nodes.idle(*idle) for r in range(d.block_batch)))
     elif len(decs) == 1:
         x = nodes[0]
-        return blocks[0], Nodes(x.tokens[None], x.lay.at(None), x.real[None], x.n), d.seqs
-    seqs = list(range(d.N)) if d.N else [x.seq for x in decs]  # a block batch: every cache row, in order
-    in_order = seqs == list(range(d.cache.k.shape[1]))
-    return Block.stack(blocks, d.cache.trash), Nodes.stack(nodes, n), None if in_order else torch.tensor(seqs)
+        return blocks[0], Nodes(x.tokens[None], x.lay.at(None), x.real[None], n, M), d.seqs
+    seqs = list(range(d.block_batch)) if d.block_batch else [x.seq for x in decs]  # a block batch: every row, in order
+    in_order = seqs == list(range(d.cache.kv.shape[2]))
+    return Block.stack(blocks, d.cache.trash), Nodes.stack(nodes, n, M), None if in_order else torch.tensor(seqs)
 
 
 @dataclass
@@ -305,16 +305,16 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of prompts is a
     batch: one Output each, every sequence as if decoded alone (its own sampling stream from seed). batch: the
     sequences decoded at once (None: all); a stopped one's cache row takes the next prompt (continuous batching).
-    Q, n_slots, tail: exact mode's shapes (default: sizes.shapes); block_batch: its sequences' blocks
-    per forward (default: sizes.block_batch); eos_id None: the model's, -1: none. dev: the device's layout and
-    speed (devices.Device; default: devices.of the model's device); compile: exact mode's layer compiled (its `call`:
-    compiled.py); programs: how the device programs run (default: exact mode's the device's, programs.py)."""
+    Q, n_slots, tail: exact mode's shapes (default: sizes.shapes); block_batch: its sequences' blocks per forward
+    (default: sizes.block_batch); eos_id None: the model's, -1: none. dev: the device's layout and speed (default:
+    devices.of the model's device); compile: exact mode's layer compiled (compiled.py); programs: how the device
+    programs run (default: programs.of the device in exact mode)."""
     drafter = drafter or AR
     dev = devices.of(dev or model.embed.weight)
     if compile and not exact:
         raise NanospecError("compile=True needs exact=True")
     dev = replace(dev, call=compiled.layer) if compile else dev
-    programs = programs or (dev.programs if exact else None)
+    programs = programs or (programs_of(dev) if exact else None)
     many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
     prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if many else [prompt])]
     Q, S, W = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots)

@@ -6,7 +6,7 @@ node, its ancestors by depth and itself: the canonical key order (README, "The c
 over its visible keys as AR would see them. A batch's sequences each have their own cache row (a forward's seqs).
 Two modes:
 - exact: each row reduces over its visible keys in canonical order, the keys before its last W read in place and
-  the last W gathered (attend_exact), at fixed shapes, so its result depends only on its own input and visible
+  the last W gathered (exact.py says why), at fixed shapes, so its result depends only on its own input and visible
   keys: in a fixed block of Q rows per sequence, a node's logits are bitwise AR's.
 - fast: SDPA over the used part of the cache with a boolean mask, and each product in the device's form
   (devices.Device.kernels: a tuned one, tuning/products.py, else F.linear).
@@ -15,7 +15,7 @@ window. The window is visibility, in both modes (Llama.context): a row at positi
 > p - window, as transformers does. Committed slot j holds position j, a slot the block writes its row's position
 (trees of any depth); slots of a method's own keys (BiTA's prompt) hold none and stay visible.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -25,10 +25,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import devices
 from .cache import Block
 from .devices import Device
+from .exact import Canonical, canonical
+from .exact import attend as attend_exact
 from .fused import fuse
 from .rope import KINDS, inv_freq
-
-NEUTRAL = Device()  # a device that needs nothing of exact mode's rows (a GPU's view: devices.py)
 
 # Fast mode's SDPA backends, explicit: left to choose, PyTorch may pick cuDNN, which replans per key length.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -78,59 +78,55 @@ class Context:
     """Per-forward attention inputs derived once from a Block and shared by all layers."""
     cos: torch.Tensor
     sin: torch.Tensor                  # signed: -sin on the first half of a head (see apply_rope)
-    slots: torch.Tensor
+    slots: torch.Tensor                # (T,) or per sequence (B, T): the cache slot each row writes
     exact: bool
-    tail: torch.Tensor | None = None   # exact: (B, 1, T, W) the slots of each row's last W keys, canonical order
-    bias: tuple | None = None          # exact: the scores' masks (0 visible, -inf not): in place, then the tail
-    b: torch.Tensor | None = None      # (B, 1, 1, 1) the cache rows (the writes' index), and in exact mode
-    h: torch.Tensor | None = None      # (Hkv, 1, 1) the key heads: with b, the tail's gather indices
+    cache_rows: torch.Tensor | None = None  # (B, 1, 1, 1) each sequence's cache row: where its rows write and read
+    seqs: torch.Tensor | None = None   # (B,) the same, or None: the cache's rows in order
+    order: Canonical | None = None     # exact: each row's keys in canonical order (exact.py)
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
-    seqs: torch.Tensor | None = None   # (B,) the cache rows of the block's sequences; None: 0..B-1
     delta: object = None               # delta(layer, x, y): a product's update on some rows (SDSAT's adaptive rows)
-    dev: Device = NEUTRAL              # the device's layout and speed (devices.py), as the forward's caller chose
-
-    def rows(self, x):
-        """Matmul input: in exact mode, as the device's products need it (devices.Device.rows)."""
-        return self.dev.rows(x) if self.exact else x
+    dev: Device = Device()             # the device's layout and speed (devices.py): every device need goes through it
 
     def layer(self, layer, x, kv):
         """A layer over the rows: in exact mode through the device's callable for it, if any (a compiled layer)."""
         call = self.dev.call if self.exact else None
         return layer(x, self, kv) if call is None else call(layer, x, self, kv)
 
-    def mm(self, layer, x, add=None):
-        """A layer's product (with its bias, if any), plus add (a residual, bias-free layers) if given. Exact mode:
-        one kernel on the rows folded into one matrix, F.linear, or addmm with add in its epilogue (AR's kernel).
-        Fast mode: the device's form of the product (devices.Device.kernels: a tuned one, else F.linear)."""
+    def linear(self, layer, x, add=None):
+        """A layer's product (with its bias, if any), plus add (a residual) if given. Exact mode: the rows as the
+        device's products need them (devices.Device.aligned), in one kernel over the rows folded into one matrix,
+        F.linear, or addmm with add in its epilogue (AR's kernel). Fast mode: the device's form of the product
+        (devices.Device.kernels: a tuned one, else F.linear)."""
         if not self.exact:
             y = F.linear(x, layer.weight, layer.bias) if self.dev.kernels is None else self.dev.kernels(layer, x)
         elif add is None:
+            x = self.dev.aligned(x)
             y = F.linear(x.flatten(0, -2), layer.weight, layer.bias).view(*x.shape[:-1], -1)
         else:
+            x = self.dev.aligned(x)
             y = torch.addmm(add.flatten(0, -2), x.flatten(0, -2), layer.weight.t()).view(add.shape)
         y = y if self.delta is None else self.delta(layer, x, y)
         return y + add if add is not None and not self.exact else y
 
-    def map(self, fn, x):
-        """An elementwise fn; in exact mode each row's result is independent of its index (devices.Device)."""
+    def elementwise(self, fn, x):
+        """fn(x); in exact mode each row's result independent of its index (devices.Device.elementwise)."""
         return self.dev.elementwise(fn, x) if self.exact else fn(x)
 
     def select(self, rows: torch.Tensor) -> "Context":
         """The context of a subset of rows (e.g. survivors of pruning), sliced rather than rebuilt."""
         pick = lambda t: None if t is None else t[:, rows]
-        return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact, b=self.b,
-                       mask=pick(self.mask), L=self.L, seqs=self.seqs, dev=self.dev)  # fast mode only
+        return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact, self.cache_rows,
+                       self.seqs, mask=pick(self.mask), L=self.L, dev=self.dev)  # fast mode only
 
-    def write(self, kv, new):
-        """Store the rows' keys and values, new (B, T, Hkv, 2, D), in their sequences' cache rows of kv (2, B, Hkv,
-        S, D'), both in one copy; returns kv."""
-        b = None if self.seqs is None and self.slots.dim() == 1 else self.b.view(-1, 1)
-        c = kv[..., :new.shape[-1]]  # a cache's head width may be padded
-        if b is None:  # one row of slots for the batch: the faster copy
-            c.index_copy_(3, self.slots, new.permute(3, 0, 2, 1, 4))
+    def write(self, kv, k, v):
+        """Store the rows' keys and values (B, T, Hkv, D) in their sequences' cache rows of kv (2, B, Hkv, S, D'),
+        both in one copy; returns kv."""
+        new, c = torch.stack((k, v)), kv[..., :k.shape[-1]]  # (2, B, T, Hkv, D); a cache's head width may be padded
+        if self.seqs is None and self.slots.dim() == 1:  # one row of slots for the batch: the faster copy
+            c.index_copy_(3, self.slots, new.transpose(2, 3))
         else:
-            c[:, b, :, self.slots] = new.transpose(2, 3)  # advanced indices first: (B, T, 2, Hkv, D)
+            c[:, self.cache_rows.view(-1, 1), :, self.slots] = new.permute(1, 2, 0, 3, 4)  # (B, T, 2, Hkv, D)
         return kv
 
 
@@ -146,35 +142,10 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x, cos, sin):
-    """x (B, T, ..., D) rotated; cos, sin (B, T, 1, G + 2, D) (a key head's query heads, its key, its value), sin
-    signed (-sin, sin): HF's x * cos + cat(-x2, x1) * sin bit for bit (a negation is exact), in four ops. The
-    value's angle is 0 (cos 1, sin 0): it stays itself (a negative zero may turn positive, which no sum of other
-    terms sees), beside its key, so the two land in the cache in one copy."""
+    """x (B, T, ..., D) rotated (q and k: a key head's query heads, then its key); cos, sin (B, T, 1, 1, D), sin signed
+    (-sin, sin): HF's x * cos + cat(-x2, x1) * sin bit for bit (a negation is exact), in four ops."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin
-
-
-@torch.no_grad()  # inference only: the scores are written into one buffer (out=), which autograd does not follow
-def attend_exact(q, kv, ctx):
-    """q (B, T, Hkv, G, D), query head h * G + g using key head h; kv (2, B, Hkv, S, D'): keys, values (D' >= D:
-    a cache's head width may be padded). Each row reduces over its keys in canonical order, split where its position
-    alone says: the keys before its last W are read in place, in slot order; the last W are gathered, in canonical
-    order. AR's row at the same position splits at the same key, so a tree row's scores, softmax and weighted
-    sums are AR's bit for bit, and no row copies more than W keys of the cache."""
-    (B, T, Hkv, G, D), (S, Dc), W = q.shape, kv.shape[-2:], ctx.tail.shape[-1]
-    q = F.pad(q.transpose(1, 2), (0, Dc - D)) if Dc > D else q.transpose(1, 2).contiguous()  # (B, Hkv, T, G, D')
-    kt, vt = kv[:, ctx.b, ctx.h, ctx.tail]  # (B, Hkv, T, W, D') each: the tails, canonical order
-    kc, vc = kv if ctx.seqs is None else kv.index_select(1, ctx.seqs)  # a subset of the cache's rows: theirs alone
-    scale, (bias_in, bias_tail), L = D ** -0.5, ctx.bias, S + W
-    att = q.new_empty(B, Hkv, T, G, L)  # the scores: the keys read in place, then the tail's, scaled and masked
-    torch.baddbmm(bias_in, q.view(-1, T * G, Dc), kc.view(-1, S, Dc).transpose(1, 2), alpha=scale,
-                  out=att.view(-1, T * G, L)[..., :S])
-    torch.baddbmm(bias_tail, q.view(-1, G, Dc), kt.view(-1, W, Dc).transpose(1, 2), alpha=scale,
-                  out=att.view(-1, G, L)[..., S:])
-    att = F.softmax(att, dim=-1)  # one kernel: bf16's is computed in fp32 and rounded once, as HF's upcast is
-    y = torch.bmm(att[..., :S].reshape(-1, T * G, S), vc.view(-1, S, Dc))  # the keys read in place, then the tail's
-    y = torch.baddbmm(y.view(-1, G, Dc), att[..., S:].reshape(-1, G, W), vt.view(-1, W, Dc))  # (B*Hkv*T, G, D')
-    return y.view(B, Hkv, T, G, Dc)[..., :D].transpose(1, 2).contiguous().view(B, T, Hkv * G * D)
 
 
 def attend_fast(q, kv, ctx):
@@ -205,16 +176,15 @@ class Attention(nn.Module):
     def forward(self, x, ctx: Context, kv, residual):
         B, T, _ = x.shape
         G = self.n_heads // self.n_kv
-        qkv = ctx.mm(self.qkv, ctx.rows(x)).view(B, T, self.n_kv, G + 2, self.hd)  # (B, T, Hkv, G + 2, D)
+        qkv = ctx.linear(self.qkv, x).view(B, T, self.n_kv, G + 2, self.hd)  # per key head: G queries, key, value
+        qk, v = qkv[:, :, :, :G + 1], qkv[:, :, :, G + 1]
         if self.q_norm is not None:  # each head of q and of k normed by its own weight, before RoPE
-            w = torch.cat((self.q_norm.weight.expand(G, -1), self.k_norm.weight[None]))
-            qkv = torch.cat((self.q_norm(qkv[:, :, :, :G + 1], w), qkv[:, :, :, G + 1:]), 3)
-        qkv = apply_rope(qkv, ctx.cos, ctx.sin)  # the values unturned
-        q, new = qkv[:, :, :, :G], qkv[:, :, :, G:]
-        # no cache (training): the rows' own keys are slots 0..T-1
-        kv = new.permute(3, 0, 2, 1, 4) if kv is None else ctx.write(kv, new)
+            qk = self.q_norm(qk, torch.cat((self.q_norm.weight.expand(G, -1), self.k_norm.weight[None])))
+        qk = apply_rope(qk, ctx.cos, ctx.sin)
+        q, k = qk[:, :, :, :G], qk[:, :, :, G]
+        kv = torch.stack((k, v)).transpose(2, 3) if kv is None else ctx.write(kv, k, v)  # None: keys at rows 0..T-1
         y = (attend_exact if ctx.exact else attend_fast)(q, kv, ctx)
-        return ctx.mm(self.o_proj, ctx.rows(y), residual)
+        return ctx.linear(self.o_proj, y, residual)
 
 
 class MLP(nn.Module):
@@ -225,8 +195,8 @@ class MLP(nn.Module):
         self.down_proj.role = "down_proj"
 
     def forward(self, x, ctx: Context, residual):
-        gate, up = ctx.mm(self.gate_up, ctx.rows(x)).chunk(2, dim=-1)
-        return ctx.mm(self.down_proj, ctx.rows(ctx.map(F.silu, gate) * up), residual)
+        gate, up = ctx.linear(self.gate_up, x).chunk(2, dim=-1)
+        return ctx.linear(self.down_proj, ctx.elementwise(F.silu, gate) * up, residual)
 
 
 class Layer(nn.Module):
@@ -255,12 +225,10 @@ class Llama(nn.Module):
         self.init_rope()
 
     def init_rope(self, device=None):
-        """RoPE's constants in fp32, whatever the weights: both halves' frequencies for a key head's query heads and
-        its key, 0 for its value (apply_rope), and sin's signs."""
-        a, G = self.args, self.args.n_heads // self.args.kv_heads
+        """RoPE's constants in fp32, whatever the weights: both halves' frequencies, and sin's signs."""
+        a = self.args
         inv = inv_freq(a.hd, a.rope_theta, a.rope_scaling).to(device)
-        both = torch.cat((inv, inv))
-        self.register_buffer("freqs", torch.cat((both.expand(G + 1, -1), 0 * both[None])), persistent=False)
+        self.register_buffer("freqs", torch.cat((inv, inv)), persistent=False)
         self.register_buffer("signs", torch.cat((-torch.ones_like(inv), torch.ones_like(inv))), persistent=False)
 
     def _apply(self, fn, *args, **kwargs):  # model.to(dtype, device): the RoPE constants move, and stay fp32
@@ -269,7 +237,7 @@ class Llama(nn.Module):
         return self
 
     def rope(self, pos: torch.Tensor, dev: Device | None = None):
-        """cos and signed sin (B, T, 1, G + 2, D) for positions (B, T) (see apply_rope); dev: exact mode's device."""
+        """cos and signed sin (B, T, 1, 1, D) for positions (B, T) (see apply_rope); dev: exact mode's device."""
         freqs, dt = pos[..., None, None, None] * self.freqs, self.embed.weight.dtype  # fp32 like HF (int * float)
         f = dev.elementwise if dev else lambda fn, x: fn(x)
         return f(torch.cos, freqs).to(dt), (f(torch.sin, freqs) * self.signs).to(dt)
@@ -281,19 +249,21 @@ class Llama(nn.Module):
         dev: the device's layout and speed (default: devices.of the block's device); ids: 0, 1, ... on the device,
         at least n_slots + 1 and the batch of them (KVCache.ids: made once, a program's indices are its views)."""
         dev = devices.of(block.extra.device) if dev is None else dev
-        W = tail - tail % -dev.grain(self.embed.weight.dtype)[0]  # whole rows of the device's grain
+        W = tail - tail % -dev.slot_grain  # whole rows of the device's grain
         n = max(n_slots + 1, W, len(block.extra), block.extra.shape[-1] + 1, self.args.kv_heads)
         ids = torch.arange(n, device=block.extra.device) if ids is None or len(ids) < n else ids
-        ctx = Context(*self.rope(block.pos, dev if exact else None), block.slots, exact, seqs=seqs, dev=dev)
+        rows = (ids[:len(block.extra)] if seqs is None else seqs)[:, None, None, None]
+        ctx = Context(*self.rope(block.pos, dev if exact else None), block.slots, exact, rows, seqs, dev=dev)
         prefix, extra, win = block.prefix[..., None], block.extra, self.args.sliding_window
         gone = None if win is None else block.pos[..., None] - win  # keys at positions <= gone: out of the window
         if gone is not None:
-            at = torch.full((len(extra), n_slots), 1 << 62, device=extra.device)  # each slot's position
-            at = at.scatter_(1, block.slots.expand(len(extra), -1), block.pos)
-            extra = extra.masked_fill(at.gather(1, extra.clamp(min=0).flatten(1)).view_as(extra) <= gone, -1)
-        ctx.b = (ids[:len(extra)] if seqs is None else seqs)[:, None, None, None]
+            pos = torch.full((len(extra), n_slots), 1 << 62, device=extra.device)  # each slot's position
+            pos = pos.scatter_(1, block.slots.expand(len(extra), -1), block.pos)
+            extra = extra.masked_fill(pos.gather(1, extra.clamp(min=0).flatten(1)).view_as(extra) <= gone, -1)
         if exact:
-            return self.canonical(ctx, prefix, extra, gone, n_slots, W, ids)
+            a, dt = self.args, self.embed.weight.dtype
+            ctx.order = canonical(prefix, extra, gone, n_slots, W, a.kv_heads, a.n_heads // a.kv_heads, ids, dt)
+            return ctx
         ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)  # fast: SDPA over slots 0..L-1, masked
         # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
         j = torch.arange(L + 1, device=extra.device)
@@ -304,36 +274,71 @@ class Llama(nn.Module):
         ctx.mask = None if bool(mask.all()) else mask
         return ctx
 
-    def canonical(self, ctx: Context, prefix, extra, gone, S: int, W: int, ids) -> Context:
-        """Exact mode's attention inputs: each row's keys in canonical order, committed slots 0..prefix-1 then extra,
-        its last W gathered (ctx.tail, ctx.h) and the rest read in place, both as the scores' masks (ctx.bias);
-        gone: each row's last position out of the window (None: no window); ids: 0, 1, ... (context)."""
-        (B, T, E), Hkv, G = extra.shape, self.args.kv_heads, self.args.n_heads // self.args.kv_heads
-        valid = extra >= 0
-        n = (valid * ids[1:E + 1]).amax(-1, keepdim=True)  # (B, T, 1) the extra keys a row's order holds
-        m = n - W  # the tail's start, from prefix on
-        # the tail: of the W committed keys before prefix, then extra, the W from the tail's start on
-        at = torch.cat((prefix - W + ids[:W], extra), -1).gather(-1, n + ids[:W])  # (B, T, W) < 0: none
-        if gone is not None:  # committed keys out of the window
-            at = torch.where((at <= gone) & (ids[:W] < -m), -1, at)
-        # in place: committed slots below the tail's start, and any extra before it (rows that see more extra
-        # keys than the tail holds, never a verified row's), in slot order; column S collects the rest
-        seen = ids[:S + 1] < prefix + m.clamp(max=0)
-        if gone is not None:
-            seen &= ids[:S + 1] > gone
-        seen = seen.scatter_(-1, torch.where((ids[:E] < m) & valid, extra, ids[S]), True)[..., :S]
-        dt = self.embed.weight.dtype  # the masks as the scores' biases (log 1 = 0, log 0 = -inf), written whole
-        bias_in = seen.to(dt)[:, None, :, None].expand(B, Hkv, T, G, S).log().reshape(B * Hkv, T * G, S)
-        bias_tail = (at >= 0).to(dt)[:, None, :, None].expand(B, Hkv, T, 1, W).log().reshape(-1, 1, W)
-        ctx.tail, ctx.bias, ctx.h = at.clamp(min=0)[:, None], (bias_in, bias_tail), ids[:Hkv, None, None]
-        return ctx
-
     def forward(self, block: Block, cache=None, exact: bool = False, tail: int = 1, dev=None):
         """Logits (B, T, V) for the block's rows. cache=None (training): row t's key is slot t, so the
         block's slots must be 0..T-1 and visibility refers to rows (training.causal: a plain LM block)."""
-        S, ids = (cache.k.shape[-2], cache.ids) if cache else (len(block), None)
-        ctx = self.context(block, S, exact, tail=tail, dev=dev, ids=ids)
-        x = self.embed(block.tokens)
-        for i, layer in enumerate(self.layers):
-            x = ctx.layer(layer, x, cache.layer(i) if cache else None)
-        return ctx.mm(self.lm_head, ctx.rows(self.norm(x)))
+        f = Forward.on_cache(self, block, cache, exact, tail=tail, dev=dev) if cache else \
+            Forward(self, block, self.context(block, len(block), exact, tail=tail, dev=dev), [None] * len(self.layers))
+        return f.logits(f.norm(f.layers(f.embed())), len(block))
+
+
+class Forward:
+    """One forward pass over a block of rows, as a method's step is written against it: embed, run layers (all rows,
+    or only the `active` ones: ProPD's survivors of pruning, Hidden Transfer's real rows before its pseudo rows
+    join), norm, logits. Fast mode runs only active rows (removed, then put back); exact mode runs every row of its
+    fixed-shape block, since a row's result never depends on the other rows, and so the whole step can be one CUDA
+    graph. Training forwards use it over a cache-free, masked context (`training`), so a method's trainer and its
+    decoder share one layer loop."""
+
+    def __init__(self, model: Llama, block: Block, ctx: Context, kv):
+        """kv[i]: layer i's keys and values (the KV cache's, a training forward's own, None: the rows' own)."""
+        self.model, self.block, self.ctx, self.kv, self.exact = model, block, ctx, kv, ctx.exact
+
+    @classmethod
+    def on_cache(cls, model: Llama, block: Block, cache, exact: bool, seqs=None, tail: int = 1, dev=None):
+        """seqs (B,): the cache rows of the block's sequences (None: the cache's rows in order); tail: exact mode's
+        keys gathered per row (sizes.shapes' W); dev: the device's layout and speed (devices.py)."""
+        return cls(model, block, model.context(block, cache.kv.shape[-2], exact, seqs, tail, dev, cache.ids), cache.kv)
+
+    @classmethod
+    def training(cls, model: Llama, tokens, pos, vis, prefix=None) -> "Forward":
+        """A cache-free forward over rows that see each other as vis (B, R, K + R) says, K being the keys and values
+        that prefix[i] or prefix(i) puts before the rows in layer i (SDSAT's frozen standard rows, BiTA's deep
+        prompt)."""
+        (B, R), a, w = tokens.shape, model.args, model.embed.weight
+        K = vis.shape[-1] - R
+        ctx = Context(*model.rope(pos), torch.arange(K, K + R, device=tokens.device), False, mask=vis, L=K + R)
+        blk = Block(tokens, pos, ctx.slots, torch.zeros_like(pos), torch.full((B, R, 1), -1, device=tokens.device))
+        own = lambda i: w.new_zeros(2, B, a.kv_heads, R, a.hd)
+        before = lambda i: (prefix(i) if callable(prefix) else prefix[i]).expand(-1, B, -1, -1, -1)  # (2, B, Hkv, K, D)
+        kv = [own(i) if prefix is None else torch.cat([before(i), own(i)], 3) for i in range(a.n_layers)]
+        return cls(model, blk, ctx, kv)
+
+    def embed(self) -> torch.Tensor:
+        return self.model.embed(self.block.tokens)
+
+    def layers(self, x, start: int = 0, stop: int | None = None, active=None, delta=None) -> torch.Tensor:
+        """x after layers start..stop-1. active (R,) or per sequence (B, R) bool: the rows that need them; fast mode
+        runs only those (in a batch, the rows some sequence needs; the others keep x), exact mode runs all rows
+        (inactive ones are never read). delta: per layer, an update of its products on some rows (Context.delta:
+        SDSAT's adaptive rows), for a whole block (no active)."""
+        layers = range(start, len(self.model.layers) if stop is None else stop)
+        ctx, rows = self.ctx, None
+        active = active.any(0) if active is not None and active.dim() == 2 else active
+        if active is not None and not self.exact and not bool(active.all()):
+            rows = active.nonzero()[:, 0]
+            ctx, y = ctx.select(rows), x[:, rows]
+        else:
+            y = x
+        for i in layers:
+            c = ctx if delta is None else replace(ctx, delta=delta[i])
+            y = c.layer(self.model.layers[i], y, self.kv[i])
+        return y if rows is None else x.index_copy(1, rows, y)
+
+    def norm(self, x) -> torch.Tensor:
+        return self.model.norm(x)
+
+    def logits(self, h, n: int) -> torch.Tensor:
+        """The first n rows' logits (B, n, V). Exact mode multiplies every row, as AR's block does (a GEMM's rows
+        depend on its shape); fast mode only the n asked for."""
+        return self.ctx.linear(self.model.lm_head, h if self.exact else h[:, :n])[:, :n]

@@ -11,7 +11,7 @@ kernels, same shapes) as every method's, and a replay runs exactly the kernels t
 
 A graph is bound to the addresses of its static inputs, its outputs and the KV cache it writes, so graphs live
 with the cache they were captured with, and Graphs keeps one cache per (S, batch, dtype) per model alive across
-generations. It is CUDA's default (devices.py) unless NANOSPEC_CUDA_GRAPHS=0.
+generations. It is CUDA's default (`of`) unless NANOSPEC_CUDA_GRAPHS=0.
 
 Without a GPU, Simulated (tests) stands in for capture on the CPU: each program is traced once into its tensor
 ops (make_fx) and replayed without running its Python again. The trace refuses what a capture refuses: an op that
@@ -28,6 +28,8 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .devices import CUDA, Device
 
 
 def graphs_enabled() -> bool:
@@ -167,6 +169,17 @@ class Graphs(Programs):
         if key not in graphs:
             graphs[key] = self.capture(fn, args, device)
         return graphs[key](args)
+
+
+GRAPHS = Graphs()  # CUDA's: its captures live with the caches it keeps, for the whole process
+
+
+def of(dev: Device) -> Programs | None:
+    """How exact mode's programs run on a device: its own (Device.programs), else CUDA graphs on CUDA (unless
+    NANOSPEC_CUDA_GRAPHS=0), else eagerly (None)."""
+    if dev.programs is not None:
+        return dev.programs
+    return GRAPHS if isinstance(dev, CUDA) and graphs_enabled() else None
 
 
 def shaped(key, args) -> tuple:

@@ -11,7 +11,7 @@ def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None)
     """Exact mode's shapes that fit every drafter: runs to compare share them. Q, the block's rows; S, the
     cache's slots: the prompt, its continuation, one step's scratch rows, reserved slots and the trash slot,
     rounded up to a multiple of SLOT_BUCKET; W, the tail of keys each row gathers in canonical order (its
-    deepest path's nodes: the rest it reads in place, model.attend_exact).
+    deepest path's nodes: the rest it reads in place, exact.py).
     """
     Q = Q or max(MIN_BLOCK, *(d.max_rows for d in drafters))
     if Q < MIN_BLOCK:

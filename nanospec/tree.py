@@ -16,6 +16,7 @@ import heapq
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .cache import Block
 
@@ -61,17 +62,62 @@ class Tree:
                      torch.where(lay.anc < 0, -1, lay.anc + cur)[None])
 
 
+@dataclass(frozen=True)
+class Groups:
+    """A step's rows after its tree, as a drafter asks for them (Drafter.groups): a group of M rows after each host
+    node (group_rows: BiTA's mask tokens, Hidden Transfer's pseudo states, SDSAT's adaptive tokens)."""
+    hosts: tuple = ()       # the tree nodes that carry a group
+    M: int = 0              # rows per group (0: none, the tree alone)
+    reserved: bool = False  # the groups also see the drafter's reserved slots (BiTA's prompt keys)
+    chained: bool = True    # a group's row i sees its rows 0..i (False: itself only)
+    tokens: tuple = ()      # the group rows' token ids (a fine-tuned model's adaptive ids); none: 0, embedded apart
+
+
 @functools.lru_cache(maxsize=4096)
-def step_layout(parents: tuple, hosts: tuple, M: int, reserved: tuple, chained: bool, capacity: int, device):
+def step_rows(parents: tuple, groups: Groups, reserved: tuple, capacity: int, device):
     """A step's rows at position 0, built once per shape (Decoding.block moves them to the current
-    position): the tree's rows, then M group rows after each host node (group_rows), which also see
-    the reserved slots if any. seq marks the visible slots that move with the position (the
-    sequence's; reserved slots stay where they are)."""
+    position): the tree's rows, then its groups (group_rows), which also see the reserved slots if
+    asked. seq marks the visible slots that move with the position (the sequence's; reserved slots
+    stay where they are)."""
     b = Tree([0] * len(parents), parents).block(0, device)
-    if M:
-        b = Block.cat(b, group_rows(b, list(hosts), M, torch.tensor(reserved, dtype=torch.long) if reserved else None,
-                                    chained))
+    if groups.M:
+        seen = torch.tensor(reserved, dtype=torch.long) if groups.reserved and reserved else None
+        b = Block.cat(b, group_rows(b, list(groups.hosts), groups.M, seen, groups.chained))
     return b, (b.extra >= 0) & (b.extra < capacity)
+
+
+@dataclass
+class Nodes:
+    """A step's trees as the forward sees them, on the device: one per sequence of the batch, padded to N nodes (Q in
+    exact mode), then groups of M rows (Groups) from row n for every sequence (a smaller tree's rows up to n are
+    filler: Decoding.block)."""
+    tokens: torch.Tensor  # (B, N) -1 for padding (one sequence's alone: (N,))
+    lay: "Layout"         # each field with the batch dim first
+    real: torch.Tensor    # (B, N) bool
+    n: int                # the largest tree's nodes
+    M: int = 0            # rows per group after the trees (Groups.M)
+
+    @property
+    def N(self) -> int:
+        return self.tokens.shape[-1]
+
+    @staticmethod
+    def stack(nodes: list["Nodes"], n: int, M: int) -> "Nodes":
+        """Sequences' nodes as one batch, each padded to the most nodes (token -1, not real); n, M: the step's."""
+        N = max(x.N for x in nodes)
+        pad = lambda t, v: torch.stack([F.pad(x, (0, N - len(x)), value=v) for x in t])
+        return Nodes(pad([x.tokens for x in nodes], -1), Layout.stack([x.lay for x in nodes], N),
+                     pad([x.real for x in nodes], False), n, M)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=16)
+    def idle(Q: int, trash: int, n_slots: int, device=None) -> tuple[Block, "Nodes"]:
+        """An idle sequence's block and nodes in exact mode's block batch, made once: Q padding rows (they write and
+        read the trash slot of their cache row) and a tree of no real node; read-only."""
+        z, none = torch.zeros(1, Q, dtype=torch.long, device=device), torch.zeros(Q, dtype=torch.bool, device=device)
+        slots = torch.full((Q,), trash, device=device)
+        extra = F.pad(slots.view(1, Q, 1), (0, n_slots - 1), value=-1)
+        return Block(z, z, slots, z, extra), Nodes(z[0] - 1, layout((-1,), device).pad(Q), none, 1)
 
 
 @dataclass(frozen=True)
@@ -98,7 +144,7 @@ class Layout:
         (parent 0, no ancestors); verification tells them apart by their token -1."""
         n, E = self.anc.shape
         z = self.parent.new_zeros(N - n)
-        anc = torch.nn.functional.pad(self.anc, (0, N - E, 0, N - n), value=-1)
+        anc = F.pad(self.anc, (0, N - E, 0, N - n), value=-1)
         return Layout(torch.cat([self.parent, z]), torch.cat([self.depth, z]), torch.arange(N, device=z.device), anc)
 
 
@@ -228,15 +274,15 @@ def accept(tokens, lay: Layout, logits, alive=None):
     return path, torch.where(path >= 0, target.gather(1, path.clamp(min=0)), -1)
 
 
-def pack(path, emitted, depth=None, cands=None) -> torch.Tensor:
+def pack_results(path, emitted, depth=None, cands=None) -> torch.Tensor:
     """A greedy step's results as one tensor (B, X), for its one read-back: per sequence, the accepted path (E,)
     and its tokens (E,), both -1 padded, then, for a method that drafts, the depths drafted (1,) and the next
     candidates (K, R)."""
     return torch.cat([path, emitted] + ([depth[:, None], cands.flatten(1)] if cands is not None else []), -1)
 
 
-def unpack(head: list, E: int, R: int):
-    """pack's results for one sequence, read back (head: its row as a host list): (path, emitted tokens, the
+def unpack_results(head: list, E: int, R: int):
+    """pack_results's for one sequence, read back (head: its row as a host list): (path, emitted tokens, the
     candidates of the depths drafted as a host tensor (D, R) and as lists, or None and None)."""
     path = [i for i in head[:E] if i >= 0]
     emitted = head[E:E + len(path)]

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanospec import cli, devices
 from nanospec.cache import Block, KVCache
-from nanospec.engine import AR, Decoding, Drafter, forward_and_verify, generate, lay_out, shapes
+from nanospec.engine import AR, Decoding, Drafter, generate, launch_step, lay_out, shapes
 from nanospec.methods.bita import BiTA, Tuning
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
 from nanospec.methods.lookahead import Lookahead
@@ -26,7 +26,7 @@ from nanospec.methods.medusa import Heads, Medusa
 from nanospec.methods.propd import EarlyHead, ProPD
 from nanospec.methods.sdsat import SDSAT, Delta
 from nanospec.model import Llama, ModelArgs
-from nanospec.tree import Sampler, Tree, choose_tree
+from nanospec.tree import Groups, Sampler, Tree, choose_tree
 from nanospec.tuning.costs import Measured
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,12 +230,13 @@ def rows_by_index(model, seed: int, T: int, device="cpu"):
 
 
 def keys_in_order(ctx, b: int, t: int) -> list[int]:
-    """The cache slots exact row t of sequence b reduces over, in order (model.attend_exact): those it reads in
-    place, in slot order, then its gathered tail; key head 0's (every key head's alike)."""
-    (bias_in, bias_tail), (B, _, T, W), Hkv = ctx.bias, ctx.tail.shape, ctx.h.numel()
-    in_place = bias_in.reshape(B, Hkv, T, -1, bias_in.shape[-1])[b, 0, t, 0] == 0
-    gathered = bias_tail.reshape(B, Hkv, T, W)[b, 0, t] == 0
-    return in_place.nonzero().flatten().tolist() + ctx.tail[b, 0, t][gathered].tolist()
+    """The cache slots exact row t of sequence b reduces over, in order (exact.attend): those it reads in place, in
+    slot order, then its gathered tail; key head 0's (every key head's alike)."""
+    c = ctx.order
+    (B, _, T, W), Hkv = c.tail.shape, c.heads.numel()
+    in_place = c.in_place.reshape(B, Hkv, T, -1, c.in_place.shape[-1])[b, 0, t, 0] == 0
+    gathered = c.gathered.reshape(B, Hkv, T, W)[b, 0, t] == 0
+    return in_place.nonzero().flatten().tolist() + c.tail[b, 0, t][gathered].tolist()
 
 
 def one_forward(model, drafter, tree, prompt, exact, plain=False):
@@ -248,7 +249,7 @@ def one_forward(model, drafter, tree, prompt, exact, plain=False):
     drafter.start(dec)
     d = Drafter() if plain else drafter
     block, nodes, seqs = lay_out([dec], d, [tree])
-    (logits, drafts, _, _), _ = forward_and_verify([dec], d, block, nodes, seqs)
+    (logits, drafts, _, _), _ = launch_step([dec], d, block, nodes, seqs)
     return logits[0, :len(tree)], None if drafts is None else drafts[0, :len(tree)]
 
 
@@ -404,8 +405,8 @@ class Adversary(Drafter):
     """Random trees that mix the true continuation with wrong branches, plus method-owned rows.
 
     truth: the tokens AR emits (the drafter peeks at them to make acceptances happen).
-    extra_rows: rows appended after the tree (like BiTA mask rows or SDSAT adaptive rows)
-    that see random tree rows and reserved slots; verified rows must not notice them.
+    extra_rows: rows appended after the tree (like BiTA mask rows or SDSAT adaptive rows), random tokens in a group
+    after a random node, chained or not, that see the reserved slots; verified rows must not notice them.
     """
     name = "adversary"
 
@@ -417,8 +418,8 @@ class Adversary(Drafter):
     def start(self, dec):
         if self.reserved_slots:  # method-owned keys, e.g. BiTA's per-layer prompt keys
             self.slots = dec.reserved
-            for k in (dec.cache.k, dec.cache.v):
-                k[:, :, :, self.slots] = torch.randn_like(k[:, :, :, self.slots])
+            kv = dec.cache.kv
+            kv[..., self.slots, :] = torch.randn_like(kv[..., self.slots, :])
 
     def draft(self, dec, cands, template, budget):
         r, n = self.rng, len(dec.out)
@@ -433,18 +434,12 @@ class Adversary(Drafter):
     def size(self, n, budget=None):
         return n + self.extra_rows
 
-    def rows(self, dec, tree, n):
-        e = self.extra_rows
-        block = dec.block(tree, n=n)  # a smaller tree than the batch's largest gets filler nodes up to n
-        if e:
-            r, cur = self.rng, dec.cur
-            seen = [[cur + r.randrange(len(tree)) for _ in range(3)] + [cur + n + i] for i in range(e)]
-            if self.reserved_slots:
-                seen = [self.slots.tolist() + s for s in seen]
-            rows = Block(torch.randint(0, self.V, (1, e)), torch.full((1, e), cur + r.randrange(4)),
-                         torch.arange(cur + n, cur + n + e), torch.full((1, e), cur), torch.tensor([seen]))
-            block = Block.cat(block, rows)  # laid out on the host, as the engine's
-        return block
+    def groups(self, tree, n, budget=None):
+        e, r = self.extra_rows, self.rng
+        if not e:
+            return Groups()
+        return Groups((r.randrange(len(tree)),), e, reserved=bool(self.reserved_slots), chained=r.random() < 0.5,
+                      tokens=tuple(r.randrange(self.V) for _ in range(e)))
 
 
 def run_cli(main, *argv) -> str:

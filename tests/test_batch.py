@@ -73,8 +73,8 @@ def test_rows_one_position_off_are_caught(monkeypatch, device):
     prompts = [[3, 9, 4, 1], [8, 2, 6, 10, 11], [4, 4]]
     lay_out = engine.lay_out
 
-    def shifted(decs, drafter, trees):
-        block, batch, seqs = lay_out(decs, drafter, trees)
+    def shifted(decs, drafter, trees, budget=None):
+        block, batch, seqs = lay_out(decs, drafter, trees, budget)
         if block.pos.shape[0] > 1:
             block.pos[1] += 1
         return block, batch, seqs
@@ -124,19 +124,19 @@ def test_trees_of_different_sizes_share_one_forward(monkeypatch, device, name):
     prompts = [[7], [1, 2, 3, 4] * 7, [9, 8, 7, 6], [11, 12] * 3, [4, 4, 7]]
     d = drafter(name, model)
     check_batch(model, prompts, d, 24, peeking=(0.7,), rows=3)
-    rounds, fit, program = [], Decoding.fit, engine.forward_and_verify  # per round of the loop: [tree sizes, forwards]
+    rounds, fit, program = [], Decoding.fit, engine.launch_step  # per round of the loop: [tree sizes, forwards]
 
-    def fitted(dec, s, tree):
+    def fitted(dec, s, tree, budget=None):
         if not rounds or rounds[-1][1]:
             rounds.append([[], 0])
         rounds[-1][0].append(len(tree))
-        return fit(dec, s, tree)
+        return fit(dec, s, tree, budget)
 
     def programmed(*a):
         rounds[-1][1] += 1
         return program(*a)
     monkeypatch.setattr(Decoding, "fit", fitted)
-    monkeypatch.setattr(engine, "forward_and_verify", programmed)
+    monkeypatch.setattr(engine, "launch_step", programmed)
     generate(model, prompts, d, max_new_tokens=24, eos_id=EOS, batch=3)
     assert any(len(set(sizes)) > 1 for sizes, _ in rounds), "no step met trees of different sizes"
     assert all(forwards == 1 for _, forwards in rounds), "a step ran more than one forward"
@@ -150,8 +150,8 @@ def test_a_full_batch_reads_its_cache_in_place(monkeypatch, device):
     prompts = [[1 + i, 2 + i] * (1 + i) for i in range(7)]
     full, lay_out = [], engine.lay_out
 
-    def spy(decs, drafter, trees):
-        block, batch, seqs = lay_out(decs, drafter, trees)
+    def spy(decs, drafter, trees, budget=None):
+        block, batch, seqs = lay_out(decs, drafter, trees, budget)
         if len(decs) == 3:
             full.append(seqs)
         return block, batch, seqs

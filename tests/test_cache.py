@@ -7,21 +7,26 @@ from nanospec.cache import KVCache
 
 
 @given(st.data())
-def test_compact_moves_accepted_in_order_and_nothing_else(data):
+def test_commit_moves_each_accepted_path_in_order_and_nothing_else(data):
+    """Two sequences' paths (node indices, growing, -1 padded) moved to their cursors at once, each in its own row."""
     S = data.draw(st.integers(4, 40))
-    c = KVCache(n_layers=2, batch=1, n_slots=S, n_kv_heads=2, head_dim=3, dtype=torch.float32, device="cpu")
-    c.k.normal_()
-    c.v.normal_()
-    k0, v0 = c.k.clone(), c.v.clone()
-    n = data.draw(st.integers(1, S - 1))
-    src = data.draw(st.lists(st.integers(0, S - 1), min_size=1, max_size=n))
-    dst = data.draw(st.integers(0, S - len(src)))
-    c.compact(src, dst)
-    for i, s in enumerate(src):
-        assert torch.equal(c.k[:, :, :, dst + i], k0[:, :, :, s])
-        assert torch.equal(c.v[:, :, :, dst + i], v0[:, :, :, s])
-    rest = [j for j in range(S) if not dst <= j < dst + len(src)]
-    assert torch.equal(c.k[:, :, :, rest], k0[:, :, :, rest]) and torch.equal(c.v[:, :, :, rest], v0[:, :, :, rest])
+    c = KVCache(n_layers=2, batch=2, n_slots=S, n_kv_heads=2, head_dim=3, dtype=torch.float32, device="cpu")
+    c.kv.normal_()
+    kv0 = c.kv.clone()
+    curs, paths = [], []
+    for _ in range(2):
+        cur = data.draw(st.integers(0, S - 2))
+        room = S - 2 - cur  # the path's nodes sit in slots cur..S-2 (S-1: the trash slot)
+        nodes = data.draw(st.lists(st.integers(1, room), unique=True, max_size=room)) if room else []
+        curs.append(cur)
+        paths.append([0] + sorted(nodes))
+    E = max(map(len, paths)) + data.draw(st.integers(0, 2))
+    c.commit(torch.tensor([0, 1]), torch.tensor(curs), torch.tensor([p + [-1] * (E - len(p)) for p in paths]))
+    for b, (cur, path) in enumerate(zip(curs, paths)):
+        for i, node in enumerate(path):
+            assert torch.equal(c.kv[:, :, b, :, cur + i], kv0[:, :, b, :, cur + node])
+        rest = [j for j in range(S) if not cur <= j < cur + len(path)]
+        assert torch.equal(c.kv[:, :, b, :, rest], kv0[:, :, b, :, rest])
 
 
 def test_reserve_takes_slots_below_trash():

@@ -74,3 +74,12 @@ def test_inductor_picks_kernels_by_rule():
     CUDA inductor would otherwise time a reduction's configs and keep the fastest (compiled.py)."""
     import torch._inductor
     assert compiled.options() == ({"deterministic": True} if hasattr(torch._inductor.config, "deterministic") else {})
+
+
+def test_the_compiled_layer_is_counted_in_fewer_kernels_than_its_eager_ops():
+    """The bench's compiled_kernels_per_layer (read off inductor's code): inductor fuses the plain layer's elementwise
+    ops, so a compiled layer launches fewer kernels than its eager ops, and at least its products."""
+    from nanospec.tuning.counts import compiled_per_layer, ops_per_layer
+    model = random_model(ARGS, seed=1)
+    kernels = compiled_per_layer(model)
+    assert 4 <= kernels < ops_per_layer(model)  # q|k|v, o, gate|up and down at least

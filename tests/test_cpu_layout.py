@@ -1,6 +1,6 @@
 """Exact mode's CPU layout. A CPU's BLAS takes alignment-dependent paths, and its elementwise kernels finish a
 thread's run of SIMD chunks on a scalar path, so a row's bits could depend on where the row sits. Exact mode lays
-every product's rows out 64-byte aligned (devices.CPU.rows) and runs silu, cos and sin row-wise
+every product's rows out 64-byte aligned (devices.CPU.aligned) and runs silu, cos and sin row-wise
 (devices.CPU.elementwise).
 Whether a host shows the difference depends on its CPU, so two stand-ins make such a CPU of any machine:
 AlignedProducts and SimdTails. Under them exact mode keeps AR's bits, and without either construction it does not."""
@@ -19,7 +19,7 @@ SMALL = ModelArgs(dim=19, n_layers=1, n_heads=3, n_kv_heads=1, head_dim=10, voca
 ROWS = [(ARGS, 0, 20), (SMALL, 1, 37)]  # (model args, seed, rows of the block)
 DTYPES = [torch.float32, torch.bfloat16]
 STAND_INS = {"aligned": AlignedProducts, "rowwise": SimdTails}  # the construction each stand-in proves
-IDENTITY = {"aligned": ("rows", lambda self, x: x), "rowwise": ("elementwise", lambda self, fn, x: fn(x))}
+IDENTITY = {"aligned": ("aligned", lambda self, x: x), "rowwise": ("elementwise", lambda self, fn, x: fn(x))}
 
 
 @pytest.fixture

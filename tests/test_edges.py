@@ -33,17 +33,17 @@ def test_own_rows_follow_the_budget(name, exact, dtype):
     kw = dict(max_new_tokens=40, eos_id=-1, exact=exact, record_logits=exact)
     ar = generate(model, prompt, **kw)
     d = peek(drafter(name, model), ar.tokens, p=0.8, seed=2)
-    d.planner, seen, rows = Budgets([2, 0, 1, 5, 3, 1, 4, 2, 2]), [], d.rows
+    d.planner, seen, groups = Budgets([2, 0, 1, 5, 3, 1, 4, 2, 2]), [], d.groups
 
-    def spy(dec, tree, n):
-        blk, b = rows(dec, tree, n), d.planner.last
-        seen.append((b, d.now, blk.tokens.shape[1], d.size(n), d.size(n, b)))
-        return blk
-    d.rows = spy
+    def spy(tree, n, budget=None):
+        g = groups(tree, n, budget)
+        seen.append((d.planner.last, budget, d.own(budget), n + len(g.hosts) * g.M, d.size(n, budget)))
+        return g
+    d.groups = spy
     out = generate(model, prompt, d, **kw)
     assert out.tokens == ar.tokens and (not exact or torch.equal(out.logits, ar.logits))
-    assert all(now == min(d.ahead, b) and laid == size == priced for b, now, laid, size, priced in seen)
-    assert {now for _, now, *_ in seen} == set(range(1, d.ahead + 1))
+    assert all(budget == b and own == min(d.ahead, b) and laid == priced for b, budget, own, laid, priced in seen)
+    assert {own for _, _, own, *_ in seen} == set(range(1, d.ahead + 1))
 
 
 @pytest.mark.parametrize("name", ["bita-deep", "bita-straight", "hidden_transfer", "sdsat"])

@@ -269,8 +269,8 @@ def test_ar_steps_reuse_one_drafter(monkeypatch):
     from nanospec import engine
     model = random_model(ARGS, 1)
     d = medusa(model).plan(Tuned(FixedCost(0.0, 1.0), replan=8))
-    seen, program = [], engine.forward_and_verify
-    monkeypatch.setattr(engine, "forward_and_verify",
+    seen, program = [], engine.launch_step
+    monkeypatch.setattr(engine, "launch_step",
                         lambda dec, drafter, *a: seen.append(drafter) or program(dec, drafter, *a))
     generate(model, [3, 4, 5], d, max_new_tokens=10, eos_id=-1)
     assert len(seen) == 10 and all(s is engine.AR for s in seen)

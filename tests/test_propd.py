@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 
 from helpers import FixedCost, check_exact, model_args, pruned_rows, random_model
 from nanospec import NanospecError, planner
-from nanospec.engine import Nodes, generate
+from nanospec.engine import generate
 from nanospec.io.checkpoint import load
 from nanospec.methods.medusa import Heads
 from nanospec.methods.propd import EarlyHead, ProPD, load_propd, pruned, samples, train_early
 from nanospec.model import ModelArgs
 from nanospec.training.forced import labelled
-from nanospec.tree import Tree, layout
+from nanospec.tree import Nodes, Tree, layout
 from nanospec.tree import choose_tree as medusa_tree
 from nanospec.tuning.planner import SIZES, own_sizes
 from nanospec.tuning.products import BUCKETS

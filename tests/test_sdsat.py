@@ -9,10 +9,9 @@ from hypothesis import strategies as st
 from helpers import check_exact, descend, model_args, noisy, peek, random_model
 from nanospec import NanospecError
 from nanospec.cache import Block, KVCache
-from nanospec.drafter import Forward
 from nanospec.engine import Decoding, generate, lay_out
 from nanospec.methods.sdsat import SDSAT, Delta, adaptive_logits, adaptive_rows, starts
-from nanospec.model import ModelArgs
+from nanospec.model import Forward, ModelArgs
 from nanospec.training.forced import targets
 from nanospec.tree import Tree
 
@@ -165,7 +164,7 @@ def test_adaptive_rows_match_decoding_and_training_lowers_their_loss():
         dec.prefill(dec.prompt[:-1])
         block, nodes, seqs = lay_out([dec], d, [Tree.chain(dec.last)])
         out = d.forward(Forward.on_cache(model, block, dec.cache, False, seqs), nodes)
-    assert torch.allclose(out.drafts[0, 0], logits[0], atol=1e-3)
+    assert torch.allclose(out.draft_inputs[0, 0], logits[0], atol=1e-3)
     wins = [[(s, 4) for s in range(1, 28, 3)]] * 2
     loss = lambda: F.cross_entropy(*(t.flatten(0, 1) if t.dim() == 3 else t.flatten()
                                      for t in adaptive_logits(model, delta, x, wins, False)))

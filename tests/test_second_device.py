@@ -70,11 +70,11 @@ def test_every_method_decodes_on_the_second_device():
 
 def test_the_stand_in_catches_a_host_index_in_a_program(monkeypatch):
     """Planted: the commit's moves, inside the step's program, indexed by a tensor made on the host."""
-    def settle(cache, seqs, cur, path):
+    def commit(cache, seqs, cur, path):
         dst = cur[:, None] + torch.arange(path.shape[-1])  # the fault: no device
-        for c in (cache.k, cache.v):
-            c[:, seqs[:, None], :, dst] = c[:, seqs[:, None], :, torch.where(path >= 0, cur[:, None] + path, dst)]
-    monkeypatch.setattr(KVCache, "settle", settle)
+        src = torch.where(path >= 0, cur[:, None] + path, dst)
+        cache.kv[:, :, seqs[:, None], :, dst] = cache.kv[:, :, seqs[:, None], :, src]
+    monkeypatch.setattr(KVCache, "commit", commit)
     with second_device():
         model = random_model(ARGS, seed=4, device="cuda")
         with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):

@@ -6,23 +6,21 @@ Against transformers' own Mistral checkpoints with windows shorter than the tail
 several times longer, on prompts that outrun the window: logits at every position (the prefill's chunks and each
 decoded token) and greedy ids, in exact and fast mode; a Lookahead and a Medusa step past the window bitwise AR's in
 exact mode (fp32 and bf16). Each planted off-by-one, at the edge of the keys read in place and at the tail's, is
-caught: the plant rewrites one comparison of `Llama.canonical`'s source in a copy, never the file."""
+caught: the plant rewrites one comparison of `exact.canonical`'s source in a copy, never the file."""
 import inspect
-import textwrap
 from unittest import mock
 
 import pytest
 import torch
 
 from helpers import hf_family, peek
-from nanospec import devices
+from nanospec import devices, exact
 from nanospec import model as llama
 from nanospec.drafter import AR
 from nanospec.engine import Decoding, generate, shapes
 from nanospec.io.checkpoint import load
 from nanospec.methods.lookahead import Lookahead
 from nanospec.methods.medusa import Heads, Medusa
-from nanospec.model import Llama
 from nanospec.tree import choose_tree
 
 transformers = pytest.importorskip("transformers")
@@ -43,12 +41,12 @@ def mistral(tmp_path_factory):
 
 
 def planted(monkeypatch, old: str, new: str) -> None:
-    """Llama.canonical with one comparison rewritten (old -> new), from a copy of its source."""
-    src = textwrap.dedent(inspect.getsource(Llama.canonical))
-    assert src.count(old) == 1, f"{old!r} is not in Llama.canonical: plant the fault in the code that replaced it"
+    """exact.canonical with one comparison rewritten (old -> new), from a copy of its source, as the model calls it."""
+    src = inspect.getsource(exact.canonical)
+    assert src.count(old) == 1, f"{old!r} is not in exact.canonical: plant the fault in the code that replaced it"
     scope = {}
-    exec(compile(src.replace(old, new), llama.__file__, "exec"), vars(llama), scope)
-    monkeypatch.setattr(Llama, "canonical", scope["canonical"])
+    exec(compile(src.replace(old, new), exact.__file__, "exec"), vars(exact), scope)
+    monkeypatch.setattr(llama, "canonical", scope["canonical"])
 
 
 def our_logits(model, exact: bool) -> tuple[torch.Tensor, list[int]]:
@@ -81,13 +79,13 @@ def test_logits_and_ids_are_transformers(mistral, name):
 
 def test_the_windows_are_measured_against_the_tail_in_use(mistral, monkeypatch):
     """TAIL is the tail the steps above and below gather (a device's grain may round it up)."""
-    seen, canonical = set(), Llama.canonical
+    seen, canonical = set(), exact.canonical
 
-    def spy(self, *args, **kwargs):
-        ctx = canonical(self, *args, **kwargs)
-        seen.add(ctx.tail.shape[-1])
-        return ctx
-    monkeypatch.setattr(Llama, "canonical", spy)
+    def spy(*args, **kwargs):
+        order = canonical(*args, **kwargs)
+        seen.add(order.tail.shape[-1])
+        return order
+    monkeypatch.setattr(llama, "canonical", spy)
     model = load(mistral[TAIL][1])
     for d in [None, *methods(model).values()]:
         generate(model, PROMPT[:20], d, max_new_tokens=4, exact=True, eos_id=-1)
@@ -126,13 +124,13 @@ def test_tree_steps_past_the_window_are_ar_bitwise(mistral, method, window, dtyp
 def test_a_key_kept_at_the_edge_read_in_place_is_caught(mistral, name, monkeypatch):
     """`> gone` -> `>= gone`: a row reads in place one key that left its window."""
     hf, path = mistral[WINDOWS[name]]
-    planted(monkeypatch, "ids[:S + 1] > gone", "ids[:S + 1] >= gone")
+    planted(monkeypatch, "in_place &= slot > gone", "in_place &= slot >= gone")
     assert not agrees(hf, load(path), exact=True)
 
 
 def test_a_key_kept_at_the_edge_of_the_tail_is_caught(mistral, monkeypatch):
-    """`at <= gone` -> `at < gone`: a row gathers into its tail one key that left its window (a window shorter than
+    """`tail <= gone` -> `tail < gone`: a row gathers into its tail one key that left its window (a window shorter than
     the tail, where the edge falls in the tail)."""
     hf, path = mistral[WINDOWS["shorter"]]
-    planted(monkeypatch, "(at <= gone)", "(at < gone)")
+    planted(monkeypatch, "(tail <= gone)", "(tail < gone)")
     assert not agrees(hf, load(path), exact=True)

@@ -24,8 +24,8 @@ Choices where the paper is silent, and why:
   p+2+i, as in decoding's "the model outputs y_N and M future predictions y_N+1..y_N+M".
   Training labels follow the same rule (eq. 1 with that offset).
 - Deep prompt keys carry no rotary position (prefix tuning stores rotated keys; these are
-  learned directly). Rotating them as if at positions 0..P-1 trained to the same loss (RESULTS.md,
-  "BiTA"), so the simpler form stays. Shallow prompt rows sit at 0..P-1 and see each other causally.
+  learned directly). Rotating them as if at positions 0..P-1 trains to the same loss (RESULTS.md,
+  "BiTA"), so the simpler form is the one here. Shallow prompt rows sit at 0..P-1 and see each other causally.
 - Straightforward decoding: after c accepted drafts, the root group's masks c.. give the next
   drafts (the first c are "discarded"); with c = M there are none (the paper's "even zero").
 - Training packs `groups` mask groups per sequence at random split points of the answer (the
@@ -53,13 +53,14 @@ import torch.nn.functional as F
 
 from .. import NanospecError
 from ..cache import Block
-from ..drafter import Forward, Out, Ranked
+from ..drafter import Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
+from ..model import Forward
 from ..training.data import distill_args
 from ..training.forced import labelled, start, targets, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
-from ..tree import Template, product_paths
+from ..tree import Groups, Template, product_paths
 
 PROMPTING = ("deep", "shallow", "none")
 DECODING = ("efficient", "full", "straight")
@@ -100,10 +101,10 @@ class BiTA(Ranked):
                  "full": product_paths([k] * M), "straight": [(0,) * d for d in range(1, M + 1)]}[decoding]
         self.template, self.family = Template(paths), paths  # a planned tree keeps the variant's shape
         self.topk = self.template.topk
-        self.ahead = self.now = M  # masks per group: M, or a planner's budget's worth (Ranked)
+        self.ahead = M  # masks per group: M, or a planner's budget's worth (Ranked.own)
         self.max_rows = self.size(len(self.template))
 
-    def groups(self, n: int) -> int:
+    def hosts(self, n: int) -> int:
         return 1 if self.decoding == "straight" else n  # mask groups: on the root, or on every node
 
     def masks(self, budget=None) -> int:
@@ -111,7 +112,7 @@ class BiTA(Ranked):
         return self.tune.M if self.decoding == "straight" else self.own(budget)
 
     def size(self, n, budget=None):
-        return n + self.groups(n) * self.masks(budget)
+        return n + self.hosts(n) * self.masks(budget)
 
     def start(self, dec):
         """The prompt's keys and values into the reserved slots: deep, as trained, in every layer; shallow, those
@@ -124,16 +125,13 @@ class BiTA(Ranked):
             z = torch.zeros(1, P, dtype=torch.long)
             dec.run(Block(z, torch.arange(P)[None], slots, z, extra[None]), embeds=self.tune.prompt[None])
 
-    def rows(self, dec, tree, n):
-        return dec.block(tree, range(self.groups(n)), self.masks(), reserved=True, n=n)
-
-    def shape_key(self, nodes):
-        return nodes.n, self.masks()
+    def groups(self, tree, n, budget=None):
+        return Groups(tuple(range(self.hosts(n))), self.masks(budget), reserved=True)
 
     def forward(self, f, nodes):
         """One forward: the tree (verified) and a mask group on each node (or the root) that drafts next."""
-        n, M, N = nodes.n, self.masks(), nodes.N
-        G = self.groups(n)
+        n, M, N = nodes.n, nodes.M, nodes.N
+        G = self.hosts(n)
         x = f.embed()
         x[:, n:n + G * M] = self.tune.mask[:M].to(x.dtype).repeat(G, 1)
         h = f.norm(f.layers(x))
@@ -143,8 +141,8 @@ class BiTA(Ranked):
             depth = nodes.lay.depth  # (B, N)
             i = (depth[..., None] + torch.arange(M, device=depth.device)).clamp(max=M - 1)
             drafts = masks[torch.arange(len(h), device=h.device)[:, None, None], 0, i]
-            return Out(logits[:, :N], drafts=drafts, depths=(M - depth).clamp(min=0))
-        return Out(logits[:, :N], drafts=masks)
+            return Out(logits[:, :N], draft_inputs=drafts, depths=(M - depth).clamp(min=0))
+        return Out(logits[:, :N], draft_inputs=masks)
 
 
 # --- weights on disk ---------------------------------------------------------------------------

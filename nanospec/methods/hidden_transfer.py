@@ -29,10 +29,9 @@ Choices where the paper is silent, and why:
   chain, itself) or `masked` (real tokens up to j and itself: Figure 7's ablation). Under `paper` and `masked` the
   steps never see each other, so training them together in one forward is training them separately: the gradient of
   W_i comes from step i alone, AdamW is per parameter and the gradient is clipped per W_i.
-- Layers (5, 6, 7) of the default model's 8, from the sweep of Figures 5-6 (RESULTS.md, "Hidden Transfer"): step 1
-  alone is flat from layer 2 to 5 and lower at 1 and 6; step 2 over t_1 = 4 is flat from 5 to 7; (5, 6, 7) matches
-  (4, 5, 6) and costs least, since a pseudo row runs only the layers from its own. lr 3e-3 (1e-3 learns slower in 80
-  steps; 1e-2 is no better).
+- Layers (5, 6, 7) of the default model's 8, from the sweep of Figures 5-6 (RESULTS.md, "Hidden Transfer"): the
+  latest layers at which acceptance stays at its best, since a pseudo row runs only the layers from its own; the
+  learning rate is the sweep's best too.
 - The tree is chosen from Hidden Transfer's own held-out accuracies (saved by the trainer), as Medusa's is from its
   heads'; `tree_size=N` picks another size. (The paper compares the two at Medusa's tree; a drafter here never reads
   another method's weights.)
@@ -50,13 +49,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..drafter import Forward, Out, Ranked
+from ..drafter import Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
+from ..model import Forward
 from ..training.data import distill_args
 from ..training.forced import start, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
-from ..tree import Template, choose_tree
+from ..tree import Groups, Template, choose_tree
 
 ATTENTION = ("paper", "chain", "masked")
 
@@ -115,28 +115,25 @@ class HiddenTransfer(Ranked):
         self.template = Template(paths)
         if self.template.depth > tr.k:
             raise NanospecError(f"the tree is {self.template.depth} deep but there are {tr.k} transfer steps")
-        self.ahead = self.now = tr.k  # pseudo rows per node: k, or a planner's budget's worth (Ranked)
+        self.ahead = tr.k  # pseudo rows per node: k, or a planner's budget's worth (Ranked.own)
         self.max_rows = self.size(len(self.template))
         self.topk = self.template.topk
 
     def size(self, n, budget=None):
         return n * (1 + self.own(budget))  # every node carries a group of pseudo rows
 
-    def rows(self, dec, tree, n):
-        return dec.block(tree, range(n), self.now, chained=self.chained, n=n)
-
-    def shape_key(self, nodes):
-        return nodes.n, self.now
+    def groups(self, tree, n, budget=None):
+        return Groups(tuple(range(n)), self.own(budget), chained=self.chained)
 
     def forward(self, f, nodes):
-        n, k = nodes.n, self.now
+        n, k = nodes.n, nodes.M
         dev = f.block.tokens.device
         rows = [n + torch.arange(n, device=dev) * k + i for i in range(k)]
         x = f.embed()
         h = transfer(f, self.tr, x, torch.arange(n, device=dev).expand(len(x), n), rows)
         logits = f.logits(h, max(nodes.N, n * (1 + k)))  # the tree's and the pseudo rows' in one product: one pass
         pseudo = logits[:, n:n * (1 + k)].view(len(h), n, k, -1)  # pseudo row i of a node drafts its depth i
-        return Out(logits[:, :nodes.N], drafts=pseudo)
+        return Out(logits[:, :nodes.N], draft_inputs=pseudo)
 
 
 # --- weights on disk ---------------------------------------------------------------------------

@@ -23,8 +23,8 @@ Choices where the papers are silent, and why:
   (Medusa's sparse trees), up to tree_size nodes.
 - Vocabulary projection: each head's own (the paper's; the default model's shipped heads) or, with --shared-head, the
   model's frozen lm_head shared by all heads (EAGLE's choice), which the SmolLM2 heads use: an own projection there
-  is 28M parameters per head. On the default model, same data and schedule, sharing costs a little accuracy and
-  acceptance for a file 30 times smaller (RESULTS.md, "Medusa").
+  is as large as the lm_head, per head. Sharing costs a little accuracy and acceptance for a far smaller file
+  (RESULTS.md, "Medusa").
 - A generation's first step has no hidden state yet for the prompt's last token, so it drafts nothing (one AR step).
 
 One option is not Medusa-1's. With --token-input (the SmolLM2 heads) head k reads h + T_k e, e the embedding of
@@ -155,8 +155,8 @@ class Medusa(Ranked):
         the node emits next (its logits' argmax: the next tree's root, were the path to end there)."""
         logits = f.logits(h, N)
         if self.heads.tok is None:
-            return Out(logits, drafts=h[:, :N, None], alive=alive)
-        return Out(logits, drafts=torch.stack([h[:, :N], f.model.embed(logits.argmax(-1))], 2), alive=alive)
+            return Out(logits, draft_inputs=h[:, :N, None], alive=alive)
+        return Out(logits, draft_inputs=torch.stack([h[:, :N], f.model.embed(logits.argmax(-1))], 2), alive=alive)
 
     def propose(self, drafts, linear=None):  # (B, K, V): head k guesses the token k+1 after the next
         return self.heads(*drafts.unbind(1), linear=linear, narrow=self.narrow).transpose(0, 1)

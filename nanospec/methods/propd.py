@@ -13,16 +13,16 @@ pruned ones only leave verification, since a row's result never depends on the o
 
 Dynamic token tree generation (4.2), with the core's planner (planner.py): the cost model of
 iteration time, per-head acceptance EMAs p[i][k], the expected acceptance length of a tree
-(Figure 6) and plan(), the size maximising expected length per second; the tree of that size
-is Medusa's greedy expansion under the tracked p.
+(Figure 6) and the size it picks, the one maximising expected length per second; the tree of that
+size is Medusa's greedy expansion under the tracked p.
 
 Choices where the paper is silent, and why:
 - The early head is a zero-initialised residual SiLU block, an RMSNorm (from the final norm)
   and a rank-64 vocabulary projection initialised from the lm_head's truncated SVD. The paper
   trains "their own heads" for early layers (Figure 3a) and only needs them to rule tokens out
-  (top-k, not top-1). A full-rank projection would cost as much as the lm_head, a third of
-  this small model's layer weights, on every step; at batch size 1 on CPU that ate the whole
-  saving. Rank 64 is 4x cheaper and, trained, more accurate than the frozen lm_head was.
+  (top-k, not top-1). A full-rank projection costs as much as the lm_head on every step,
+  which at batch size 1 is as much as pruning saves; rank 64 costs a fraction of it and,
+  trained, ranks the early tokens better than the frozen lm_head (RESULTS.md, "ProPD").
   The heads are fitted to the base model's own next token (self-distillation data and, with
   --forced, teacher-forced real text: training/forced.py) at every layer of --early-layers,
   by `train.py --method medusa` (after the Medusa heads) or alone by `train.py --method propd`.
@@ -37,9 +37,9 @@ Choices where the paper is silent, and why:
   timed, since a single row takes a faster matrix-vector path on CPU and would bend the line.
 - Acceptance starts from the heads' measured held-out accuracies (stored by the trainer) and
   tracks the top 10 ranks per head; a prediction is resolved once its position is emitted.
-- The plan is redone when the sequence length has moved by `replan` tokens (default 32) since
-  the last plan and at the start of every generation; the cost model and acceptance EMAs
-  persist across generations (the decoding conditions they estimate do).
+- The planner picks again every `replan` tokens of its own clock (tokens decoded, not a cursor)
+  and whenever the batch changes; the cost model and acceptance EMAs persist across generations
+  (the decoding conditions they estimate do).
 - The early head scores every row (each row's guesses for its children) rather than only the rows
   that have children: fixed shapes, no host sync.
 - k: the paper's is where acceptance stays close to Medusa's (layer 4, top-50, Table 2). Here it

@@ -30,14 +30,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..drafter import Forward, Out, Ranked
+from ..drafter import Out, Ranked
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
+from ..model import Forward
 from ..training.data import distill_args
 from ..training.forced import forced_items, targets
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
 from ..training.pretrain import windows
-from ..tree import Template, Tree, chain_end
+from ..tree import Groups, Template, Tree, chain_end
 
 TRAIN = "python train.py --method sdsat"
 # A layer's products, by the role the model gives each (model.py), and the parts they fuse, as checkpoints name them
@@ -110,7 +111,7 @@ class SDSAT(Ranked):
         self.family = [(0,) * d + (j,) for d in range(k) for j in range(width)]  # top-1s have children
         self.template = Template(self.family)
         self.topk = self.template.topk
-        self.ahead = self.now = k  # adaptive tokens: k, or a planner's budget's worth (Ranked)
+        self.ahead = k  # adaptive tokens: k, or a planner's budget's worth (Ranked.own)
         self.max_rows = self.size(len(self.template))
         self.verifying = self.drafts = self.drafts_accepted = self.draft_only = 0  # statistics for report()
 
@@ -118,25 +119,20 @@ class SDSAT(Ranked):
         return n + self.own(budget)
 
     def draft(self, dec, cands, template, budget) -> Tree:
-        self.now = self.ahead if budget is None else self.own(budget)  # a planned step's: min(k, budget)
         if cands is None:  # draft step 1: the last token alone; k adaptive rows after it draft k tokens
             return Tree.chain(dec.last)
         return template.tree(dec.last, cands)  # draft step 2: the next token, then the k drafts (a chain, or a tree)
 
-    def rows(self, dec, tree, n):
-        """The tree's rows, then the adaptive rows after the end of its top-1 chain (step 1's: the root)."""
-        blk = dec.block(tree, [chain_end(tree.parents)], self.now, n=n)
-        if self.ids is not None:  # a fine-tuned model's own adaptive ids (else forward embeds the rows)
-            blk.tokens[0, n:] = blk.tokens.new_tensor(self.ids[:self.now])
-        return blk
-
-    def shape_key(self, nodes):
-        return nodes.n, self.now
+    def groups(self, tree, n, budget=None):
+        """The adaptive rows after the end of the tree's top-1 chain (step 1's: the root): a fine-tuned model's own
+        adaptive ids, or rows the forward embeds."""
+        k = self.own(budget)
+        return Groups((chain_end(tree.parents),), k, tokens=() if self.ids is None else tuple(self.ids[:k]))
 
     def forward(self, f, nodes):
         """Either step's forward: the tree's rows, verified (eq. 3), then k adaptive rows, whose logits draft for a
         path that ends at the top-1 chain's end (the next step is a step 2) and no other (the next is a step 1)."""
-        n, k, N = nodes.n, self.now, nodes.N
+        n, k, N = nodes.n, nodes.M, nodes.N
         adaptive = slice(n, n + k)
         x, update = f.embed(), None  # sdsat_full: the rows hold a fine-tuned model's own adaptive ids
         if self.delta is not None:
@@ -147,7 +143,7 @@ class SDSAT(Ranked):
         depth = nodes.lay.depth[:, :n].masked_fill(~nodes.real[:, :n], -1)
         ends = depth.argmax(-1, keepdim=True)  # each chain's end: its tree's first deepest node
         drafted = torch.where(torch.arange(N, device=x.device) == ends, k, 0)  # drafts per node: k there, else none
-        return Out(logits[:, :N], drafts=logits[:, None, adaptive].expand(-1, N, -1, -1), depths=drafted)
+        return Out(logits[:, :N], draft_inputs=logits[:, None, adaptive].expand(-1, N, -1, -1), depths=drafted)
 
     def accepted(self, dec, tree, path):
         self.draft_only += len(tree) == 1  # a draft step 1: nothing verified
@@ -224,7 +220,7 @@ def adaptive_logits(model, delta: Delta, x: torch.Tensor, wins, diverse: bool, a
     with torch.no_grad():
         causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
         f = Forward.training(model, x, torch.arange(T, device=dev).expand(B, T), causal)
-        keys = [f.kv(i) for i in range(len(model.layers))]  # the buffers each layer writes its keys and values into
+        keys = f.kv  # the buffers each layer writes its keys and values into
         h = f.embed()
         for layer, kv in zip(model.layers, keys):
             h = layer(h, f.ctx, kv)

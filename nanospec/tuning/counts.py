@@ -4,11 +4,14 @@
   nor allocations), as a GPU runs it: without the CPU's exact layout.
 - MB: the bytes those ops write (an op's outputs; an in-place op's source: a cache write writes its rows, not the
   cache). A step must not write more than it must read: the weights, and the KV cache once.
+- compiled kernels: what `--compile` makes of one exact layer on this device (inductor's generated kernels and the
+  library products they call), the figure a fused GPU step approaches; the eager ops are the plain code's.
 - launches and syncs per step outside the program, on the second-device stand-in (second_device.py), the
   program counted as one launch as a CUDA graph's replay is: the host's work around it (building inputs, copies
   to the device, read-backs, the commit), which a graph does not absorb.
 """
 import copy
+import re
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -119,12 +122,28 @@ def host_work(model, make=lambda model: None, batch: int = 1, block_batch: int =
     return (l2 - l1) / (n2 - n1), (s2 - s1) / (n2 - n1)
 
 
-def step_counts(model, make, drafter, batch: int = 1) -> dict:
+def compiled_per_layer(model, drafter=None) -> int:
+    """The kernels one compiled exact layer launches (compile=True), read off inductor's output code: each call of a
+    kernel it generated or of a library product (extern_kernels), over the graphs a short exact run compiles. Every
+    layer and every exact forward share one layer's graphs (its shapes are fixed), which exact attention's scores
+    written in place (out=, which dynamo leaves to eager) split in several: their eager products are not counted,
+    and a method that compiles a variant of its own (SDSAT's adaptive rows) counts both."""
+    from torch._inductor.utils import run_and_get_code
+    call = re.compile(r"^\s+(extern_kernels\.\w+|cpp_fused_\w+|triton_\w+\.run|aten\.\w+)\(", re.M)
+    d = copy.deepcopy(drafter) if drafter is not None else AR
+    torch._dynamo.reset()  # a graph compiled earlier in the process would not show its code
+    _, codes = run_and_get_code(generate, model, list(range(1, 9)), d, max_new_tokens=3, exact=True, compile=True,
+                                eos_id=-1)
+    return sum(len(call.findall(code.split("def call(")[-1])) for code in codes)
+
+
+def step_counts(model, make, drafter, batch: int = 1, compiled: bool = False) -> dict:
     """The bench's figures for a method (make(model): its drafter on another copy of the model; drafter: on this
     one), on a small cache: its step's ops per layer and MB (at a block batch of `batch`), and the launches and
-    syncs around it at the CUDA defaults."""
+    syncs around it at the CUDA defaults; compiled: also its compiled layer's kernels (compiled_per_layer)."""
     costs = step_costs(model, drafter, 3, None, batch)
     launches, syncs = host_work(model, make, batch)
     return dict(ops_per_layer=round(max(c[0] for c in costs) / model.args.n_layers, 1),
+                compiled_kernels_per_layer=compiled_per_layer(model, drafter) if compiled else None,
                 step_mb=round(max(c[1] for c in costs), 2), launches_per_step=round(launches, 2),
                 syncs_per_step=round(syncs, 2))

@@ -1,0 +1,95 @@
+"""Exact mode: why a tree row at position p gets AR's logits at p, bit for bit.
+
+A row's attention is a reduction over its keys, and a float sum's bits depend on the order of its terms and on the
+kernel that adds them. So every row, AR's or a tree's, reduces over the same keys in the same order with the same
+kernel. The order is the canonical one: the committed slots 0..prefix-1 (committed slot j holds position j), then
+`extra`, the row's own keys by depth (a tree node's ancestors, then itself; AR's row: itself). Each row splits that
+order where its position alone says, W keys before its end (the tail, W at least the deepest path: sizes.shapes):
+
+    a tree row at depth 2, position p = cur + 2 (cur: the committed slots), tail W = 4:
+
+    slot:   0   1   ...  p-4  | p-3  cur-1 | a1  self    a1: its parent, in a scratch slot after cur
+    scores: read in place     | gathered, canonical order  (the rest of the S slots: masked, -inf)
+            S columns, slot order              W columns
+
+    AR's row at p, one step at a time:
+
+    slot:   0   1   ...  p-4  | p-3  p-2  p-1  p
+    scores: read in place     | gathered, canonical order
+
+Both rows read the slots below p - W + 1 in place, as S columns of scores in slot order, and gather their last W
+keys into W more columns. The columns hold the same keys (a tree's ancestors hold AR's keys, by induction over
+depth), masked keys sit at the same columns for both, and a masked score is -inf, whose weight exp(-inf) is exactly
+0: adding zeros leaves a sum's bits alone. The scores, the softmax over S + W columns and the weighted sums are then
+one kernel over the same shapes and the same numbers, so AR's row and the tree's agree bit for bit; the rows beside
+a row (its block of Q, the batch of N) change no shape (engine.py pads both).
+
+What breaks it: a W shorter than a row's path (its ancestors would be read in place, in slot order, not by depth:
+the engine refuses such a tree), a key in another column (an off-by-one at the window's or the tail's edge), and a
+kernel whose reduction depends on the total rows (a device's: devices.py keeps each product's rows fixed).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Canonical:
+    """Each row's keys in canonical order, as attend reads them."""
+    tail: torch.Tensor      # (B, 1, T, W) the slots of each row's last W keys, canonical order (padding: slot 0)
+    heads: torch.Tensor     # (Hkv, 1, 1) the key heads: with the cache rows, the tail's gather index
+    in_place: torch.Tensor  # (B * Hkv, T * G, S) the scores' mask over the slots read in place: 0 seen, -inf not
+    gathered: torch.Tensor  # (B * Hkv * T, 1, W) the scores' mask over the tail (every query head's): 0 a key
+
+
+def canonical(prefix, extra, gone, S: int, W: int, Hkv: int, G: int, ids, dtype) -> Canonical:
+    """prefix (B, T, 1): the committed slots each row sees; extra (B, T, E): its own keys' slots by depth (-1: none);
+    gone (B, T, 1): its last position out of the window (None: no window); S: the cache's slots; Hkv, G: key heads
+    and query heads per key head; ids: 0, 1, ... on the device (KVCache.ids: views, no new index); dtype: the
+    scores'."""
+    B, T, E = extra.shape
+    own = ((extra >= 0) * ids[1:E + 1]).amax(-1, keepdim=True)  # (B, T, 1) its keys after the committed ones
+    start = prefix + own - W  # where its tail starts in its order (below prefix: the tail holds committed keys)
+    # the tail: the last W keys of its order, of [the W committed slots before prefix, then extra] (< 0: none)
+    before = prefix - W + ids[:W]
+    tail = torch.cat((before, extra), -1).gather(-1, own + ids[:W])  # (B, T, W)
+    slot = ids[:S + 1]  # column S collects the keys no row reads in place
+    in_place = slot < start.clamp(max=prefix)  # the committed slots before the tail, in slot order
+    if gone is not None:  # keys out of the window: committed ones by their slot, which is their position
+        committed = ids[:W] < prefix - start  # the tail's committed part
+        tail = torch.where(committed & (tail <= gone), -1, tail)
+        in_place &= slot > gone
+    # a row with more own keys than W (never a verified row: the engine refuses it) reads its first ones in place
+    early = (ids[:E] < start - prefix) & (extra >= 0)
+    in_place = in_place.scatter_(-1, torch.where(early, extra, ids[S]), True)[..., :S]
+    heads, in_place, gathered = ids[:Hkv, None, None], mask(in_place, Hkv, G, dtype), mask(tail >= 0, Hkv, 1, dtype)
+    return Canonical(tail.clamp(min=0)[:, None], heads, in_place.view(-1, T * G, S), gathered.view(-1, 1, W))
+
+
+def mask(seen: torch.Tensor, Hkv: int, G: int, dtype) -> torch.Tensor:
+    """seen (B, T, K) as the scores' additive mask (B, Hkv, T, G, K), written whole: log 1 = 0, log 0 = -inf."""
+    B, T, K = seen.shape
+    return seen.to(dtype)[:, None, :, None].expand(B, Hkv, T, G, K).log()
+
+
+@torch.no_grad()  # inference only: the scores are written into one buffer (out=), which autograd does not follow
+def attend(q, kv, ctx):
+    """q (B, T, Hkv, G, D), query head h * G + g using key head h; kv (2, B', Hkv, S, D') keys and values (D' >= D: a
+    cache's head width may be padded); ctx: the forward's (model.Context: its cache rows, and its Canonical). Each
+    row's scores: the S slots read in place, then its W gathered keys (module docstring)."""
+    (B, T, Hkv, G, D), (S, Dc), c = q.shape, kv.shape[-2:], ctx.order
+    W = c.tail.shape[-1]
+    q = F.pad(q.transpose(1, 2), (0, Dc - D)) if Dc > D else q.transpose(1, 2).contiguous()  # (B, Hkv, T, G, D')
+    k_tail, v_tail = kv[:, ctx.cache_rows, c.heads, c.tail]  # (B, Hkv, T, W, D') each: the tails, canonical order
+    k, v = kv if ctx.seqs is None else kv.index_select(1, ctx.seqs)  # the block's cache rows
+    scores = q.new_empty(B, Hkv, T, G, S + W)
+    in_place, gathered = scores.view(-1, T * G, S + W)[..., :S], scores.view(-1, G, S + W)[..., S:]
+    torch.baddbmm(c.in_place, q.view(-1, T * G, Dc), k.view(-1, S, Dc).transpose(1, 2),
+                  alpha=D ** -0.5, out=in_place)
+    torch.baddbmm(c.gathered, q.view(-1, G, Dc), k_tail.view(-1, W, Dc).transpose(1, 2),
+                  alpha=D ** -0.5, out=gathered)
+    weights = F.softmax(scores, dim=-1)  # one kernel: bf16's is computed in fp32 and rounded once, as HF's upcast is
+    y = torch.bmm(weights[..., :S].reshape(-1, T * G, S), v.view(-1, S, Dc))  # the keys read in place, then the tail
+    y = torch.baddbmm(y.view(-1, G, Dc), weights[..., S:].reshape(-1, G, W), v_tail.view(-1, W, Dc))
+    return y.view(B, Hkv, T, G, Dc)[..., :D].transpose(1, 2).contiguous().view(B, T, Hkv * G * D)
