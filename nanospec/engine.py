@@ -32,7 +32,7 @@ from .drafter import AR, Drafter
 from .model import Forward
 from .programs import of as programs_of
 from .sizes import check_prompt, check_room, shapes
-from .tree import Layout, Nodes, Sampler, Tree, accept, layout, pack_results, sample_verify, step_rows, unpack_results
+from .tree import Layout, Nodes, Sampler, Tree, accept, pack_results, sample_verify, step_rows, unpack_results
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 HOST = torch.device("cpu")  # where a step is drafted and laid out
@@ -205,7 +205,7 @@ class Decoding:
         block = Block(ids[None], b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
         # rows write slots cur..cur+len-1: past the capacity lie the reserved slots and the trash slot
         assert len(block) <= self.room, f"a step of {len(block)} rows overruns the cache ({self.room} slots left)"
-        lay = layout(tree.parents)
+        lay = Layout.of(tree.parents)
         if self.exact:
             if lay.anc.shape[-1] > self.tail:  # its deepest row's keys would not all be gathered in canonical order
                 raise NanospecError(f"a path of {lay.anc.shape[-1]} nodes exceeds exact mode's tail of {self.tail} "
@@ -272,7 +272,7 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
         blocks, nodes = zip(*(own.get(r) or Nodes.idle(*idle) for r in range(d.block_batch)))
     elif len(decs) == 1:
         x = nodes[0]
-        return blocks[0], Nodes(x.tokens[None], x.lay.at(None), x.real[None], n, M), d.seqs
+        return blocks[0], Nodes(x.tokens[None], x.lay.batched(), x.real[None], n, M), d.seqs
     seqs = list(range(d.block_batch)) if d.block_batch else [x.seq for x in decs]  # a block batch: every row, in order
     in_order = seqs == list(range(d.cache.kv.shape[2]))
     return Block.stack(blocks, d.cache.trash), Nodes.stack(nodes, n, M), None if in_order else torch.tensor(seqs)

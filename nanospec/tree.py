@@ -54,7 +54,7 @@ class Tree:
 
     def block(self, cur: int, device=None) -> Block:
         """Rows for this tree at committed length cur: node i writes slot cur+i."""
-        lay = layout(self.parents, device)
+        lay = Layout.of(self.parents, device)
         tokens = self.tokens if torch.is_tensor(self.tokens) else torch.tensor(self.tokens)
         n = len(self)
         return Block(tokens.to(lay.anc.device).view(1, n), (lay.depth + cur)[None], lay.index + cur,
@@ -117,7 +117,7 @@ class Nodes:
         z, none = torch.zeros(1, Q, dtype=torch.long, device=device), torch.zeros(Q, dtype=torch.bool, device=device)
         slots = torch.full((Q,), trash, device=device)
         extra = F.pad(slots.view(1, Q, 1), (0, n_slots - 1), value=-1)
-        return Block(z, z, slots, z, extra), Nodes(z[0] - 1, layout((-1,), device).pad(Q), none, 1)
+        return Block(z, z, slots, z, extra), Nodes(z[0] - 1, Layout.of((-1,), device).pad(Q), none, 1)
 
 
 @dataclass(frozen=True)
@@ -135,9 +135,22 @@ class Layout:
         lays = [x.pad(N) for x in lays]
         return Layout(*(torch.stack([getattr(x, f) for x in lays]) for f in ("parent", "depth", "index", "anc")))
 
-    def at(self, b) -> "Layout":
-        """Sequence b's layout of a batch (b=None: a layout as a batch of one)."""
-        return Layout(*(t[None] if b is None else t[b] for t in (self.parent, self.depth, self.index, self.anc)))
+    @staticmethod
+    @functools.lru_cache(maxsize=512)
+    def of(parents: tuple[int, ...], device=None) -> "Layout":
+        """The layout of a tree shape, built once per shape and device (Medusa's static trees: once)."""
+        n = len(parents)
+        paths = [[]] * n
+        for i, p in enumerate(parents):
+            paths[i] = (paths[p] if p >= 0 else []) + [i]
+        E = max(map(len, paths))
+        anc = torch.tensor([p + [-1] * (E - len(p)) for p in paths])
+        lay = Layout(torch.tensor(parents), torch.tensor([len(p) - 1 for p in paths]), torch.arange(n), anc)
+        return Layout(*(t.to(device) for t in (lay.parent, lay.depth, lay.index, lay.anc))) if device else lay
+
+    def batched(self) -> "Layout":
+        """The layout as a batch of one."""
+        return Layout(*(t[None] for t in (self.parent, self.depth, self.index, self.anc)))
 
     def pad(self, N: int) -> "Layout":
         """N nodes with paths of up to N (fixed shapes for exact mode): the extra nodes are padding
@@ -146,19 +159,6 @@ class Layout:
         z = self.parent.new_zeros(N - n)
         anc = F.pad(self.anc, (0, N - E, 0, N - n), value=-1)
         return Layout(torch.cat([self.parent, z]), torch.cat([self.depth, z]), torch.arange(N, device=z.device), anc)
-
-
-@functools.lru_cache(maxsize=512)
-def layout(parents: tuple[int, ...], device=None) -> Layout:
-    """The layout of a tree shape, built once per shape and device (Medusa's static trees: once)."""
-    n = len(parents)
-    paths = [[]] * n
-    for i, p in enumerate(parents):
-        paths[i] = (paths[p] if p >= 0 else []) + [i]
-    E = max(map(len, paths))
-    anc = torch.tensor([p + [-1] * (E - len(p)) for p in paths])
-    lay = Layout(torch.tensor(parents), torch.tensor([len(p) - 1 for p in paths]), torch.arange(n), anc)
-    return Layout(*(t.to(device) for t in (lay.parent, lay.depth, lay.index, lay.anc))) if device else lay
 
 
 # --- shapes from candidate ranks -------------------------------------------------------------------

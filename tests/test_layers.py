@@ -8,10 +8,10 @@ PKG = Path(__file__).resolve().parents[1] / "nanospec"
 # Lowest first. A module may import its own layer's modules (without a cycle) and lower layers'.
 LAYERS = [
     {"nanospec", "io", "oracle", "training", "tuning",                          # leaves: nothing of the package
-     "io.files", "io.tokenizer_json", "io.gguf_tokenizer", "tuning.second_device", "programs"},
+     "io.files", "io.tokenizer_json", "io.gguf_tokenizer", "tuning.second_device"},
     {"devices"},                                                                # a device's facts, as values
-    {"rope", "fused", "model", "cache", "tree", "planner", "compiled",           # the model and its parts
-     "tuning.products"},
+    {"rope", "fused", "exact", "model", "cache", "tree", "planner", "compiled",  # the model and its parts
+     "tuning.products", "programs"},
     {"io.checkpoint", "io.tokenizer", "io.chat", "io.gguf_export", "io.convert",  # weights and text in and out
      "io.sources", "io.fetch", "oracle.calibration", "oracle.trace", "oracle.verdict"},
     {"drafter", "sizes", "engine"},                                             # the contract and the loop

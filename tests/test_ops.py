@@ -62,7 +62,7 @@ def test_counting_leaves_exact_mode_as_it_found_it():
     def exact_mode():
         with AlignedProducts():
             logits = full_logits(model, [3, 9, 4, 1, 7, 12, 5, 8], True)
-        return dict(devices.DEVICES), model.context(Tree.chain(3).block(0), 40, True).order.tail.shape, logits
+        return dict(devices.DEVICES), model.context(Tree.chain(3).block(0), 40, True).order.tail_slots.shape, logits
     programs, keys, logits = exact_mode()
     step_ops(model)
     after = exact_mode()

@@ -15,7 +15,7 @@ from nanospec.methods.medusa import Heads
 from nanospec.methods.propd import EarlyHead, ProPD, load_propd, pruned, samples, train_early
 from nanospec.model import ModelArgs
 from nanospec.training.forced import labelled
-from nanospec.tree import Nodes, Tree, layout
+from nanospec.tree import Layout, Nodes, Tree
 from nanospec.tree import choose_tree as medusa_tree
 from nanospec.tuning.planner import SIZES, own_sizes
 from nanospec.tuning.products import BUCKETS
@@ -28,7 +28,7 @@ ACC = [[0.5, 0.3, 0.2]] * 3
 
 def nodes_of(tree):
     """A batch of one tree, as the engine hands a method's forward."""
-    lay = layout(tree.parents)
+    lay = Layout.of(tree.parents)
     lay = type(lay)(*(t[None] for t in (lay.parent, lay.depth, lay.index, lay.anc)))
     return Nodes(torch.tensor(tree.tokens)[None], lay, torch.ones(1, len(tree), dtype=torch.bool), len(tree))
 

@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 
 from helpers import from_branches, keys_in_order, path_to
 from nanospec.model import Llama, ModelArgs
-from nanospec.tree import Sampler, Template, Tree, accept, layout, product_paths, sample_verify
+from nanospec.tree import Layout, Sampler, Template, Tree, accept, product_paths, sample_verify
 
 branches_st = st.lists(st.lists(st.integers(0, 4), max_size=5), max_size=8)
 
@@ -62,9 +62,9 @@ def test_greedy_verify_accepts_longest_path_ar_agrees_with(branches, seed):
     assert out == [t.tokens[i] for i in path[1:]] + [target[path[-1]]]
     # the device version (padded as exact mode pads it) accepts the same path
     N = len(t) + 3
-    lay = layout(t.parents).pad(N)
+    lay = Layout.of(t.parents).pad(N)
     tokens = torch.tensor(t.tokens + [-1] * 3)
-    dpath, demitted = accept(tokens[None], lay.at(None), torch.cat([logits, torch.randn(3, 5)])[None])
+    dpath, demitted = accept(tokens[None], lay.batched(), torch.cat([logits, torch.randn(3, 5)])[None])
     dpath, demitted = dpath[0], demitted[0]
     assert [i for i in dpath.tolist() if i >= 0] == path and demitted.tolist()[:len(path)] == out
 
@@ -99,7 +99,7 @@ def test_parallel_branches_are_each_verified():
         logits[node, tok] = 1.0
     path, out = sample_verify(t, logits, Sampler(), 0)
     assert path == [0, 4, 5] and out == [on, a, chair]
-    dpath, demitted = accept(torch.tensor(t.tokens)[None], layout(t.parents).at(None), logits[None])
+    dpath, demitted = accept(torch.tensor(t.tokens)[None], Layout.of(t.parents).batched(), logits[None])
     assert dpath[0].tolist() == [0, 4, 5, -1] and demitted[0].tolist() == [on, a, chair, -1]  # -1: padding
     merged = from_branches(sits, [[on, my, knee], [on, a, table]])
     assert len(merged) == len(t) - 1

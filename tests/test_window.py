@@ -83,7 +83,7 @@ def test_the_windows_are_measured_against_the_tail_in_use(mistral, monkeypatch):
 
     def spy(*args, **kwargs):
         order = canonical(*args, **kwargs)
-        seen.add(order.tail.shape[-1])
+        seen.add(order.tail_slots.shape[-1])
         return order
     monkeypatch.setattr(llama, "canonical", spy)
     model = load(mistral[TAIL][1])
