@@ -6,23 +6,23 @@ kernel. The order is the canonical one: the committed slots 0..prefix-1 (committ
 `extra`, the row's own keys by depth (a tree node's ancestors, then itself; AR's row: itself). Each row splits that
 order where its position alone says, W keys before its end (the tail, W at least the deepest path: sizes.shapes):
 
-    a tree row at depth 2, position p = cur + 2 (cur: the committed slots), tail W = 4:
+    a tree row at depth 2, at position p = cur + 2 (cur: the committed slots; r the root, a1 its parent), W = 4:
 
-    slot:   0   1   ...  p-4  | p-3  cur-1 | a1  self    a1: its parent, in a scratch slot after cur
-    scores: read in place     | gathered, canonical order  (the rest of the S slots: masked, -inf)
-            S columns, slot order              W columns
+    slot:   0   1   ...  cur-2 | cur-1   r    a1   self      r, a1, self: the step's scratch slots, cur on
+    scores: read in place      | gathered, canonical order   (every other of the S slots: masked, -inf)
+            S columns, slot order       W columns
 
-    AR's row at p, one step at a time:
+    AR's row at the same p, once r and a1 are committed at cur and cur + 1:
 
-    slot:   0   1   ...  p-4  | p-3  p-2  p-1  p
-    scores: read in place     | gathered, canonical order
+    slot:   0   1   ...  cur-2 | cur-1  cur  cur+1  cur+2
+    scores: read in place      | gathered, canonical order
 
 Both rows read the slots below p - W + 1 in place, as S columns of scores in slot order, and gather their last W
 keys into W more columns. The columns hold the same keys (a tree's ancestors hold AR's keys, by induction over
 depth), masked keys sit at the same columns for both, and a masked score is -inf, whose weight exp(-inf) is exactly
 0: adding zeros leaves a sum's bits alone. The scores, the softmax over S + W columns and the weighted sums are then
 one kernel over the same shapes and the same numbers, so AR's row and the tree's agree bit for bit; the rows beside
-a row (its block of Q, the batch of N) change no shape (engine.py pads both).
+a row (its block of Q rows, the block batch of sequences) change no shape (engine.py pads both).
 
 What breaks it: a W shorter than a row's path (its ancestors would be read in place, in slot order, not by depth:
 the engine refuses such a tree), a key in another column (an off-by-one at the window's or the tail's edge), and a

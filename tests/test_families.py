@@ -91,8 +91,7 @@ def test_planted_faults_are_caught(checkpoints, monkeypatch):
         pending.append(weight)
         return norm(self, x, torch.ones_like(weight))
     monkeypatch.setattr(llama.RMSNorm, "forward", unweighted)
-    weighted = lambda w: torch.cat((w, w.new_ones(1, w.shape[-1])))  # the value's slot unweighted
-    monkeypatch.setattr(llama, "apply_rope", lambda x, cos, sin: weighted(pending.pop()) * rope(x, cos, sin))
+    monkeypatch.setattr(llama, "apply_rope", lambda x, cos, sin: pending.pop() * rope(x, cos, sin))
     assert logits_gap(hf, load(path), exact=True) > 1e-2
 
 

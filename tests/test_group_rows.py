@@ -38,7 +38,7 @@ def hosts(d, tree: Tree) -> list[int]:
         while h + 1 < len(tree) and h in tree.parents[h + 1:]:
             h = tree.parents.index(h, h + 1)
         return [h]
-    return list(range(d.groups(len(tree)) if isinstance(d, BiTA) else len(tree)))
+    return list(range(d.hosts(len(tree)) if isinstance(d, BiTA) else len(tree)))
 
 
 @given(name=st.sampled_from(["hidden_transfer", "hidden_transfer-unchained", "bita-deep", "bita-shallow",
