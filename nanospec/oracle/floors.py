@@ -57,5 +57,7 @@ def floors(model, reference, entries: list[dict], noise: dict, alpha: float = wh
 
 
 def describe(found: dict, source: str) -> str:
-    return f"  detection floor ({source}): " + ", ".join(
-        v if v != "n/a" else f"{LABELS[k]}: n/a" for k, v in found.items())
+    absent = [LABELS[k].removesuffix(" left out").removesuffix(" one key longer") for k, v in found.items()
+              if v == "n/a"]
+    return (f"  detection floor ({source}): " + ", ".join(v for v in found.values() if v != "n/a")
+            + (f" (not in this model or its prompts: {', '.join(absent)})" if absent else ""))
