@@ -10,7 +10,8 @@ Three tests, each a one-sided p-value:
   S(max(t, gap_i)) (gap_i: the reference's top-2 gap at i; S: the noise's survival function, noise.py):
   P(Poisson(lambda(t)) >= k(t)), the smallest over thresholds times their number (Bonferroni).
 The run's p is 3 x the smallest of the three (Bonferroni), at most 1; it is a divergence when p < ALPHA.
-Tail probabilities are summed in log space, so a p far below float's range is still reported (as log10).
+Tail probabilities are summed in log space, so a p far below float's range is still reported (as log10), down to
+FLOOR (p = 0 under the noise model: a flip at a margin its survival function puts at zero).
 """
 import math
 
@@ -18,6 +19,7 @@ from .forced import TOP_N
 from .noise import survival
 
 ALPHA = 1e-4
+FLOOR = -1e6  # log p below this (p = 0 under the noise model, or near it) is reported as this, a finite number
 
 
 def log_add(a: float, b: float) -> float:
@@ -77,7 +79,7 @@ def test(scores: list[dict], noise: dict, alpha: float = ALPHA) -> dict:
         lp = log_poisson_sf(k, lam) + math.log(len(thresholds))
         if lp < margin:
             margin, worst = lp, {"threshold": t, "flips": k, "expected": lam}
-    logs = {"count": min(count, 0.0), "early": min(early, 0.0), "margin": min(margin, 0.0)}
+    logs = {k: min(max(v, FLOOR), 0.0) for k, v in (("count", count), ("early", early), ("margin", margin))}
     log_p = min(0.0, math.log(3) + min(logs.values()))
     kl = [x for s in scores for x in s.get("kl", [])]
     out = {"verdict": "divergence" if log_p < math.log(alpha) else "pass", "alpha": alpha,
@@ -93,7 +95,9 @@ def test(scores: list[dict], noise: dict, alpha: float = ALPHA) -> dict:
 
 
 def fmt_p(log10_p: float) -> str:
-    return f"{10 ** log10_p:.3g}" if log10_p > -300 else f"1e{log10_p:.0f}"
+    if log10_p > -300:
+        return f"{10 ** log10_p:.3g}"
+    return f"1e{log10_p:.0f}" if log10_p > FLOOR / math.log(10) + 1 else f"< 1e{FLOOR / math.log(10):.0f}"
 
 
 def describe(w: dict) -> str:
