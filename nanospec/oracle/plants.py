@@ -29,7 +29,7 @@ CLASSES = MODEL_CLASSES + ("bos", "rejected_key")
 def applies(cls: str, model, prompt: list[int] | None = None) -> bool:
     a = model.args
     return {"rope_scaling": a.rope_scaling is not None, "qk_norm": a.qk_norm, "window": a.sliding_window is not None,
-            "bos": bool(prompt) and a.bos_id is not None and prompt[0] == a.bos_id}.get(cls, True)
+            "bos": len(prompt or []) > 1 and a.bos_id is not None and prompt[0] == a.bos_id}.get(cls, True)
 
 
 @contextlib.contextmanager
