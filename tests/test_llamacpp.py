@@ -49,6 +49,8 @@ def test_every_setting_with_its_measured_calibration(tiny, tmp_path, monkeypatch
         ("greedy", "reference"), ("prompt_lookup", "reference"), ("prompt_lookup", "greedy"),
         ("draft", "reference"), ("draft", "greedy"))]
     assert all(r["summary"]["divergence"] == 0 and r["calibrated"] for r in runs if "results" in r)
+    assert all(r["whole"]["verdict"] == "pass" and r["whole"]["noise"]["source"].startswith("calibrated: ")
+               for r in runs if r.get("against") == "reference")  # judged whole against its own measured noise
     assert all(r["tokens_per_s"] > 0 for r in runs if r.get("against") == "reference")
     c = cal.read(tmp_path / "c.json")
     assert sorted(c["settings"]) == sorted(f"{n} kv={kv}" for n in ("single", "batched", "self")
