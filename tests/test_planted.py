@@ -133,3 +133,26 @@ def test_tails_are_the_distributions():
     p = 1 - sum(math.exp(-2.5) * 2.5 ** x / math.factorial(x) for x in range(4))
     assert math.exp(whole.log_poisson_sf(4, 2.5)) == pytest.approx(p, rel=1e-9)
     assert whole.log_binom_sf(0, 5, 0.1) == 0.0 and whole.log_poisson_sf(1, 0.0) == -math.inf
+
+
+def synthetic(flips: list[tuple[int, float]], n: int = 200) -> dict:
+    """A prompt's scores: top-2 gaps of 0.5, but at each flip its margin (a flip to the runner-up)."""
+    gaps = [0.5] * n
+    for i, m in flips:
+        gaps[i] = m
+    return {"positions": n, "flips": [list(f) for f in flips], "gaps": gaps}
+
+
+def test_whole_test_on_known_scores():
+    """Against a noise of 4 flips in 800 positions at margins up to 0.01, top-2 movements up to 0.01: a run with
+    the same flip rate and margins passes; a single flip at margin 0.5 (50x any movement) is a divergence by the
+    margin test; 12 flips at the noise's margins in 200 positions are one by the count test (a wrong test fails
+    one of the three)."""
+    nz = noise.merge([{"positions": 800, "prompts": 4, "flips": 4, "flip_margins": [0.002, 0.004, 0.006, 0.01],
+                       "movements": [0.01 * (i % 100) / 100 for i in range(800)], "kl": [0.0]}], "synthetic")
+    same = whole.test([synthetic([(50, 0.004)])], nz)
+    assert same["verdict"] == "pass" and same["log10_p"] > -1, whole.describe(same)
+    far = whole.test([synthetic([(50, 0.5)])], nz)
+    assert far["verdict"] == "divergence" and far["log10_p_tests"]["count"] > -1, whole.describe(far)
+    many = whole.test([synthetic([(i * 16 + 5, 0.004) for i in range(12)])], nz)
+    assert many["verdict"] == "divergence" and many["log10_p_tests"]["count"] < math.log10(whole.ALPHA / 3)
