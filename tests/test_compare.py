@@ -148,7 +148,10 @@ def test_transformers_client(weights, tmp_path):
                                                                 ("prompt_lookup", "greedy"), ("assisted", "reference"),
                                                                 ("assisted", "greedy"))]
     assert all(r["summary"]["prompts"] == 2 and r["summary"]["divergence"] == 0 for r in runs)
+    assert all(r["whole"]["verdict"] == "pass" for r in runs if r["against"] == "reference")
+    assert all("whole" not in r for r in runs if r["against"] == "greedy")  # its own rows: the per-prompt rule
     assert "transformers prompt_lookup float32 cpu vs its own greedy: 2 prompts" in out
+    assert "nanospec bfloat16 vs float32, measured now" in out and "detection floor (" in out
     saved = trace.read(tmp_path / "traces" / "transformers-greedy-float32.jsonl")
     assert len(saved) == 2 and all(0 < len(e["output_ids"]) <= 12 for e in saved)
     assert all(len(e["positions"]) == len(e["output_ids"]) for e in saved)  # its own rows, top-k
@@ -213,3 +216,28 @@ def test_calibration_stays_inside_the_tolerance(weights, tmp_path):
         ("bfloat16", "float32", 1)]
     assert all(16 < r["positions"] <= 32 and 0 <= r["max"] < compare.ULPS[r["units"]] for r in runs)
     assert "calibration: transformers float32 batch 2 vs nanospec exact AR float32" in out
+
+
+def test_two_files_with_weights_get_the_whole_output_verdict(weights, tmp_path):
+    """REFERENCE OTHER --weights: nanospec fp32 forces OTHER's tokens and the whole-output test judges them
+    against fp32 noise measured now: AR's own trace passes, an engine with RoPE's base /10 is a divergence."""
+    from nanospec.io.checkpoint import load
+    from nanospec.oracle import plants
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["def f(x):", "import os\n", "class A:"]))
+    code, _, err = call(decode.main, "--weights", weights, "--prompts", prompts, "--max-new-tokens", 24, "--mode",
+                        "exact", "--trace", tmp_path / "ar.jsonl")
+    assert code == 0, err
+    refs, model = trace.read(tmp_path / "ar.jsonl", full=True), load(weights)
+    planted = [{"prompt_ids": e["prompt_ids"], "output_ids": plants.decode(model, e["prompt_ids"], 24, "rope_base", 10)}
+               for e in refs]
+    (tmp_path / "bug.jsonl").write_text("".join(json.dumps(e) + "\n" for e in planted))
+    code, out, err = call(compare.main, tmp_path / "ar.jsonl", tmp_path / "ar.jsonl", "--weights", weights, "--json")
+    assert code == 0 and "whole output: 72 positions scored by nanospec fp32: 0 flips" in out, out + err
+    assert json.loads(out.splitlines()[-1])["runs"][0]["whole"]["verdict"] == "pass"
+    assert "detection floor (nanospec float32 vs float32, measured now): rope base /" in out
+    code, out, err = call(compare.main, tmp_path / "ar.jsonl", tmp_path / "bug.jsonl", "--weights", weights, "--json",
+                          "--no-floors")
+    (run,) = json.loads(out.splitlines()[-1])["runs"]
+    assert code == 1 and run["whole"]["verdict"] == "divergence" and run["whole"]["log10_p"] < -4, out + err
+    assert "detection floor" not in out and "(3 x the smallest, Bonferroni; alpha 0.0001): divergence" in out

@@ -20,7 +20,8 @@ LAYERS = [
      "methods", "methods.lookahead", "methods.medusa", "methods.propd", "methods.bita", "methods.hidden_transfer",
      "methods.sdsat", "methods.sdsat_full"},                                    # drafters and their trainers
     {"bench", "oracle.peers", "methods.analysis", "oracle.engines", "oracle.engines.hf", "oracle.engines.llamacpp",
-     "oracle.engines.openai", "oracle.compare"},                               # command lines and the oracle
+     "oracle.engines.openai", "oracle.compare", "oracle.forced", "oracle.noise", "oracle.whole", "oracle.plants",
+     "oracle.floors"},                                                         # command lines and the oracle
 ]
 LEVEL = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 

@@ -1,7 +1,9 @@
 """--engine llama.cpp through llama-cpp-python (skipped where it is not installed; CI does not build
 it): on a tiny F32 model exported here, every setting and KV cache type is judged with the
 calibration the run measures, which a second run reuses from its file; llama-cpp-python's own
-server is checked through --engine openai. Without the package: one line naming the install."""
+server is checked through --engine openai, and on SmolLM2's GGUF (where fetched) started correctly and with a wrong
+--rope_freq_base: a pass and a divergence by the whole-output test. Without the package: one line naming the
+install."""
 import json
 import socket
 import subprocess
@@ -47,6 +49,8 @@ def test_every_setting_with_its_measured_calibration(tiny, tmp_path, monkeypatch
         ("greedy", "reference"), ("prompt_lookup", "reference"), ("prompt_lookup", "greedy"),
         ("draft", "reference"), ("draft", "greedy"))]
     assert all(r["summary"]["divergence"] == 0 and r["calibrated"] for r in runs if "results" in r)
+    assert all(r["whole"]["verdict"] == "pass" and r["whole"]["noise"]["source"].startswith("calibrated: ")
+               for r in runs if r.get("against") == "reference")  # judged whole against its own measured noise
     assert all(r["tokens_per_s"] > 0 for r in runs if r.get("against") == "reference")
     c = cal.read(tmp_path / "c.json")
     assert sorted(c["settings"]) == sorted(f"{n} kv={kv}" for n in ("single", "batched", "self")
@@ -98,10 +102,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(gguf, *more):
+def serve(gguf, *more, n_ctx: int = 256):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-                             "--port", str(port), "--n_ctx", "256", "--type_k", "0", "--type_v", "0", *more],
+                             "--port", str(port), "--n_ctx", str(n_ctx), "--type_k", "0", "--type_v", "0", *more],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/v1"
     for _ in range(600):
@@ -137,3 +141,50 @@ def test_llama_cpp_python_server_through_openai(tiny, tmp_path):
     runs = json.loads(out.splitlines()[-1])["runs"]
     assert [r["against"] for r in runs] == ["reference", "reference", "greedy"]
     assert all(r["summary"]["divergence"] == 0 and r["summary"]["empty"] == 0 for r in runs), out
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2's Q4_1 GGUF and its converted directory, where `python -m nanospec.io.fetch smollm2` put them,
+    with a reference trace of two of its prompts (16 tokens each), traced once for both servers."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("uvicorn")
+    from pathlib import Path
+
+    from nanospec.io.checkpoint import load
+    from nanospec.io.files import cache_root
+    from nanospec.io.sources import MODELS, converted
+    from nanospec.io.tokenizer import load_tokenizer
+    from nanospec.oracle import trace
+    from nanospec.oracle.engines import prompt_texts, reference
+    gguf, hf = cache_root() / "downloads" / Path(MODELS["smollm2"][1]).name, converted("smollm2")
+    if not gguf.is_file() or not (hf / "config.json").is_file():
+        pytest.skip("SmolLM2 is not fetched here (python -m nanospec.io.fetch smollm2)")
+    tok = load_tokenizer(hf)
+
+    class Args:
+        prompts, limit = None, 2
+    root = Path(__file__).resolve().parents[1] / "weights" / "smollm2"
+    prompts = [tok.encode(t) for t in prompt_texts(Args, root)]
+    ref = tmp_path_factory.mktemp("smollm2") / "ref.jsonl"
+    trace.write(ref, reference(load(hf), prompts, 16))
+    return gguf, root, ref
+
+
+@pytest.mark.parametrize("more, verdict", [((), "pass"), (("--rope_freq_base", "10000"), "divergence")])
+def test_a_real_server_with_a_wrong_rope_base_is_a_divergence(smollm2, more, verdict):
+    """llama-cpp-python's server on SmolLM2's Q4_1 GGUF, uncalibrated, judged against nanospec's bf16 noise
+    (--dtype bfloat16, as a quantized server must be without a calibration): correct, it passes; started with
+    --rope_freq_base 10000 (the checkpoint's is 100000), it is a divergence, exit 1."""
+    gguf, root, ref = smollm2
+    proc, url = serve(gguf, *more, n_ctx=1024)
+    try:
+        code, out, err = call(compare.main, ref, "--engine", "openai", "--url", url, "--weights", root, "--limit", 2,
+                              "--max-new-tokens", 16, "--prompt-as", "text", "--dtype", "bfloat16", "--no-floors",
+                              "--json")
+    finally:
+        proc.kill()
+    assert code == (0 if verdict == "pass" else 1), out + err
+    (run,) = json.loads(out.splitlines()[-1])["runs"]
+    assert run["whole"]["verdict"] == verdict and run["whole"]["positions"] == 32, out
+    assert "whole output: 32 positions scored by nanospec fp32" in out

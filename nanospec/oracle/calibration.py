@@ -21,7 +21,10 @@ A calibration file (schema nanospec-calibration/1, JSON):
                                     "max_logits": 0.031, "ulps": 3248.0}, ...}}
 
 max, p99.9 and median are in units of eps(units) x scale; max_logits is the largest movement in
-logits; ulps = factor x max is the tolerance compare uses for that setting.
+logits; ulps = factor x max is the tolerance compare uses for that setting. An entry also keeps the
+engine's noise sample ("noise": flips, margins at flips, every movement in logits, KL values;
+noise.py), which the whole-output verdict judges that engine's runs against; an older file without
+one leaves those runs to the tolerance.
 """
 import json
 import math

@@ -39,17 +39,28 @@ own greedy output (self-consistency: the same verdicts, judged on the engine's o
 --batch B (transformers, llama.cpp) and --concurrency N (a server) ask the batch question the same way: each
 prompt decoded inside a batch against the reference, and against the engine's output for that
 prompt alone, on the lone run's logits.
-Exit code 0 only when no prompt fails: divergence, empty, short (unless --allow-short) and
-not-bitwise fail (2 on bad input).
+The whole-output verdict (forced.py, noise.py, whole.py) judges every run against nanospec's reference as a
+whole: nanospec fp32 reads the prompt and the other engine's output teacher-forced and scores every position
+(flips, margins, and KL and top-N agreement where the engine returned rows); the run is a divergence when its
+flips come too often, too early or at margins the engine's noise explains with negligible probability (the
+three tests' p-values are printed, and p < whole.ALPHA fails it). The noise is the calibration's (--calibration,
+or the run's own llama.cpp calibration), else measured now: nanospec at the engine's dtype against fp32 on the
+same prompts. Below it, each noise's detection floors (floors.py: the weakest planted bug of each class it still
+flags; --no-floors skips them). With two files, the whole-output verdict needs --weights (the reference's);
+without them, with --ulps, and for self-consistency (an engine against its own greedy or lone output) the
+per-prompt verdicts above decide. Exit code 0 only when no run fails: a whole-output divergence (or, without
+one, a per-prompt divergence), an empty, short (unless --allow-short) or not-bitwise output (2 on bad input).
 """
 import json
 from pathlib import Path
 
 from .. import DEFAULT_WEIGHTS, ArgumentParser, NanospecError, cli
 from . import calibration as cal
+from . import floors, whole
 from . import trace as traces
 from .calibration import EPS, ULPS, tolerance  # noqa: F401 (the rule's constants, as before)
-from .verdict import coarser, compare, failed, summary  # noqa: F401 (coarser: the rule's, as before)
+from .verdict import coarser, compare, summary  # noqa: F401 (coarser: the rule's, as before)
+from .verdict import failed as verdict_failed
 
 ENGINES = ["transformers", "llama.cpp", "openai"]
 
@@ -81,6 +92,10 @@ def report(run: dict, ulps: float | None = None) -> None:
     more = "".join(f", {s[v]} {v}" for v in ("short", "empty", "not-bitwise") if s[v])
     print(f"{title(run)}: {s['prompts']} prompts: {s['identical']} identical{bit}, {s['near-tie']} near-tie, "
           f"{s['divergence']} divergence{more} (near-tie tolerance: {tol} x logit scale{how})")
+    if "whole" in run:
+        print(whole.describe(run["whole"]))
+        if run["whole"].get("floors"):
+            print(floors.describe(run["whole"]["floors"], run["whole"]["noise"]["source"]))
 
 
 def title(run: dict) -> str:
@@ -101,8 +116,8 @@ def main(argv=None) -> int:
                    "tolerance (two trace files: its widest setting)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--engine", choices=ENGINES, help="run this engine here and compare it")
-    p.add_argument("--weights", default=str(DEFAULT_WEIGHTS),
-                   help="--engine: an HF directory, FILE.gguf or hub id org/name (default: the shipped model)")
+    p.add_argument("--weights", help="--engine: an HF directory, FILE.gguf or hub id org/name (default: the shipped "
+                   "model); with two trace files: the reference's weights, for the whole-output test")
     p.add_argument("--prompts", help="--engine: JSONL of {\"prompt\": ...} (default: the weights' prompts.jsonl)")
     p.add_argument("--limit", type=int, help="--engine: only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -137,7 +152,10 @@ def main(argv=None) -> int:
     p.add_argument("--bitwise", action="store_true", help="identical ids are not enough: every traced row's "
                    "sha256 must match (both sides full traces)")
     p.add_argument("--save", help="--engine: write the reference and the engine's outputs under this directory")
+    p.add_argument("--no-floors", action="store_true", help="skip the detection floors (floors.py: a few planted "
+                   "bugs forced through the model per noise model)")
     args = p.parse_args(argv)
+    given_weights, args.weights = args.weights, args.weights or str(DEFAULT_WEIGHTS)
     if args.save_calibration and not (args.calibrate or args.engine == "llama.cpp" and not args.calibration):
         raise NanospecError("--save-calibration writes what --calibrate measures (an --engine llama.cpp run measures "
                             "it anyway): add --calibrate")
@@ -174,16 +192,52 @@ def main(argv=None) -> int:
                 raise NanospecError(f"{args.calibration} calibrates other weights than the reference traces")
             e = cal.widest(c)
             extra = {"units": e["units"], "ulps": e["ulps"], "calibrated": f"{args.calibration}, widest setting"}
+        others = traces.read(args.other)
         runs = [{"engine": args.other, "dtype": args.dtype, **extra,
-                 "results": compare(refs, traces.read(args.other), args.dtype, args.ulps or extra.get("ulps"),
-                                    args.bitwise, extra.get("units"))}]
+                 "results": compare(refs, others, args.dtype, args.ulps or extra.get("ulps"), args.bitwise,
+                                    extra.get("units"))}]
+        if given_weights:  # the whole-output test needs the reference's weights to force the other's tokens
+            runs[0].update(files_whole(args, refs, others))
     verdicts = [r for r in runs if "results" in r]  # the rest: calibration and tokenizer records
     for r in verdicts:
         r["summary"] = summary(r["results"])
         report(r, args.ulps)
     if args.json:
         print(json.dumps({"ulps": args.ulps, "runs": runs}))
-    return 1 if any(failed(r["summary"], args.allow_short) for r in verdicts) else 0
+    return 1 if any(failed(r, args.allow_short) for r in verdicts) else 0
+
+
+def failed(run: dict, allow_short: bool = False) -> bool:
+    """A run with a whole-output verdict fails on it (and on an empty, short or not-bitwise output); one
+    without (self-consistency, --ulps, two files without --weights), on any per-prompt failure."""
+    s = run["summary"]
+    if "whole" not in run:
+        return verdict_failed(s, allow_short)
+    return run["whole"]["verdict"] == "divergence" or verdict_failed({**s, "divergence": 0}, allow_short)
+
+
+def files_whole(args, refs: list[dict], others: list[dict]) -> dict:
+    """Two trace files with --weights: the whole-output test, against the calibration's noise (--calibration)
+    or nanospec's at the other's dtype (--dtype, its "dtype" field, else float32) measured now."""
+    from ..io.checkpoint import load
+    from ..io.files import fingerprint
+    from ..io.sources import base_of, resolve
+    from .engines import Whole
+    if args.ulps is not None:
+        return {}
+    weights = resolve(args.weights)
+    fp32 = load(base_of(weights))
+    if refs[0].get("model") not in (None, fingerprint(fp32)):
+        raise NanospecError(f"--weights {args.weights} are not the weights the reference traces")
+    judge = Whole(args, weights, fp32)
+    if args.calibration:
+        c = cal.read(args.calibration)
+        dtype, entries, source = "float32", list(c["settings"].values()), f"{Path(args.calibration).name}"
+    else:
+        dtype = coarser(args.dtype, *(o.get("dtype") for o in others)) if args.dtype or any(
+            o.get("dtype") for o in others) else "float32"
+        entries, source = None, ""
+    return judge.of(refs, others, dtype, calibrated=entries, source=source)
 
 
 if __name__ == "__main__":

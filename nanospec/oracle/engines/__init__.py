@@ -20,9 +20,11 @@ import numpy as np
 from ... import NanospecError
 from ...bench import load_prompts
 from ...engine import generate
+from ...io.checkpoint import DTYPES, load
 from ...io.files import fingerprint
 from ...io.sources import base_of
 from ...io.tokenizer import load_tokenizer
+from .. import floors, forced, noise, whole
 from .. import trace as traces
 
 MODULES = {"transformers": "hf", "llama.cpp": "llamacpp", "openai": "openai"}
@@ -109,3 +111,50 @@ def tokens_per_s(outputs: list[dict]) -> float | None:
     n = sum(max(len(o["output_ids"]) - 1, 0) for o in outputs)
     s = sum(o.get("decode_s", 0.0) for o in outputs)
     return round(n / s, 2) if s > 0 else None
+
+
+class Whole:
+    """The whole-output test of a run's outputs against the reference (whole.py): nanospec fp32 scores them
+    teacher-forced (forced.py) and each is judged against its noise (noise.py): a calibration's where it keeps
+    one, else measured now (nanospec at the engine's dtype against fp32, on the reference's sequences). Each
+    noise's detection floors (floors.py) are measured once, unless --no-floors. Off with --ulps (the
+    first-difference rule at that tolerance) and without a reference (--self-only)."""
+
+    def __init__(self, args, weights, fp32=None):
+        self.args, self.weights, self.fp32, self.noises = args, weights, fp32, {}
+        self.on = args.ulps is None
+
+    def reference(self):
+        if self.fp32 is None:
+            self.fp32 = load(base_of(self.weights))
+        return self.fp32
+
+    def noise(self, refs, dtype: str, model=None, calibrated: list[dict] | None = None, source: str = "") -> dict:
+        key = (dtype, source) if calibrated else (dtype, None)
+        if key not in self.noises:
+            fp32, planted = self.reference(), self.reference()
+            nz = noise.from_calibration(calibrated or [], f"calibrated: {source}") if calibrated else None
+            if calibrated and nz is None:  # a calibration that keeps no noise (an older file): no whole test
+                self.noises[key] = None
+                return None
+            if nz is None:
+                planted = fp32 if dtype == "float32" else model or load(base_of(self.weights), DTYPES[dtype])
+                exact = dtype == "float32" and all(e.get("dtype", "float32") == "float32" for e in refs)
+                nz = noise.measure(fp32, planted, refs, exact, f"nanospec {dtype} vs float32, measured now")
+            if not self.args.no_floors:
+                t0 = time.perf_counter()
+                nz["floors"] = floors.floors(planted, fp32, refs, nz)
+                print(f"[floors] {nz['source']}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+            self.noises[key] = nz
+        return self.noises[key]
+
+    def of(self, refs, others, dtype: str, model=None, calibrated=None, source: str = "") -> dict:
+        """{"whole": the verdict} for a run against refs, or {} when the test is off."""
+        if not self.on or refs is None:
+            return {}
+        nz = self.noise(refs, dtype, model, calibrated, source)
+        if nz is None:
+            return {}
+        agree = refs if all(e.get("dtype", "float32") == "float32" for e in refs) else None
+        w = whole.test(forced.score_run(self.reference(), agree, others), nz)
+        return {"whole": {**w, **({"floors": nz["floors"]} if "floors" in nz else {})}}

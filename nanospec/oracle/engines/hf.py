@@ -22,8 +22,9 @@ from ...io.checkpoint import DTYPES, load, load_args
 from ...io.files import fingerprint
 from ...io.sources import base_of, resolve
 from .. import calibration as cal
+from .. import noise
 from ..verdict import coarser, compare
-from . import progress, prompt_texts, reference, references, save, tokenizer, top
+from . import Whole, progress, prompt_texts, reference, references, save, tokenizer, top
 
 SETTINGS = {"greedy": "plain greedy", "prompt_lookup": "prompt lookup (prompt_lookup_num_tokens=10)",
             "assisted": "assisted generation (assistant_model)"}
@@ -62,7 +63,7 @@ def outputs(hf, prompts, setting, max_new_tokens, eos_id, assistant=None, batch:
 def calibrate(ref: list[dict], hf, units: str, batch: int = 1) -> dict:
     """transformers' logits, teacher-forced over the reference's sequences (`batch` at a time,
     left-padded, positions counted from each sequence's first token), against its rows."""
-    moves, t0 = [], time.perf_counter()
+    moves, samples, t0 = [], [], time.perf_counter()
     for k in range(0, len(ref), batch):
         group = ref[k:k + batch]
         ids, mask = left_padded([e["prompt_ids"] + e["output_ids"] for e in group], 0, hf.device)
@@ -70,13 +71,22 @@ def calibrate(ref: list[dict], hf, units: str, batch: int = 1) -> dict:
             logits = hf(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
         for b, e in enumerate(group):
             end, n = ids.shape[1] - 1, len(e["output_ids"])
-            moves.append(cal.movements(e["positions"], logits[b, end - n:end].float().cpu(), units))
+            rows = logits[b, end - n:end].float().cpu()
+            moves.append(cal.movements(e["positions"], rows, units))
+            samples.append(noise.sample(e["positions"], rows))
         progress("calibration" + batch_key(batch), min(k + batch, len(ref)) - 1, len(ref), t0)
-    return cal.entry(torch.cat(moves), units)
+    return {**cal.entry(torch.cat(moves), units), "noise": noise.merge(samples, "transformers")}
 
 
 def batch_key(batch: int) -> str:
     return f" batch {batch}" if batch > 1 else ""
+
+
+def noise_of(calib: dict | None, name: str) -> dict:
+    """Whole.of's calibrated noise for a run: the calibration's entry for this setting, if any."""
+    if calib and name in calib["settings"]:
+        return {"calibrated": [calib["settings"][name]], "source": name}
+    return {}
 
 
 def tolerance_of(calib: dict | None, name: str) -> dict:
@@ -114,7 +124,7 @@ def run(args) -> list[dict]:
     tok = tokenizer(weights)
     prompts = [tok.encode(t) for t in prompt_texts(args, weights)]
     calib = cal.read(args.calibration) if args.calibration else None
-    runs, found = [], {}
+    runs, found, judge = [], {}, Whole(args, weights)
     for name in (args.dtype or "float32,bfloat16").split(","):
         if name not in DTYPES:
             raise NanospecError(f"unknown dtype {name!r}: one of {', '.join(DTYPES)}")
@@ -123,6 +133,8 @@ def run(args) -> list[dict]:
             raise NanospecError(f"{args.calibration} calibrates other weights (fingerprint {calib['model']})")
         hf = transformers.AutoModelForCausalLM.from_pretrained(base_of(weights), dtype=DTYPES[name])
         hf = hf.to(args.device).eval()
+        if name == "float32" and args.device == "cpu" and judge.fp32 is None:
+            judge.fp32 = model  # the whole-output test's reference: nanospec fp32 on the CPU
         if args.calibrate:  # transformers in this dtype against nanospec in it, and against fp32 nanospec
             fp32 = [load(base_of(weights), torch.float32, args.device)] if name != "float32" else []
             for ref_model in [model] + fp32:
@@ -155,8 +167,8 @@ def run(args) -> list[dict]:
             save(args, f"transformers-{s}-{name}", others)
             common = {"engine": "transformers", "setting": s, "dtype": name, "device": args.device}
             if refs is not None:
-                runs.append({**common, "against": "reference", **tol,
-                             "results": verdicts(refs, others, tol, args.ulps)})
+                runs.append({**common, "against": "reference", **tol, "results": verdicts(refs, others, tol, args.ulps),
+                             **judge.of(refs, others, name, model, **noise_of(calib, name))})
             if s == "greedy":
                 greedy = others
             elif greedy is not None:  # does turning speculation on change transformers' output?
@@ -168,8 +180,8 @@ def run(args) -> list[dict]:
             common, tol = {"engine": "transformers", "setting": f"greedy batch {args.batch}", "dtype": name,
                            "device": args.device}, tolerance_of(calib, name + batch_key(args.batch)) or tol
             if refs is not None:
-                runs.append({**common, "against": "reference", **tol,
-                             "results": verdicts(refs, others, tol, args.ulps)})
+                runs.append({**common, "against": "reference", **tol, "results": verdicts(refs, others, tol, args.ulps),
+                             **judge.of(refs, others, name, model, **noise_of(calib, name + batch_key(args.batch)))})
             runs.append({**common, "against": "alone", **tol, "results": verdicts(greedy, others, tol, args.ulps)})
     if args.calibrate and args.save_calibration:
         cal.write(args.save_calibration, found, engine="transformers", engine_version=transformers.__version__,

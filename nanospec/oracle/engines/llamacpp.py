@@ -36,8 +36,9 @@ from ...io.checkpoint import load
 from ...io.files import fingerprint
 from ...io.sources import as_gguf, base_of, resolve
 from .. import calibration as cal
+from .. import noise
 from ..verdict import compare
-from . import progress, prompt_texts, references, save, tokenizer, tokens_per_s, top
+from . import Whole, progress, prompt_texts, references, save, tokenizer, tokens_per_s, top
 
 INSTALL = ('pip install "nanospec[llamacpp]" (llama-cpp-python: it builds llama.cpp from source, some minutes; '
            'CPU: CMAKE_ARGS="-DGGML_NATIVE=OFF")')
@@ -171,12 +172,13 @@ def forced(llm, prompt: list[int], tokens: list[int], chunk: int) -> torch.Tenso
 
 
 def calibrate(llm, entries: list[dict], chunk: int, tag: str) -> dict:
-    moves, t0 = [], time.perf_counter()
+    moves, samples, t0 = [], [], time.perf_counter()
     for i, e in enumerate(entries):
         rows = forced(llm, e["prompt_ids"], e["output_ids"], chunk)
         moves.append(cal.movements(e["positions"], rows, "float32"))
+        samples.append(noise.sample(e["positions"], rows))
         progress(f"calibration {tag}", i, len(entries), t0)
-    return cal.entry(torch.cat(moves), "float32")
+    return {**cal.entry(torch.cat(moves), "float32"), "noise": noise.merge(samples, "llama.cpp")}
 
 
 def check_tokenizer(llm, texts: list[str], ids: list[list[int]]) -> dict:
@@ -231,7 +233,7 @@ def run(args) -> list[dict]:
     n_ctx = max(map(len, prompts)) + args.max_new_tokens + max(CHUNK, args.draft_tokens) + 8
     threads = args.threads
     common = {"engine": "llama.cpp", "file": Path(gguf).name}
-    runs, measured = [], {}
+    runs, measured, whole = [], {}, Whole(args, weights, model)
 
     def tolerance(kv: str, names: list[str]) -> dict:
         names = [f"{n} kv={kv}" for n in names]
@@ -239,8 +241,12 @@ def run(args) -> list[dict]:
         return {"units": e["units"], "ulps": e["ulps"], "calibrated": " | ".join(names)}
 
     def judge(refs_, outs, tol, **kw):
-        return {**common, **kw, **tol, "results": compare(refs_, outs, None, args.ulps or tol["ulps"],
-                                                          units=tol["units"])}
+        names = tol["calibrated"].split(" | ")
+        against = {} if kw["against"] != "reference" else whole.of(
+            refs_, outs, "float32", calibrated=[(calib or {"settings": measured})["settings"][n] for n in names],
+            source=tol["calibrated"])
+        return {**common, **kw, **tol, **against, "results": compare(refs_, outs, None, args.ulps or tol["ulps"],
+                                                                     units=tol["units"])}
 
     for kv in kvs:
         single = open_llama(gguf, n_ctx, kv, threads)

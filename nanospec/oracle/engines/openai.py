@@ -36,7 +36,7 @@ from ...io.checkpoint import load
 from ...io.sources import base_of, resolve
 from .. import calibration as cal
 from ..verdict import compare
-from . import progress, prompt_texts, references, save, tokenizer
+from . import Whole, progress, prompt_texts, references, save, tokenizer
 
 TOP_LOGPROBS = 5  # OpenAI's own API allows at most 5
 
@@ -179,15 +179,17 @@ def run(args) -> list[dict]:
     pieces = Pieces(tok)
     texts = prompt_texts(args, weights)
     prompts = [tok.encode(t) for t in texts]
-    tol = {}
+    tol, calibrated, whole = {}, {}, Whole(args, weights, model)
     if args.calibration:
         c = cal.read(args.calibration)
         e = cal.widest(c)
         tol = {"units": e["units"], "ulps": e["ulps"], "calibrated": f"{Path(args.calibration).name}, widest setting"}
+        calibrated = {"calibrated": [e], "source": f"{Path(args.calibration).name}, widest setting"}
     runs = []
 
     def judge(ref, outs, **kw):
-        return {"engine": "openai", **kw, **tol,
+        against = {} if kw["against"] != "reference" else whole.of(ref, outs, args.dtype or "float32", **calibrated)
+        return {"engine": "openai", **kw, **tol, **against,
                 "results": compare(ref, outs, args.dtype, args.ulps or tol.get("ulps"), units=tol.get("units"))}
 
     urls = [("server", args.url.rstrip("/"))]

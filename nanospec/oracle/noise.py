@@ -1,0 +1,90 @@
+"""The noise model: what a correct engine moves, as a distribution, for the whole-output test (whole.py).
+
+A noise sample is measured teacher-forced: a correct engine's rows (or nanospec's at another dtype) at the
+positions of reference sequences, against the reference's rows there (its top-k ids and logits). It keeps:
+- positions, prompts and flips: how often the correct engine's argmax leaves the reference's;
+- flip_margins: at those flips, the reference's top logit minus its logit for the engine's argmax;
+- movements: at every position, how far the engine moved the reference's top-2 gap, in logits (sorted): the
+  margin test's survival function, S(m) = the share of positions moved by at least m, is read from them, and
+  past their 90th percentile it is an exponential tail fitted to the excesses there (a flip at a margin
+  beyond every measured movement is then explained with a small but stated probability, not with zero);
+- kl: percentiles of KL(engine || reference) over the reference's listed ids (both renormalized there).
+
+Where it comes from: an engine's calibration (--calibrate writes one per setting), else measured on the spot,
+nanospec itself at the engine's dtype against nanospec fp32, on the run's own prompts (for fp32: nanospec's
+fast-mode forward against exact AR's rows). An engine that computes more coarsely than its dtype says (a
+quantized server, llama.cpp's quantized activations) left uncalibrated at --dtype float32 is judged against
+fp32 noise and false-alarms: calibrate it (--engine llama.cpp --calibrate) or pass its dtype (--dtype bfloat16).
+"""
+import math
+
+import torch
+
+from . import forced
+
+
+def positions_of(rows: torch.Tensor, k: int = 8) -> list[dict]:
+    """Full rows as a trace's positions: top-k ids and logits, largest first."""
+    top = rows.float().topk(min(k, rows.shape[-1]), -1)
+    return [{"top_ids": i.tolist(), "top_logits": v.tolist()} for i, v in zip(top.indices, top.values)]
+
+
+def sample(positions: list[dict], rows: torch.Tensor) -> dict:
+    """One prompt's noise: a correct engine's rows (n, vocab) against the reference's positions (top-k)."""
+    rows = torch.as_tensor(rows).float()
+    flips, moves, kls = [], [], []
+    for i, (p, row) in enumerate(zip(positions, rows)):
+        ids, vals = p["top_ids"], p["top_logits"]
+        b = int(row.argmax())
+        if b != ids[0]:  # the margin of a token past the listed ones is at least the last listed one's
+            flips.append(vals[0] - (vals[ids.index(b)] if b in ids else vals[-1]))
+        if len(ids) > 1:
+            moves.append(abs((vals[0] - vals[1]) - float(row[ids[0]] - row[ids[1]])))
+            kls.append(forced.restricted_kl(torch.tensor(vals), list(range(len(ids))), row[ids].tolist()))
+    return {"positions": len(rows), "prompts": 1, "flips": len(flips), "flip_margins": flips, "movements": moves,
+            "kl": kls}
+
+
+def merge(samples: list[dict], source: str) -> dict:
+    """Samples (of prompts, or of settings) as one noise model."""
+    cat = lambda f: sorted(float(f"{x:.4g}") for s in samples for x in s[f])
+    kl = torch.tensor(cat("kl") or [0.0], dtype=torch.float64)
+    return {"source": source, "positions": sum(s["positions"] for s in samples),
+            "prompts": sum(s["prompts"] for s in samples), "flips": sum(s["flips"] for s in samples),
+            "flip_margins": cat("flip_margins"), "movements": cat("movements"), "kl_values": cat("kl"),
+            "kl": {"mean": float(f"{float(kl.mean()):.4g}"), "p99": float(f"{float(kl.quantile(0.99)):.4g}"),
+                   "max": float(f"{float(kl.max()):.4g}")}}
+
+
+def from_calibration(entries: list[dict], source: str) -> dict | None:
+    """The noise of calibration entries (the samples they keep), None where one keeps none (an older file)."""
+    kept = [e.get("noise") for e in entries]
+    return None if not kept or None in kept else merge([{**n, "kl": n["kl_values"]} for n in kept], source)
+
+
+def survival(noise: dict, m: float) -> float:
+    """S(m): the probability that the noise moves a position's top-2 gap by at least m logits (docstring)."""
+    mv = noise["movements"]
+    if m <= 0 or not mv:
+        return 1.0 if m <= 0 else 0.0
+    q = mv[min(len(mv) - 1, int(0.9 * len(mv)))]
+    if m <= q:
+        return sum(x >= m for x in mv) / len(mv)
+    excess = [x - q for x in mv if x > q]
+    b = max(sum(excess) / len(excess) if excess else 0.0, 1e-12)
+    return 0.1 * math.exp(-(m - q) / b)
+
+
+@torch.no_grad()
+def measure(reference, model, entries: list[dict], exact_rows: bool, source: str) -> dict:
+    """Noise on the spot: `model` (nanospec at the engine's dtype) against `reference` (nanospec fp32),
+    teacher-forced over the entries' sequences. exact_rows: the entries are fp32 exact AR traces, and their
+    positions are the reference's rows (fp32 noise: the fast-mode forward against exact AR's rows)."""
+    samples = []
+    for e in entries:
+        if not e["output_ids"]:
+            continue
+        d = forced.rows(model, e["prompt_ids"], e["output_ids"])
+        ref = e["positions"] if exact_rows else positions_of(forced.rows(reference, e["prompt_ids"], e["output_ids"]))
+        samples.append(sample(ref, d))
+    return merge(samples, source)
