@@ -4,10 +4,12 @@
     python decode.py --method ar --prompt "def fibonacci(n):"
     python decode.py --method ar --weights DIR --check --json
     python decode.py --weights FILE.gguf --chat --prompt "Write a haiku about caches."
+    python decode.py --method medusa --show 3        # draw the first 3 steps' draft trees
     python decode.py --bench --methods ar            # the default model's held-out prompts
 """
 import copy
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -25,6 +27,7 @@ from nanospec.io.tokenizer import load_tokenizer
 from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, model_dir, split_specs
 from nanospec.oracle import trace
 from nanospec.oracle.peers import transformers_peers
+from nanospec.show import Show
 from nanospec.sizes import block_batch
 from nanospec.tuning import products as kernels
 from nanospec.tuning.costs import measure as measure_costs
@@ -86,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--trace", help="write FILE.jsonl (nanospec-trace/1): per prompt the emitted ids and, per "
                    "position, its logit row's top-k, log-sum-exp and sha256 (the reference: --method ar --mode exact)")
     p.add_argument("--trace-k", type=int, default=8, help="top-k logits per position in --trace")
+    p.add_argument("--show", nargs="?", type=int, const=math.inf, metavar="N", help="print each step (the first N) "
+                   "to stderr as the tree it verified, the accepted path marked, and its bonus token (greedy only)")
     return p.parse_args(argv)
 
 
@@ -100,6 +105,10 @@ def setup(args):
         raise NanospecError("--trace records decoding, not --bench: use --prompts FILE.jsonl --trace OUT.jsonl")
     if args.trace and not Path(args.trace).resolve().parent.is_dir():
         raise NanospecError(f"--trace {args.trace}: its directory does not exist")
+    if args.show is not None and (args.bench or args.temperature > 0):
+        raise NanospecError("--show draws a greedy decoding's steps: not with --bench or --temperature > 0")
+    if args.show is not None and args.show < 1:
+        raise NanospecError("--show N draws the first N steps: N must be at least 1")
     if args.trace_k < 2:
         raise NanospecError("--trace-k must be at least 2 (compare reads the top-2 margin)")
     if args.max_new_tokens < 1:
@@ -275,8 +284,9 @@ def decode_batch(args, model, tok, drafter, texts, prompts, B, info, exact, samp
         warm = dict(kw, max_new_tokens=min(8, args.max_new_tokens))
         generate(model, prompts[:B], copy.deepcopy(drafter), batch=B, **warm)
         generate(model, prompts[0], AR, **warm)
+    show = Show(lambda i: repr(tok.decode([i])) if tok else str(i), args.show) if args.show is not None else None
     t = time.perf_counter()
-    outs = generate(model, prompts, drafter, batch=B, **kw)
+    outs = generate(model, prompts, drafter, batch=B, on_step=show, **kw)
     seconds = time.perf_counter() - t - outs[0].prefill_s
     refs = [generate(model, p, AR, **kw) for p in prompts] if args.check else [None] * len(prompts)
     if len(prompts) > 1:

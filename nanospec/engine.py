@@ -40,7 +40,7 @@ HOST = torch.device("cpu")  # where a step is drafted and laid out
 
 def step(live: list[Decoding], drafter: Drafter, record: bool):
     """One step of every live sequence, a group of one drafter and layout at a time. Returns the budget, per sequence
-    (path, emitted tokens, their logits if record, the whole draft) and the step's rows."""
+    (path, emitted tokens, their logits if record, the tree verified, the whole draft) and the step's rows."""
     budget, groups = draft(live, drafter)
     results, rows = {}, 0
     for s, members in groups:
@@ -51,7 +51,7 @@ def step(live: list[Decoding], drafter: Drafter, record: bool):
         for (d, tree, whole), (path, emitted, logits) in zip(members, outcomes):
             d.advance(path, emitted)
             drafter.accepted(d, tree, path)
-            results[d], rows = (path, emitted, logits, whole), rows + s.size(len(tree), budget)
+            results[d], rows = (path, emitted, logits, tree, whole), rows + s.size(len(tree), budget)
     return budget, results, rows
 
 
@@ -82,10 +82,9 @@ def lay_out(decs: list[Decoding], drafter: Drafter, trees: list[Tree], budget=No
 def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, seqs):
     """A group's step program (step_program, batch dim first) launched on one host tensor, and its start time. Exact
     mode: fixed shapes, one program per method, tree size and group rows (one CUDA graph each, on a GPU)."""
-    d = decs[0]
+    d, lay = decs[0], nodes.lay
     cursors = {x.seq: x.cur for x in decs} if d.block_batch else dict(enumerate(x.cur for x in decs))
     cur = torch.tensor([cursors.get(r, 0) for r in range(len(block.tokens))])  # idle sequences: slot 0 onto itself
-    lay = nodes.lay
     flat, spec = packed([block.tokens, block.pos, block.slots, block.prefix, block.extra, nodes.tokens, lay.parent,
                          lay.depth, lay.index, lay.anc, nodes.real, cur, seqs])
     shape = (nodes.n, nodes.M) if d.exact and nodes.M else None  # what the forward depends on beyond its inputs
@@ -148,8 +147,7 @@ def sample_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], res, 
                    keep([p + [-1] * (E - len(p)) for p, _ in paths]))
     depth = [0] * len(decs)  # the depths each path's end drafted
     if draft_inputs is not None:
-        b = keep(rows)
-        ends = keep([p[-1] for p, _ in paths])
+        b, ends = keep(rows), keep([p[-1] for p, _ in paths])
         top = drafter.propose(draft_inputs[b, ends], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices.cpu()
         depth = depths[b, ends].tolist() if depths is not None else [top.shape[1]] * len(decs)
     return [(p, e, top[i, :k], top[i, :k].tolist()) if k else (p, e, None, None)
@@ -258,9 +256,8 @@ class Decoding:
 
     def advance(self, path: list[int], tokens: list[int]) -> None:
         """The accepted path's tokens emitted, and the cursor past its keys (KVCache.commit moved them to cur, ...)."""
-        self.cur += len(path)
+        self.cur, self.last = self.cur + len(path), tokens[-1]
         self.out += tokens
-        self.last = tokens[-1]
 
 
 def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
@@ -299,16 +296,17 @@ class Output:
 
 
 @torch.inference_mode()
-def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=128, exact=False,
-             Q=None, n_slots=None, tail=None, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-             eos_id=None, record_logits=False, batch=None, block_batch=None, compile=False, dev=None, programs=None):
+def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=128, exact=False, Q=None, n_slots=None,
+             tail=None, temperature=0.0, top_k=0, top_p=1.0, seed=0, eos_id=None, record_logits=False, batch=None,
+             block_batch=None, compile=False, dev=None, programs=None, on_step=None):
     """Decode max_new_tokens after prompt (token ids) with a drafter (None: AR): an Output. A list of prompts is a
     batch: one Output each, every sequence as if decoded alone (its own sampling stream from seed). batch: the
     sequences decoded at once (None: all); a stopped one's cache row takes the next prompt (continuous batching).
     Q, n_slots, tail: exact mode's shapes (default: sizes.shapes); block_batch: its sequences' blocks per forward
     (default: sizes.block_batch); eos_id None: the model's, -1: none. dev: the device's layout and speed (default:
     devices.of the model's device); compile: exact mode's layer compiled (compiled.py); programs: how the device
-    programs run (default: programs.of the device in exact mode)."""
+    programs run (default: programs.of the device in exact mode). on_step(dec, tree, path, tokens, budget, rows): each
+    sequence's step, as the host holds it: the tree verified, the path's nodes, the tokens emitted, budget and rows."""
     drafter = drafter or AR
     dev = devices.of(dev or model.embed.weight)
     if compile and not exact:
@@ -353,7 +351,9 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         budget, results, rows = step(live, drafter, record_logits)
         secs, done = time.perf_counter() - ts, []
         for i, d in enumerate(live):
-            path, toks, r, drafted = results[d]
+            path, toks, r, tree, drafted = results[d]
+            if on_step is not None:
+                on_step(d, tree, path, toks, budget, rows)
             if planner is not None:  # the step's rows and time once; each sequence's outcome
                 planner.observe(d, budget, rows if i == 0 else 0, secs, path, drafted, d.lists)
             logits[d].append(r)  # None unless record_logits
