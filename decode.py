@@ -15,13 +15,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from nanospec import DEFAULT_WEIGHTS, ArgumentParser, NanospecError, check_device, cli, compiled, devices
+from nanospec import DEFAULT_WEIGHTS, ArgumentParser, NanospecError, check_device, cli, compiled, devices, plot
 from nanospec.bench import bench, first_difference, load_prompts, same_as_ar, table
 from nanospec.devices import Device
 from nanospec.engine import AR, check_prompt, check_room, generate, shapes
 from nanospec.io import chat
 from nanospec.io.checkpoint import DTYPES, load
-from nanospec.io.files import fingerprint
+from nanospec.io.files import atomic_write, fingerprint
 from nanospec.io.sources import base_of, resolve
 from nanospec.io.tokenizer import load_tokenizer
 from nanospec.methods import METHODS, check_method, drafters_for, load_drafter, model_dir, split_specs
@@ -91,6 +91,11 @@ def parse_args(argv=None):
     p.add_argument("--trace-k", type=int, default=8, help="top-k logits per position in --trace")
     p.add_argument("--show", nargs="?", type=int, const=math.inf, metavar="N", help="print each step (the first N) "
                    "to stderr as the tree it verified, the accepted path marked, and its bonus token (greedy only)")
+    p.add_argument("--plot", metavar="FILE.png", help="--bench: draw the table (speedup and tokens per step per "
+                   "method; with several --batch sizes, speedup against batch size) into a PNG (pip install -e "
+                   "\".[plot]\")")
+    p.add_argument("--show-html", metavar="FILE", help="write the steps --show draws (every one, or its first N) "
+                   "as one self-contained HTML page, a tree per step (greedy only)")
     return p.parse_args(argv)
 
 
@@ -105,8 +110,16 @@ def setup(args):
         raise NanospecError("--trace records decoding, not --bench: use --prompts FILE.jsonl --trace OUT.jsonl")
     if args.trace and not Path(args.trace).resolve().parent.is_dir():
         raise NanospecError(f"--trace {args.trace}: its directory does not exist")
-    if args.show is not None and (args.bench or args.temperature > 0):
+    if (args.show is not None or args.show_html) and (args.bench or args.temperature > 0):
         raise NanospecError("--show draws a greedy decoding's steps: not with --bench or --temperature > 0")
+    if args.plot and not args.bench:
+        raise NanospecError("--plot draws a bench's table: use it with --bench")
+    if args.plot:
+        plot.check()
+        if not Path(args.plot).resolve().parent.is_dir():
+            raise NanospecError(f"--plot {args.plot}: its directory does not exist")
+    if args.show_html and not Path(args.show_html).resolve().parent.is_dir():
+        raise NanospecError(f"--show-html {args.show_html}: its directory does not exist")
     if args.show is not None and args.show < 1:
         raise NanospecError("--show N draws the first N steps: N must be at least 1")
     if args.trace_k < 2:
@@ -223,6 +236,9 @@ def main(argv=None):
                              block_batch=args.block_batch, dev=dev,
                              counts={d.name: counts[B][m] for m, d in zip(methods, fresh)})
             print(table([r for r in results if r["batch"] == B]), flush=True)
+        if args.plot:
+            title = f"{Path(args.weights or DEFAULT_WEIGHTS).name}, {args.mode} mode, {info['dtype']}, {args.device}"
+            atomic_write(Path(args.plot), lambda tmp: plot.plot(results, tmp, title))
         if args.compile:
             info["compile_s"] = report_compiles()
         if args.json:
@@ -284,10 +300,16 @@ def decode_batch(args, model, tok, drafter, texts, prompts, B, info, exact, samp
         warm = dict(kw, max_new_tokens=min(8, args.max_new_tokens))
         generate(model, prompts[:B], copy.deepcopy(drafter), batch=B, **warm)
         generate(model, prompts[0], AR, **warm)
-    show = Show(lambda i: repr(tok.decode([i])) if tok else str(i), args.show) if args.show is not None else None
+    show = None
+    if args.show is not None or args.show_html:
+        show = Show(lambda i: repr(tok.decode([i])) if tok else str(i), drafter, args.show or math.inf,
+                    sys.stderr if args.show is not None else None, keep=bool(args.show_html))
     t = time.perf_counter()
     outs = generate(model, prompts, drafter, batch=B, on_step=show, **kw)
     seconds = time.perf_counter() - t - outs[0].prefill_s
+    if args.show_html:
+        page = show.page(f"nanospec: {args.method}'s steps ({'exact' if exact else 'fast'} mode)")
+        atomic_write(Path(args.show_html), lambda tmp: tmp.write_text(page, encoding="utf-8"))
     refs = [generate(model, p, AR, **kw) for p in prompts] if args.check else [None] * len(prompts)
     if len(prompts) > 1:
         new = sum(len(o.tokens) for o in outs)

@@ -47,6 +47,8 @@ class Drafter:
     family = None       # the rank paths a planned tree may use (None: any; see planner.Planner)
     planner = None      # the draft budget per step (planner.py); None: the method's static tree
     nested = False      # unranked drafts only: the first s+1 nodes of a budget-B tree are its budget-s tree
+    own_rows = "own rows"  # what the rows after the tree are, for a reader (show.py)
+    prunes = False      # verification leaves some nodes out (ProPD): a greedy step reads back which
 
     @property
     def max_depth(self) -> int:

@@ -32,7 +32,7 @@ from .drafter import AR, Drafter
 from .model import Forward
 from .programs import of as programs_of
 from .sizes import check_prompt, check_room, shapes
-from .tree import Layout, Nodes, Sampler, Tree, accept, pack_results, sample_verify, step_rows, unpack_results
+from .tree import Layout, Nodes, Sampler, Step, Tree, accept, pack_results, sample_verify, step_rows, unpack_results
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 HOST = torch.device("cpu")  # where a step is drafted and laid out
@@ -40,19 +40,19 @@ HOST = torch.device("cpu")  # where a step is drafted and laid out
 
 def step(live: list[Decoding], drafter: Drafter, record: bool):
     """One step of every live sequence, a group of one drafter and layout at a time. Returns the budget, per sequence
-    (path, emitted tokens, their logits if record, the tree verified, the whole draft) and the step's rows."""
+    its Step, and the step's rows."""
     budget, groups = draft(live, drafter)
-    results, rows = {}, 0
+    results = {}
     for s, members in groups:
         decs, trees = [m[0] for m in members], [m[1] for m in members]
         block, nodes, seqs = lay_out(decs, s, trees, budget)
         launched = launch_step(decs, s, block, nodes, seqs)
         outcomes = read_back(decs, s, trees, launched, nodes, record)
-        for (d, tree, whole), (path, emitted, logits) in zip(members, outcomes):
+        for (d, tree, whole), (path, emitted, logits, pruned) in zip(members, outcomes):
             d.advance(path, emitted)
             drafter.accepted(d, tree, path)
-            results[d], rows = (path, emitted, logits, tree, whole), rows + s.size(len(tree), budget)
-    return budget, results, rows
+            results[d] = Step(tree, path, emitted, budget, s.size(len(tree), budget), pruned, logits, whole)
+    return budget, results, sum(r.rows for r in results.values())
 
 
 def draft(live: list[Decoding], drafter: Drafter):
@@ -112,7 +112,7 @@ def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, fla
     last, b = path.max(-1).values, d.cache.ids[:len(path)]  # each path's deepest node (indices grow along a path)
     cands = drafter.propose(out.draft_inputs[b, last], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices
     depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])  # cands (B, K, R)
-    return pack_results(path, emitted, depth, cands), out.logits
+    return pack_results(path, emitted, depth, cands, out.alive), out.logits
 
 
 def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launched, nodes: Nodes, record: bool):
@@ -124,13 +124,14 @@ def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launche
     if d.sampler.greedy:
         (flat, logits), R = res, max(drafter.topk, default=1)
         head = flat.tolist()  # the step's one read-back
-        found = [unpack_results(head[b], nodes.lay.anc.shape[-1], R) for b in rows]
+        found = [unpack_results(head[b], nodes.lay.anc.shape[-1], R, drafter.prunes and nodes.N) for b in rows]
     else:
         logits, found = res[0], sample_back(decs, drafter, trees, res, rows)
     took, results = time.perf_counter() - t0, []
-    for b, x, (path, emitted, cands, lists) in zip(rows, decs, found):
+    for b, x, t, (path, emitted, cands, lists, pruned) in zip(rows, decs, trees, found):
         x.forward_s, x.cands, x.lists = x.forward_s + took / len(decs), cands, lists  # its share of the program
-        results.append((path, emitted, logits[b, path].float().cpu() if record else None))
+        results.append((path, emitted, logits[b, path].float().cpu() if record else None,
+                        [i for i in pruned if i < len(t)]))
     return results
 
 
@@ -150,7 +151,7 @@ def sample_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], res, 
         b, ends = keep(rows), keep([p[-1] for p, _ in paths])
         top = drafter.propose(draft_inputs[b, ends], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices.cpu()
         depth = depths[b, ends].tolist() if depths is not None else [top.shape[1]] * len(decs)
-    return [(p, e, top[i, :k], top[i, :k].tolist()) if k else (p, e, None, None)
+    return [(p, e, top[i, :k], top[i, :k].tolist(), []) if k else (p, e, None, None, [])
             for i, ((p, e), k) in enumerate(zip(paths, depth))]
 
 
@@ -305,8 +306,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     Q, n_slots, tail: exact mode's shapes (default: sizes.shapes); block_batch: its sequences' blocks per forward
     (default: sizes.block_batch); eos_id None: the model's, -1: none. dev: the device's layout and speed (default:
     devices.of the model's device); compile: exact mode's layer compiled (compiled.py); programs: how the device
-    programs run (default: programs.of the device in exact mode). on_step(dec, tree, path, tokens, budget, rows): each
-    sequence's step, as the host holds it: the tree verified, the path's nodes, the tokens emitted, budget and rows."""
+    programs run (default: programs.of the device in exact mode). on_step(dec, step): each sequence's Step."""
     drafter = drafter or AR
     dev = devices.of(dev or model.embed.weight)
     if compile and not exact:
@@ -351,12 +351,12 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         budget, results, rows = step(live, drafter, record_logits)
         secs, done = time.perf_counter() - ts, []
         for i, d in enumerate(live):
-            path, toks, r, tree, drafted = results[d]
+            r, toks = results[d], results[d].tokens
             if on_step is not None:
-                on_step(d, tree, path, toks, budget, rows)
+                on_step(d, r)
             if planner is not None:  # the step's rows and time once; each sequence's outcome
-                planner.observe(d, budget, rows if i == 0 else 0, secs, path, drafted, d.lists)
-            logits[d].append(r)  # None unless record_logits
+                planner.observe(d, budget, rows if i == 0 else 0, secs, r.path, r.whole, d.lists)
+            logits[d].append(r.logits)  # None unless record_logits
             outs[d].steps += 1
             outs[d].accepted.append(len(toks))
             stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \

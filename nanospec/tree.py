@@ -14,6 +14,7 @@ last step drafted without leaving the device. Greedy verification runs on the de
 import functools
 import heapq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +23,11 @@ from .cache import Block
 
 
 class Tree:
-    def __init__(self, tokens, parents):
-        """tokens: a list of ids or a 1-d tensor (left where it is); parents[i] < i, parents[0] = -1."""
+    def __init__(self, tokens, parents, matched: int = 0):
+        """tokens: a list of ids or a 1-d tensor (left where it is); parents[i] < i, parents[0] = -1. matched: how
+        many of the context's last tokens the drafts were retrieved by (Lookahead's trie), for a reader (show.py)."""
         assert len(tokens) == len(parents) and parents[0] == -1
-        self.tokens, self.parents = tokens, tuple(parents)
+        self.tokens, self.parents, self.matched = tokens, tuple(parents), matched
 
     def __len__(self):
         return len(self.parents)
@@ -39,7 +41,7 @@ class Tree:
 
     def prefix(self, m: int) -> "Tree":
         """The first m nodes: still a tree, since parents come first (the engine trims to the room left)."""
-        return self if m == len(self) else Tree(self.tokens[:m], self.parents[:m])
+        return self if m == len(self) else Tree(self.tokens[:m], self.parents[:m], self.matched)
 
     def follow(self, truth: list[int]) -> list[int] | None:
         """The nodes (root first) that truth, the tokens after the root, runs through (None: truth is
@@ -274,23 +276,38 @@ def accept(tokens, lay: Layout, logits, alive=None):
     return path, torch.where(path >= 0, target.gather(1, path.clamp(min=0)), -1)
 
 
-def pack_results(path, emitted, depth=None, cands=None) -> torch.Tensor:
+def pack_results(path, emitted, depth=None, cands=None, alive=None) -> torch.Tensor:
     """A greedy step's results as one tensor (B, X), for its one read-back: per sequence, the accepted path (E,)
     and its tokens (E,), both -1 padded, then, for a method that drafts, the depths drafted (1,) and the next
-    candidates (K, R)."""
-    return torch.cat([path, emitted] + ([depth[:, None], cands.flatten(1)] if cands is not None else []), -1)
+    candidates (K, R), then, for one that prunes (ProPD), which nodes it verified (N,)."""
+    more = [depth[:, None], cands.flatten(1)] if cands is not None else []
+    return torch.cat([path, emitted] + more + ([alive.long()] if alive is not None else []), -1)
 
 
-def unpack_results(head: list, E: int, R: int):
-    """pack_results's for one sequence, read back (head: its row as a host list): (path, emitted tokens, the
-    candidates of the depths drafted as a host tensor (D, R) and as lists, or None and None)."""
+def unpack_results(head: list, E: int, R: int, N: int = 0):
+    """pack_results's for one sequence, read back (head: its row as a host list; N: nodes verified or not): (path,
+    emitted tokens, the candidates of the depths drafted as a host tensor (D, R) and as lists, or None and None, the
+    nodes left unverified)."""
     path = [i for i in head[:E] if i >= 0]
     emitted = head[E:E + len(path)]
-    depth = head[2 * E] if len(head) > 2 * E else 0
+    depth = head[2 * E] if len(head) > 2 * E + N else 0
+    pruned = [i for i, a in enumerate(head[len(head) - N:]) if not a] if N else []
     if not depth:
-        return path, emitted, None, None
+        return path, emitted, None, None, pruned
     lists = [head[2 * E + 1 + d * R:2 * E + 1 + (d + 1) * R] for d in range(depth)]
-    return path, emitted, torch.tensor(lists), lists
+    return path, emitted, torch.tensor(lists), lists, pruned
+
+
+class Step(NamedTuple):
+    """One sequence's step as the host holds it (what engine.generate's on_step gets)."""
+    tree: Tree                     # the tree verified
+    path: list[int]                # the accepted path's nodes, root first
+    tokens: list[int]              # the tokens emitted: the path's drafts, then the bonus
+    budget: int | None             # the planner's (None: no planner)
+    rows: int                      # the sequence's rows: the tree's nodes, then the method's own
+    pruned: list[int]              # the tree's nodes left unverified (ProPD)
+    logits: torch.Tensor | None    # the emitted tokens' logits, if recorded
+    whole: Tree                    # the whole draft, before trimming to the budget (the planner scores it)
 
 
 class Sampler:

@@ -89,6 +89,7 @@ class Tuning(nn.Module):
 
 class BiTA(Ranked):
     name = "bita"
+    own_rows = "mask tokens"  # what the rows after the tree are (show.py)
 
     def __init__(self, tune: Tuning, decoding: str = "efficient", k: int = 3):
         if decoding not in DECODING:

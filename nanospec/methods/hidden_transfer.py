@@ -109,6 +109,7 @@ def transfer(f: Forward, tr: Transfer, x, hosts, rows, record=None):
 
 class HiddenTransfer(Ranked):
     name = "hidden_transfer"
+    own_rows = "pseudo rows"  # what the rows after the tree are (show.py)
 
     def __init__(self, tr: Transfer, paths: list[tuple[int, ...]], chained: bool = True):
         self.tr, self.chained = tr, chained

@@ -243,7 +243,7 @@ class Lookahead(Drafter):
         if node is None:
             return Tree.chain(dec.last)
         picked = self.trie.select(node, budget or self.decoding_length, self.strategy)
-        return Tree([dec.last] + [t for t, _ in picked], [-1] + [p + 1 for _, p in picked])
+        return Tree([dec.last] + [t for t, _ in picked], [-1] + [p + 1 for _, p in picked], matched=j)
 
     def accepted(self, dec, tree, path):
         """Generated branch inserting: extend every window the new tokens reach."""

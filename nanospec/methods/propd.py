@@ -133,6 +133,10 @@ class ProPD(Medusa):
             self.plan(Planner(cost or CostModel(alpha, lam), sizes, replan))
         self.pruning = torch.zeros(2, dtype=torch.long, device=heads.res[0].weight.device)  # draft rows, pruned ones
 
+    @property
+    def prunes(self) -> bool:
+        return self.early is not None
+
     def forward(self, f, nodes):
         if self.early is None:
             return super().forward(f, nodes)

@@ -97,6 +97,7 @@ class SDSAT(Ranked):
     """Draft steps 1 and 2 (module docstring): k adaptive tokens, `width` candidates per depth. delta: the adaptive
     tokens and their update on the base model; or (sdsat_full) ids: their vocabulary ids in a fine-tuned model."""
     name = "sdsat"
+    own_rows = "adaptive tokens"  # what the rows after the tree are (show.py)
 
     def __init__(self, delta: Delta | None, k: int = 5, width: int = 1, ids: list[int] | None = None):
         if k < 1 or width < 1:
