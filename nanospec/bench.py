@@ -67,7 +67,8 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     """Run every drafter over every prompt (batch at a time: twice, in order and in reverse, each run's
     outputs counted; the budgets reported are the first run's); one result dict per drafter. Per step:
     step_ms (wall time), forward_ms (the step's device program, synchronised on a GPU) and host_ms,
-    the rest: drafting, tree building, read-back, commit. profile: print each method's top host-side costs.
+    the rest: drafting, tree building, read-back, commit; ar_step_ms, a method's AR steps (a budget of 0), and
+    ar_step_vs_ar, against the baseline AR's. profile: print each method's host time per step, split by phase.
     counts: per method, what its exact step costs a GPU (tuning.counts: ops_per_layer, step_mb, launches_per_step,
     syncs_per_step), reported beside. dev: the device's layout and speed every run gets (devices.py)."""
     sampling = sampling or {}
@@ -139,6 +140,7 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
             f"{d.name} {tps(o) / speeds[baseline]:.2f}x" for d, o in zip(drafters, outs)), file=sys.stderr, flush=True)
     speeds, baseline = ar_speeds(base, drafters, outs)
     ar_tps = speeds[baseline]
+    own = ar_step_ms(base.get(baseline) or next(o for d, o in zip(drafters, outs) if type(d) is Drafter))
     print("[bench] " + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in speeds.items()) +
           f" over {len(prompts)} prompts; speedups are against {baseline}", file=sys.stderr, flush=True)
     results = []
@@ -150,8 +152,8 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         kernel = kernel_ms(lambda d, p: run(d, p, exact), d, prompts[0])
         if profile:
             base = (devices.of(dev or model.embed.weight).programs if exact else None) or EAGER
-            print(host_profile(lambda d, p, programs: run(d, p, exact, programs=programs), d, prompts[0], base),
-                  file=sys.stderr, flush=True)
+            profiled = lambda d, p, programs: run(d, p, exact, rows=batch, programs=programs)
+            print(host_profile(profiled, d, prompts[:batch], base), file=sys.stderr, flush=True)
         results.append(dict(method=d.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=steps,
                             mean_accepted=round(new / steps, 3), step_ms=round(step_ms, 3), forward_ms=round(fwd_ms, 3),
                             host_ms=round(step_ms - fwd_ms, 3), kernel_ms=None if kernel is None else round(kernel, 3),
@@ -159,6 +161,7 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
                             **{k: (counts or {}).get(d.name, {}).get(k) for k in COUNTS},
                             tokens_per_s=round(tps(runs), 2),
                             speedup=round(tps(runs) / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
+                            ar_step_ms=(ms := ar_step_ms(runs)), ar_step_vs_ar=ms and own and round(ms / own, 3),
                             mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(runs, against)),
                             notes=d.report()))
     for peer, runs in zip(peers, peer_outs):
@@ -180,6 +183,12 @@ def batched(outs: list[Output], seconds: float) -> list[Output]:
     for o in outs:
         o.decode_s = seconds * len(o.tokens) / total
     return outs
+
+
+def ar_step_ms(runs: list[Output]) -> float | None:
+    """The mean AR step's milliseconds (a batch's: each sequence's share): a method's own (a budget of 0), AR's."""
+    steps = [s for o in runs for s in o.ar_steps]
+    return round(1000 * sum(steps) / len(steps), 3) if steps else None
 
 
 def tps(runs: list[Output]) -> float:
@@ -236,26 +245,38 @@ class Unprofiled(Programs):
             self.prof.enable()
 
 
-def host_profile(run, drafter, prompt, base: Programs, top: int = 12) -> str:
-    """Where a step's host time goes: cProfile over one prompt, switched off inside the model's
-    forwards (each step's device program, whose time forward_ms counts, and the prefill), so only
-    host work is listed."""
+PHASES = {  # a step's parts, by the functions that run them (file, name): engine.step calls each in turn
+    "draft": ("engine.py", "draft"), "of which the planner": (None, "budget"), "lay out": ("engine.py", "lay_out"),
+    "launch": ("engine.py", "launch_step"), "read back": ("engine.py", "read_back"),
+    "the drafter's bookkeeping": (None, "accepted"), "the planner's learning": (None, "observe")}
+
+
+def host_profile(run, drafter, prompts, base: Programs, top: int = 12) -> str:
+    """Where a step's host time goes: cProfile over prompts (several: a batch), switched off inside the model's
+    forwards (each step's device program, whose time forward_ms counts, and the prefill), so only host work is
+    listed: the split by PHASES (each the slowest function of its name: an override includes its super call), then
+    the top functions by own time."""
     d = copy.deepcopy(drafter)
     prof = cProfile.Profile()
     prof.enable()
-    out = run(d, prompt, Unprofiled(prof, base))
+    outs = run(d, prompts, Unprofiled(prof, base))
     prof.disable()
-    stats = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
-    lines = [f"[profile] {drafter.name}: {out.steps} steps; host time by function (own time), ms per step:"]
-    for fn, (cc, nc, tt, ct, callers) in stats:
+    steps = max(o.steps for o in outs)  # a batch's steps, which every sequence shares
+    stats = pstats.Stats(prof).stats.items()
+    per_step = lambda where, name: max((1000 * ct / steps for fn, (cc, nc, tt, ct, callers) in stats
+                                        if fn[2] == name and where in (None, Path(fn[0]).name)), default=0.0)
+    split = ", ".join(f"{k} {per_step(*fn):.3f}" for k, fn in PHASES.items())
+    lines = [f"[profile] {drafter.name}, {len(outs)} at a time: {steps} steps; host ms per step: {split}",
+             f"[profile] {drafter.name}: top host functions by own time, ms per step:"]
+    for fn, (cc, nc, tt, ct, callers) in sorted(stats, key=lambda kv: -kv[1][2])[:top]:
         where = fn[2] if fn[0] == "~" else f"{Path(fn[0]).name}:{fn[1]}({fn[2]})"
-        lines.append(f"  {1000 * tt / out.steps:8.3f}  {where}")
+        lines.append(f"  {1000 * tt / steps:8.3f}  {where}")
     return "\n".join(lines)
 
 
 def table(results: list[dict]) -> str:
     cols = ["method", "batch", "prompts", "new_tokens", "steps", "mean_accepted", "step_ms", "forward_ms", "host_ms",
-            "kernel_ms", "block", *COUNTS, "tokens_per_s", "speedup", "mismatches"]
+            "kernel_ms", "block", *COUNTS, "ar_step_vs_ar", "tokens_per_s", "speedup", "mismatches"]
     rows = [cols] + [["-" if r.get(c) is None else str(r[c]) for c in cols] for r in results]
     w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     notes = [f"{r['method']}: {r['notes']}" for r in results if r.get("notes")]

@@ -282,6 +282,7 @@ class Output:
     stop: str                   # "eos", "max_new_tokens" or "cache_full"
     steps: int = 0
     accepted: list[int] = field(default_factory=list)  # tokens emitted per step
+    ar_steps: list[float] = field(default_factory=list)  # each AR step's seconds (a batch's: its share)
     forward_s: float = 0.0      # time in the steps' forwards (device-synchronised)
     prefill_s: float = 0.0      # the call's: every prompt's, in a batch
     decode_s: float = 0.0       # from its first step to its stop, prefills left out (in a batch, beside others)
@@ -315,8 +316,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     programs = programs or (programs_of(dev) if exact else None)
     many = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], (list, tuple))
     prompts = [check_prompt(p, model.args.vocab_size) for p in (prompt if many else [prompt])]
-    Q, S, W = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots)
-    W = tail or W
+    Q, S, W = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots, tail)
     eos = model.args.eos_id if eos_id is None else eos_id
     batch = min(batch or len(prompts), len(prompts))
     N = sizes.block_batch(block_batch, batch, exact, dev)
@@ -359,6 +359,8 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
             logits[d].append(r.logits)  # None unless record_logits
             outs[d].steps += 1
             outs[d].accepted.append(len(toks))
+            if rows == len(live):  # an AR step for every sequence (a budget of 0, or AR itself)
+                outs[d].ar_steps.append(secs / len(live))
             stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \
                 "cache_full" if d.room < 1 else None
             if stop:
@@ -374,7 +376,5 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
             n, r.stop = d.out.index(eos) + 1, "eos"
         elif r.stop == "eos":  # the EOS came after the last token asked for
             r.stop = "max_new_tokens"
-        r.tokens = d.out[:n]
-        if record_logits:
-            r.logits = torch.cat(logits[d])[:n]
+        r.tokens, r.logits = d.out[:n], torch.cat(logits[d])[:n] if record_logits else None
     return list(outs.values()) if many else outs[next(iter(outs))]

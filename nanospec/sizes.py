@@ -7,17 +7,17 @@ from .devices import MIN_BLOCK
 SLOT_BUCKET = 64  # default cache sizes are rounded up to this: prompts of similar length share CUDA graphs
 
 
-def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None) -> tuple[int, int, int]:
+def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None, tail=None) -> tuple[int, int, int]:
     """Exact mode's shapes that fit every drafter: runs to compare share them. Q, the block's rows; S, the
     cache's slots: the prompt, its continuation, one step's scratch rows, reserved slots and the trash slot,
     rounded up to a multiple of SLOT_BUCKET; W, the tail of keys each row gathers in canonical order (its
-    deepest path's nodes: the rest it reads in place, exact.py).
+    deepest path's nodes: the rest it reads in place, exact.py). Q, n_slots, tail: given, kept.
     """
     Q = Q or max(MIN_BLOCK, *(d.max_rows for d in drafters))
     if Q < MIN_BLOCK:
         raise NanospecError(f"the exact-mode block must have at least {MIN_BLOCK} rows (got --block {Q})")
     S = prompt_len + max_new_tokens + Q + max(d.reserved_slots for d in drafters) + 1
-    return Q, n_slots or -(-S // SLOT_BUCKET) * SLOT_BUCKET, 1 + max(d.max_depth for d in drafters)
+    return Q, n_slots or -(-S // SLOT_BUCKET) * SLOT_BUCKET, tail or 1 + max(d.max_depth for d in drafters)
 
 
 def block_batch(n: int | None, rows: int, exact: bool, device) -> int | None:

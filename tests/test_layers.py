@@ -8,7 +8,7 @@ PKG = Path(__file__).resolve().parents[1] / "nanospec"
 # Lowest first. A module may import its own layer's modules (without a cycle) and lower layers'.
 LAYERS = [
     {"nanospec", "io", "oracle", "training", "tuning",                          # leaves: nothing of the package
-     "io.files", "io.tokenizer_json", "io.gguf_tokenizer", "tuning.second_device", "show"},
+     "io.files", "io.tokenizer_json", "io.gguf_tokenizer", "tuning.second_device", "show", "plot"},
     {"devices"},                                                                # a device's facts, as values
     {"rope", "fused", "exact", "model", "cache", "tree", "planner", "compiled",  # the model and its parts
      "tuning.products", "programs"},
