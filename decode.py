@@ -5,7 +5,9 @@
     python decode.py --method ar --weights DIR --check --json
     python decode.py --weights FILE.gguf --chat --prompt "Write a haiku about caches."
     python decode.py --method medusa --show 3        # draw the first 3 steps' draft trees
+    python decode.py --method propd --show-html steps.html   # every step as one HTML page
     python decode.py --bench --methods ar            # the default model's held-out prompts
+    python decode.py --bench --methods ar,medusa --batch 1,4 --plot bench.png   # pip install -e ".[plot]"
 """
 import copy
 import json

@@ -359,7 +359,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
             logits[d].append(r.logits)  # None unless record_logits
             outs[d].steps += 1
             outs[d].accepted.append(len(toks))
-            if rows == len(live):  # an AR step for every sequence (a budget of 0, or AR itself)
+            if budget == 0 or drafter.max_rows == 1:  # an AR step: the planner's (a budget of 0), or AR's own
                 outs[d].ar_steps.append(secs / len(live))
             stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \
                 "cache_full" if d.room < 1 else None

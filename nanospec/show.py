@@ -68,7 +68,7 @@ class Show:
         rows = f"{step.rows} rows" + (f" ({len(step.tree)} tree, {own} {self.drafter.own_rows})" if own else "")
         parts = [rows, plan, f"{len(step.path) - 1} of {len(step.tree) - 1} drafts accepted",
                  f"{len(step.tokens)} tokens emitted"]
-        if step.tree.matched:  # the context before this step: what the trie's suffix match read
+        if step.tree.matched and len(step.tree) > 1:  # the context before the step: what the trie's match read
             before = (dec.prompt + dec.out)[:len(dec.prompt) + len(dec.out) - len(step.tokens)]
             parts.append("drafts from the trie after " + " ".join(map(self.text, before[-step.tree.matched:])))
         if step.pruned:

@@ -98,15 +98,15 @@ def test_pruned_nodes_are_the_ones_left_unverified(monkeypatch, exact):
 
 
 def test_lookahead_names_the_suffix_its_trie_matched():
-    """Lookahead's steps carry how many of the context's last tokens its trie matched; the header names them, ending
-    with the root, the step's last emitted token before it."""
+    """Lookahead's steps carry how many of the context's last tokens its trie matched; a step that drafts names them in
+    its header, ending with the root, the last token emitted before the step."""
     model = random_model(ARGS, seed=3)
     prompt = [3, 14, 15, 9, 2, 6, 3, 14, 15, 9, 2, 6, 3, 14]
     shown = []
     show = Show(str, Lookahead(decoding_length=8, branch_length=4), out=None)
     generate(model, prompt, show.drafter, max_new_tokens=24, eos_id=-1,
              on_step=lambda dec, step: shown.append((step, show.header(dec, step), list(dec.out))))
-    matched = [(s, head, out) for s, head, out in shown if s.tree.matched]
+    matched = [(s, head, out) for s, head, out in shown if s.tree.matched and len(s.tree) > 1]
     assert matched
     for s, head, out in matched:
         before = (prompt + out)[:len(prompt) + len(out) - len(s.tokens)]
