@@ -178,3 +178,34 @@ def test_errors():
         SDSAT(Delta(model, 2, 3), k=5)
     with pytest.raises(NanospecError, match="at least 1"):
         SDSAT(Delta(model, 2, 1), k=0)
+
+
+class EveryThirdAR:
+    """A planner stand-in: every third step an AR step (a budget of 0), the others the drafter's whole chain."""
+
+    def __init__(self, k):
+        self.k, self.n = k, 0
+
+    def start(self, drafter, dec):
+        pass
+
+    def budget(self, live):
+        self.n += 1
+        return (0 if self.n % 3 == 0 else self.k), None
+
+    def observe(self, *step):
+        pass
+
+    def report(self):
+        return ""
+
+
+def test_report_counts_its_own_first_steps_not_the_planners_ar_steps():
+    """A draft step 1 (the root alone, k adaptive rows) counts; an AR step, its tree the root alone too, does not."""
+    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, hidden_dim=48))
+    d = SDSAT(noisy(Delta(model, 4), 5, 0.3), k=3)
+    d.planner, steps = EveryThirdAR(3), []
+    generate(model, [3, 14, 15, 9, 2, 6], d, max_new_tokens=30, eos_id=-1, on_step=lambda dec, s: steps.append(s))
+    own = sum(len(s.tree) == 1 and s.budget != 0 for s in steps)
+    assert own > 0 and sum(s.budget == 0 for s in steps) > 0
+    assert d.draft_only == own and f"{own} draft-step-1 forwards" in d.report()

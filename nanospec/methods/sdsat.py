@@ -147,7 +147,7 @@ class SDSAT(Ranked):
         return Out(logits[:, :N], draft_inputs=logits[:, None, adaptive].expand(-1, N, -1, -1), depths=drafted)
 
     def accepted(self, dec, tree, path):
-        self.draft_only += len(tree) == 1  # a draft step 1: nothing verified
+        self.draft_only += len(tree) == 1 and dec.cands is not None  # a draft step 1: k drafted (an AR step: none)
         self.verifying += len(tree) > 1
         self.drafts += len(tree) - 1
         self.drafts_accepted += len(path) - 1
