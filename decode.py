@@ -110,18 +110,15 @@ def setup(args):
         raise NanospecError("--chat renders text: give --prompt, not --prompt-ids")
     if args.trace and args.bench:
         raise NanospecError("--trace records decoding, not --bench: use --prompts FILE.jsonl --trace OUT.jsonl")
-    if args.trace and not Path(args.trace).resolve().parent.is_dir():
-        raise NanospecError(f"--trace {args.trace}: its directory does not exist")
+    for flag, out in (("--trace", args.trace), ("--plot", args.plot), ("--show-html", args.show_html)):
+        if out and not Path(out).resolve().parent.is_dir():
+            raise NanospecError(f"{flag} {out}: its directory does not exist")
     if (args.show is not None or args.show_html) and (args.bench or args.temperature > 0):
         raise NanospecError("--show draws a greedy decoding's steps: not with --bench or --temperature > 0")
     if args.plot and not args.bench:
         raise NanospecError("--plot draws a bench's table: use it with --bench")
     if args.plot:
         plot.check()
-        if not Path(args.plot).resolve().parent.is_dir():
-            raise NanospecError(f"--plot {args.plot}: its directory does not exist")
-    if args.show_html and not Path(args.show_html).resolve().parent.is_dir():
-        raise NanospecError(f"--show-html {args.show_html}: its directory does not exist")
     if args.show is not None and args.show < 1:
         raise NanospecError("--show N draws the first N steps: N must be at least 1")
     if args.trace_k < 2:

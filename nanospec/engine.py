@@ -108,7 +108,7 @@ def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, fla
         path, emitted = accept(tokens, lay, out.logits, out.alive)  # (B, E) each
         d.cache.commit(d.cache.ids[:len(cur)] if seqs is None else seqs, cur, path)
     if out.draft_inputs is None:
-        return pack_results(path, emitted), out.logits
+        return pack_results(path, emitted, alive=out.alive), out.logits
     last, b = path.max(-1).values, d.cache.ids[:len(path)]  # each path's deepest node (indices grow along a path)
     cands = drafter.propose(out.draft_inputs[b, last], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices
     depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])  # cands (B, K, R)
@@ -124,7 +124,7 @@ def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launche
     if d.sampler.greedy:
         (flat, logits), R = res, max(drafter.topk, default=1)
         head = flat.tolist()  # the step's one read-back
-        found = [unpack_results(head[b], nodes.lay.anc.shape[-1], R, drafter.prunes and nodes.N) for b in rows]
+        found = [unpack_results(head[b], nodes.lay.anc.shape[-1], R, nodes.N if drafter.prunes else 0) for b in rows]
     else:
         logits, found = res[0], sample_back(decs, drafter, trees, res, rows)
     took, results = time.perf_counter() - t0, []

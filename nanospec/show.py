@@ -69,7 +69,7 @@ class Show:
         parts = [rows, plan, f"{len(step.path) - 1} of {len(step.tree) - 1} drafts accepted",
                  f"{len(step.tokens)} tokens emitted"]
         if step.tree.matched and len(step.tree) > 1:  # the context before the step: what the trie's match read
-            before = (dec.prompt + dec.out)[:len(dec.prompt) + len(dec.out) - len(step.tokens)]
+            before = dec.prompt + dec.out[:len(dec.out) - len(step.tokens)]
             parts.append("drafts from the trie after " + " ".join(map(self.text, before[-step.tree.matched:])))
         if step.pruned:
             parts.append(f"{len(step.pruned)} pruned after layer {self.drafter.layer}")
