@@ -83,6 +83,20 @@ def test_bench_json(weights, tmp_path):
     assert {"new_tokens", "steps", "mean_accepted", "forward_ms", "tokens_per_s"} <= r.keys() and r["forward_ms"] > 0
 
 
+def test_the_ar_row_joins_its_modes_ar_in_the_baseline():
+    """The AR row decodes as its mode's AR: the baseline is one speed over both's timings, not the faster of the two
+    (a maximum of two noisy reads of one speed reads high). A kind the bench ran no twin of stands alone."""
+    from nanospec.bench import Drafter, Output, ar_speeds
+    timed = lambda n, s: Output([0] * n, "max_new_tokens", decode_s=s)
+    base, outs = {"fast AR": [timed(10, 1.0)]}, [[timed(10, 0.5)], [timed(10, 0.1)]]
+    drafters = [Drafter(), object()]  # the AR row, then a method
+    tps, name, runs = ar_speeds(base, drafters, outs, exact=False)
+    assert (round(tps, 3), name, len(runs)) == (13.333, "fast AR", 2)  # 20 tokens in 1.5 s, not 20 tok/s
+    assert base["fast AR"] == [timed(10, 1.0)]  # the bench's own lists are left as they were
+    tps, name, _ = ar_speeds(base, drafters, outs, exact=True)  # a batch's exact AR row: no exact AR beside it
+    assert (tps, name) == (20.0, "AR row")
+
+
 def test_bench_with_drafters_reads_the_weights_prompts(weights, tmp_path):
     """--bench --drafters DIR, where DIR holds drafters only, benches the --weights directory's prompts.jsonl."""
     own = shutil.copytree(weights, tmp_path / "w")
