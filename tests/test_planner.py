@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import FixedCost, check_exact, random_model
+from helpers import METHODS, Budgets, FixedCost, batch_drafter, check_exact, random_model
 from nanospec import devices
 from nanospec.costs import CostModel
 from nanospec.engine import generate
@@ -274,6 +274,26 @@ def test_ar_steps_reuse_one_drafter(monkeypatch):
                         lambda dec, drafter, *a: seen.append(drafter) or program(dec, drafter, *a))
     generate(model, [3, 4, 5], d, max_new_tokens=10, eos_id=-1)
     assert len(seen) == 10 and all(s is engine.AR for s in seen)
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if m != "propd-dynamic"])  # that one plans its own sizes
+def test_an_ar_step_under_any_method_is_ars_own_step(name, monkeypatch):
+    """A budget of 0, alone and in a batch: every method's step launches the engine's AR with one row per sequence,
+    the step AR itself launches (so the same program and ops); the output is AR's."""
+    from nanospec import engine
+    model = random_model(ARGS, 1)
+    seen, program = [], engine.launch_step
+    monkeypatch.setattr(engine, "launch_step", lambda decs, drafter, block, *a: seen.append(
+        (drafter, tuple(block.tokens.shape))) or program(decs, drafter, block, *a))
+    prompts = [[3, 4, 5], [7, 8, 9, 10]]
+    for rows in (1, 2):
+        ar = [o.tokens for o in generate(model, prompts, None, max_new_tokens=8, eos_id=-1, batch=rows)]
+        ars, seen[:] = list(seen), []
+        d = batch_drafter(name, model)
+        d.planner = Budgets([0])
+        assert [o.tokens for o in generate(model, prompts, d, max_new_tokens=8, eos_id=-1, batch=rows)] == ar
+        assert seen == ars and all(s is engine.AR and shape[1] == 1 for s, shape in seen)
+        seen[:] = []
 
 
 def test_the_budget_shrinks_to_ar_when_drafts_fail():
