@@ -63,8 +63,9 @@ def first_difference(out, ref) -> str:
 def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=False,
           max_new_tokens=128, eos_id=None, sampling=None, profile=False, peers=(), batch=1,
           block_batch=None, counts=None, dev=None) -> list[dict]:
-    """Run every drafter over every prompt (batch at a time: twice, in order and in reverse, each run's
-    outputs counted; the budgets reported are the first run's); one result dict per drafter. Per step:
+    """Run every drafter over every prompt (alone: each prompt under AR and every drafter in turn, in order and in
+    reverse on the next; batch at a time: twice, in order and in reverse, each run's outputs counted; the budgets
+    reported are the first run's); one result dict per drafter. Per step:
     step_ms (wall time), forward_ms (the step's device program, synchronised on a GPU) and host_ms,
     the rest: drafting, tree building, read-back, commit; ar_step_ms, a method's AR steps (a budget of 0), and
     ar_step_vs_ar, against the baseline AR's. profile: print each method's host time per step, split by phase.
@@ -119,11 +120,13 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
             print(f"[bench] batch {batch}: {d.name} {sum(len(x.tokens) for x in o) / sum(x.steps for x in o):.2f} "
                   f"tokens/step, {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
     for i, p in enumerate(prompts if batch == 1 else ()):
-        base["fast AR"].append(run(Drafter(), p, False))
-        if exact:
-            base["exact AR"].append(run(Drafter(), p, True))  # at its own smallest block: a baseline
-        for d, o, r in zip(drafters, outs, ref):
-            o.append(run(d, p, exact))
+        # fast AR, exact AR at its own smallest block, the methods: in order, then in reverse on the next prompt,
+        # so a drift in the machine's speed over a round hits every method alike
+        runs = [(Drafter(), o, mode) for o, mode in ((base["fast AR"], False), (base.get("exact AR"), True)) if
+                o is not None] + [(d, o, exact) for d, o in zip(drafters, outs)]
+        for d, o, mode in runs[::-1] if i % 2 else runs:
+            o.append(run(d, p, mode))
+        for d, r in zip(drafters, ref):
             r.append(base["fast AR"][-1] if not exact else reference(d, p))
         for peer, o in zip(peers, peer_outs):  # another engine: its own EOS rule, so its output is cut as ours
             ts = time.perf_counter()

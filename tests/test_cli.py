@@ -97,6 +97,18 @@ def test_the_ar_row_joins_its_modes_ar_in_the_baseline():
     assert (tps, name) == (20.0, "AR row")
 
 
+def test_alone_each_prompts_round_runs_in_order_then_in_reverse(monkeypatch):
+    """At B = 1 every prompt runs under AR and each method in turn, the round reversed on the next prompt, so a drift
+    in the machine's speed over a round hits every method alike (AR first on one prompt, last on the next)."""
+    from helpers import ARGS, drafter
+    from nanospec import bench
+    model, timed, real = random_model(ARGS, 1), [], bench.generate
+    monkeypatch.setattr(bench, "generate", lambda model, prompt, d, **kw: (
+        timed.append(d.name) if kw["max_new_tokens"] == 12 else None) or real(model, prompt, d, **kw))
+    bench.bench(model, [[3, 4, 5], [6, 7], [8, 9, 10]], [drafter("medusa", model)], max_new_tokens=12, eos_id=-1)
+    assert timed[:6] == ["ar", "medusa", "medusa", "ar", "ar", "medusa"]
+
+
 def test_bench_with_drafters_reads_the_weights_prompts(weights, tmp_path):
     """--bench --drafters DIR, where DIR holds drafters only, benches the --weights directory's prompts.jsonl."""
     own = shutil.copytree(weights, tmp_path / "w")
