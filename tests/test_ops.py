@@ -17,7 +17,7 @@ from nanospec.tree import Tree
 from nanospec.tuning.counts import host_work, step_mb, step_ops
 
 AR_PER_LAYER = {torch.float32: 32, torch.bfloat16: 36}  # bf16: RMSNorm's casts
-EXTRA = {"sdsat": 16}  # SDSAT updates every product of its adaptive rows; the others may add 6
+EXTRA = {"sdsat": 8}  # SDSAT updates every product of its adaptive rows (two products each); the others may add 6
 # every family's switches at once (helpers.family_args "all"), per layer beside Llama's: Qwen2's biases ride in the
 # products' kernel and Mistral's window in the step's visibility (no layer's); Qwen3's q/k norm is one RMSNorm over
 # both, its weights joined (a cat)

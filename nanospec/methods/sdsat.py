@@ -81,7 +81,7 @@ class Delta(nn.Module):
 class Update:
     """A layer's update of its products on rows: data, not a closure, so the compiled layer (one code for every
     layer: compiled.py) takes it as inputs, and finds each product's factors by the role the model gave it."""
-    rows: object  # a slice, an index tensor, or None: all rows
+    rows: slice | None  # a slice (its outputs are updated in place), or None: all rows
     factors: dict  # {a product's role: (A^T, B^T)}
 
     def __call__(self, product, x, y):
@@ -89,7 +89,7 @@ class Update:
         if self.rows is None:
             return y + (x @ a) @ b
         a, b = a.expand(len(x), -1, -1), b.expand(len(x), -1, -1)
-        y[:, self.rows] = torch.baddbmm(y[:, self.rows], torch.bmm(x[:, self.rows], a), b)  # in the epilogue
+        y[:, self.rows].baddbmm_(torch.bmm(x[:, self.rows], a), b)  # the rows' outputs, updated in place
         return y
 
 
