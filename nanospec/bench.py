@@ -5,9 +5,10 @@ exact-mode bench also exact-mode AR at its own smallest block (on a GPU it repla
 one). `ar`'s own row, when it is among the methods, decodes as its mode's AR does, timed at other moments, so its runs
 join that AR's: one speed read over every timing of a decoding, not the faster of two reads of it (which reads high).
 With batch B, the prompts run B at a time, a stopped sequence's row taking the next prompt (engine.generate's batch),
-AR too, and speedups are against AR at the same B. Mismatches count prompts whose tokens differ from AR's on that
-prompt alone, in the benchmark's mode (and, in exact mode, whose accepted logits differ in any bit). On a GPU each
-method's kernel time per forward is read with the torch profiler on one prompt.
+AR too, and a method's speedup is against the AR passes run just before and after each of its own: a slow spell of a
+shared machine in mid-run then slows a method and its baseline alike. Mismatches count prompts whose tokens differ
+from AR's on that prompt alone, in the benchmark's mode (and, in exact mode, whose accepted logits differ in any bit).
+On a GPU each method's kernel time per forward is read with the torch profiler on one prompt.
 """
 import copy
 import cProfile
@@ -64,11 +65,12 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
           max_new_tokens=128, eos_id=None, sampling=None, profile=False, peers=(), batch=1,
           block_batch=None, counts=None, dev=None) -> list[dict]:
     """Run every drafter over every prompt (alone: each prompt under AR and every drafter in turn, in order and in
-    reverse on the next; batch at a time: twice, in order and in reverse, each run's outputs counted; the budgets
-    reported are the first run's); one result dict per drafter. Per step:
+    reverse on the next; batch at a time: each drafter's pass between two of AR's, all twice, the second time in
+    reverse, each pass's outputs counted, the budgets reported the first's); one result dict per drafter. Per step:
     step_ms (wall time), forward_ms (the step's device program, synchronised on a GPU) and host_ms,
     the rest: drafting, tree building, read-back, commit; ar_step_ms, a method's AR steps (a budget of 0), and
-    ar_step_vs_ar, against the baseline AR's. profile: print each method's host time per step, split by phase.
+    ar_step_vs_ar, against AR's own over as many sequences. profile: print each method's host time per step, split
+    by phase.
     counts: per method, what its exact step costs a GPU (tuning.counts: ops_per_layer, step_mb, launches_per_step,
     syncs_per_step), reported beside. dev: the device's layout and speed every run gets (devices.py)."""
     sampling = sampling or {}
@@ -108,17 +110,29 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     t0 = time.perf_counter()
     base = {"fast AR": [], "exact AR": []} if exact else {"fast AR": []}
     ref, outs, peer_outs = [[] for _ in drafters], [[] for _ in drafters], [[] for _ in peers]
+    beside = [[] for _ in drafters]  # a batch's: per method, the AR passes just before and after each of its passes
     if batch > 1:  # references: each prompt alone; timings: every prompt, batch at a time, AR's as well
         base.pop("exact AR", None)
         ref = [[reference(d, p, alone=True) for p in prompts] * 2 for d in drafters]
-        order = [(Drafter(), base["fast AR"])] + list(zip(drafters, outs))
-        again = [(copy.deepcopy(d), o) for d, o in order]  # as fresh as the first time (a trie, a planner)
-        for d, o in order + again[::-1]:  # twice, the second time in reverse: a drift in the machine's
-            ts = time.perf_counter()      # speed over the run then hits every method alike
-            got = run(d, prompts, exact and o is not base["fast AR"], rows=batch)
+
+        def timed(d, o, exact):
+            ts = time.perf_counter()
+            got = run(d, prompts, exact, rows=batch)
             o += batched(got, time.perf_counter() - ts - got[0].prefill_s)
             print(f"[bench] batch {batch}: {d.name} {sum(len(x.tokens) for x in o) / sum(x.steps for x in o):.2f} "
                   f"tokens/step, {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+            return got
+
+        order = list(zip(drafters, outs, beside))
+        again = [(copy.deepcopy(d), o, b) for d, o, b in order]  # as fresh as the first time (a trie, a planner)
+        # each method's pass between two of AR's, all twice, the second time in reverse: a drift in the machine's
+        # speed, or a slow spell, then hits a method and the AR it is measured against alike
+        last = timed(Drafter(), base["fast AR"], False)
+        for d, o, b in order + again[::-1]:
+            b += last
+            timed(d, o, exact)
+            last = timed(Drafter(), base["fast AR"], False)
+            b += last
     for i, p in enumerate(prompts if batch == 1 else ()):
         # fast AR, exact AR at its own smallest block, the methods: in order, then in reverse on the next prompt,
         # so a drift in the machine's speed over a round hits every method alike
@@ -141,14 +155,14 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         print(f"[bench] so far, {i + 1}/{len(prompts)}: {baseline} {ar_tps:.1f} tok/s; " + ", ".join(
             f"{d.name} {tps(o) / ar_tps:.2f}x" for d, o in zip(drafters, outs)), file=sys.stderr, flush=True)
     ar_tps, baseline, ar_runs = ar_speeds(base, drafters, outs, exact)
-    own = ar_step_ms(ar_runs)
     alone = {k: tps(v) for k, v in base.items()}
     alone.update({"AR row": tps(o) for d, o in zip(drafters, outs) if type(d) is Drafter})
     print("[bench] " + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in alone.items()) +
-          f" over {len(prompts)} prompts; speedups are against {baseline}, {ar_tps:.1f} tok/s", file=sys.stderr,
-          flush=True)
+          f" over {len(prompts)} prompts; speedups are against " + (f"{baseline}, {ar_tps:.1f} tok/s" if batch == 1
+          else "the AR passes just before and after each method's"), file=sys.stderr, flush=True)
     results = []
-    for d, runs, against in zip(drafters, outs, ref):
+    for d, runs, against, near in zip(drafters, outs, ref, beside):
+        near = near or ar_runs  # alone: the run's AR; a batch: the AR passes beside the method's
         new = sum(len(o.tokens) for o in runs)
         steps = sum(o.steps for o in runs)
         step_ms = 1000 * sum(o.decode_s for o in runs) / steps
@@ -164,8 +178,9 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
                             block=shapes([d], max(map(len, prompts)), max_new_tokens)[0] if exact else None,
                             **{k: (counts or {}).get(d.name, {}).get(k) for k in COUNTS},
                             tokens_per_s=round(tps(runs), 2),
-                            speedup=round(tps(runs) / ar_tps, 3), baseline=baseline, baseline_tps=round(ar_tps, 2),
-                            ar_step_ms=(ms := ar_step_ms(runs)), ar_step_vs_ar=ms and own and round(ms / own, 3),
+                            speedup=round(tps(runs) / tps(near), 3), baseline=baseline if near is ar_runs else
+                            "fast AR beside it", baseline_tps=round(tps(near), 2), ar_step_ms=ar_step_ms(runs),
+                            ar_step_vs_ar=ar_step_vs(runs, near),
                             mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(runs, against)),
                             notes=d.report()))
     for peer, runs in zip(peers, peer_outs):
@@ -191,8 +206,18 @@ def batched(outs: list[Output], seconds: float) -> list[Output]:
 
 def ar_step_ms(runs: list[Output]) -> float | None:
     """The mean AR step's milliseconds (a batch's: each sequence's share): a method's own (a budget of 0), AR's."""
-    steps = [s for o in runs for s in o.ar_steps]
+    steps = [s / n for o in runs for n, s in o.ar_steps]
     return round(1000 * sum(steps) / len(steps), 3) if steps else None
+
+
+def ar_step_vs(runs: list[Output], ar: list[Output]) -> float | None:
+    """A method's AR steps' time against AR's own steps over as many sequences (a batch's tail steps cost about what
+    a full batch's do, over fewer sequences, so a method whose AR steps fall in the tail is compared with those)."""
+    own = {}
+    for n, s in (x for o in ar for x in o.ar_steps):
+        own.setdefault(n, []).append(s)
+    pairs = [(s, sum(own[n]) / len(own[n])) for o in runs for n, s in o.ar_steps if n in own]
+    return round(sum(s for s, _ in pairs) / sum(m for _, m in pairs), 3) if pairs else None
 
 
 def tps(runs: list[Output]) -> float:

@@ -282,7 +282,7 @@ class Output:
     stop: str                   # "eos", "max_new_tokens" or "cache_full"
     steps: int = 0
     accepted: list[int] = field(default_factory=list)  # tokens emitted per step
-    ar_steps: list[float] = field(default_factory=list)  # each AR step's seconds (a batch's: its share)
+    ar_steps: list[tuple[int, float]] = field(default_factory=list)  # each AR step's sequences and seconds
     forward_s: float = 0.0      # time in the steps' forwards (device-synchronised)
     prefill_s: float = 0.0      # the call's: every prompt's, in a batch
     decode_s: float = 0.0       # from its first step to its stop, prefills left out (in a batch, beside others)
@@ -360,7 +360,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
             outs[d].steps += 1
             outs[d].accepted.append(len(toks))
             if budget == 0 or drafter.max_rows == 1:  # an AR step: the planner's (a budget of 0), or AR's own
-                outs[d].ar_steps.append(secs / len(live))
+                outs[d].ar_steps.append((len(live), secs))
             stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \
                 "cache_full" if d.room < 1 else None
             if stop:

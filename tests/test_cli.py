@@ -109,6 +109,34 @@ def test_alone_each_prompts_round_runs_in_order_then_in_reverse(monkeypatch):
     assert timed[:6] == ["ar", "medusa", "medusa", "ar", "ar", "medusa"]
 
 
+def test_a_batchs_method_runs_between_two_ar_passes_and_is_measured_against_them(monkeypatch):
+    """At B > 1 each method's pass runs between two of AR's, all twice, the second time in reverse, and its speedup
+    is against those AR passes. Planted pass times (the third to the fifth pass, AR, SDSAT, AR, take 2 s, the others
+    1 s; 36 tokens a pass): Medusa's 72 tokens in 2 s against 144 in 5 s, 1.25x; SDSAT's 72 in 3 s against 144 in
+    7 s, 1.167x (against all five AR passes, 180 tokens in 7 s: 1.4x and 0.933x)."""
+    from helpers import ARGS, drafter
+    from nanospec import bench
+    model, timed, real, batched = random_model(ARGS, 1), [], bench.generate, bench.batched
+    monkeypatch.setattr(bench, "generate", lambda model, prompt, d, **kw: (
+        timed.append(d.name) if kw["batch"] == 2 else None) or real(model, prompt, d, **kw))
+    monkeypatch.setattr(bench, "batched", lambda outs, s: batched(outs, 1.0 + (2 <= len(timed) - 1 <= 4)))
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10]]
+    res = bench.bench(model, prompts, [drafter("medusa", model), drafter("sdsat", model)], max_new_tokens=12,
+                      eos_id=-1, batch=2)
+    assert timed == ["ar", "medusa", "ar", "sdsat", "ar", "sdsat", "ar", "medusa", "ar"]
+    assert [(r["new_tokens"], r["speedup"], r["baseline"]) for r in res] == [(72, 1.25, "fast AR beside it"),
+                                                                             (72, 1.167, "fast AR beside it")]
+
+
+def test_an_ar_step_is_compared_with_ars_over_as_many_sequences():
+    """A batch's tail step (one sequence left) costs about a full batch's step: a method whose AR steps fall there
+    is compared with AR's tail steps, not with AR's full-batch share."""
+    from nanospec.bench import Output, ar_step_vs
+    ar = Output([], "", ar_steps=[(4, 0.04)] * 12 + [(1, 0.04)] * 2)
+    assert ar_step_vs([Output([], "", ar_steps=[(1, 0.04)] * 2)], [ar]) == 1.0
+    assert ar_step_vs([Output([], "", ar_steps=[(4, 0.044)] * 4)], [ar]) == 1.1
+
+
 def test_bench_with_drafters_reads_the_weights_prompts(weights, tmp_path):
     """--bench --drafters DIR, where DIR holds drafters only, benches the --weights directory's prompts.jsonl."""
     own = shutil.copytree(weights, tmp_path / "w")
