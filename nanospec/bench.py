@@ -14,6 +14,7 @@ import copy
 import cProfile
 import json
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -68,7 +69,7 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     reverse on the next; batch at a time: each drafter's pass between two of AR's, all twice, the second time in
     reverse, each pass's outputs counted, the budgets reported the first's); one result dict per drafter. Per step:
     step_ms (wall time), forward_ms (the step's device program, synchronised on a GPU) and host_ms,
-    the rest: drafting, tree building, read-back, commit; ar_step_ms, a method's AR steps (a budget of 0), and
+    the rest: drafting, tree building, read-back, commit; ar_step_ms, a method's median AR step (a budget of 0), and
     ar_step_vs_ar, against AR's own over as many sequences. profile: print each method's host time per step, split
     by phase.
     counts: per method, what its exact step costs a GPU (tuning.counts: ops_per_layer, step_mb, launches_per_step,
@@ -205,19 +206,23 @@ def batched(outs: list[Output], seconds: float) -> list[Output]:
 
 
 def ar_step_ms(runs: list[Output]) -> float | None:
-    """The mean AR step's milliseconds (a batch's: each sequence's share): a method's own (a budget of 0), AR's."""
+    """The median AR step's milliseconds (a batch's: each sequence's share): a method's own (a budget of 0), AR's."""
     steps = [s / n for o in runs for n, s in o.ar_steps]
-    return round(1000 * sum(steps) / len(steps), 3) if steps else None
+    return round(1000 * statistics.median(steps), 3) if steps else None
 
 
 def ar_step_vs(runs: list[Output], ar: list[Output]) -> float | None:
-    """A method's AR steps' time against AR's own steps over as many sequences (a batch's tail steps cost about what
-    a full batch's do, over fewer sequences, so a method whose AR steps fall in the tail is compared with those)."""
-    own = {}
-    for n, s in (x for o in ar for x in o.ar_steps):
-        own.setdefault(n, []).append(s)
-    pairs = [(s, sum(own[n]) / len(own[n])) for o in runs for n, s in o.ar_steps if n in own]
-    return round(sum(s for s, _ in pairs) / sum(m for _, m in pairs), 3) if pairs else None
+    """A method's AR steps' time against AR's own over as many sequences (a batch's tail steps cost about what a full
+    batch's do, over fewer sequences), medians weighted by the method's steps: a slow spell of a shared machine lands
+    on a few steps of one method, and a mean would charge it to the method."""
+    def by_size(outs):
+        steps = {}
+        for n, s in (x for o in outs for x in o.ar_steps):
+            steps.setdefault(n, []).append(s)
+        return steps
+    own, mine = by_size(ar), by_size(runs)
+    both = [(len(v), statistics.median(v), statistics.median(own[n])) for n, v in mine.items() if n in own]
+    return round(sum(c * m for c, m, _ in both) / sum(c * a for c, _, a in both), 3) if both else None
 
 
 def tps(runs: list[Output]) -> float:

@@ -130,11 +130,12 @@ def test_a_batchs_method_runs_between_two_ar_passes_and_is_measured_against_them
 
 def test_an_ar_step_is_compared_with_ars_over_as_many_sequences():
     """A batch's tail step (one sequence left) costs about a full batch's step: a method whose AR steps fall there
-    is compared with AR's tail steps, not with AR's full-batch share."""
+    is compared with AR's tail steps, not with AR's full-batch share; a stall on one of its steps is not its cost."""
     from nanospec.bench import Output, ar_step_vs
     ar = Output([], "", ar_steps=[(4, 0.04)] * 12 + [(1, 0.04)] * 2)
     assert ar_step_vs([Output([], "", ar_steps=[(1, 0.04)] * 2)], [ar]) == 1.0
     assert ar_step_vs([Output([], "", ar_steps=[(4, 0.044)] * 4)], [ar]) == 1.1
+    assert ar_step_vs([Output([], "", ar_steps=[(4, 0.04)] * 9 + [(4, 0.4)])], [ar]) == 1.0  # a stall: not the method
 
 
 def test_bench_with_drafters_reads_the_weights_prompts(weights, tmp_path):
