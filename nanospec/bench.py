@@ -116,9 +116,9 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         base.pop("exact AR", None)
         ref = [[reference(d, p, alone=True) for p in prompts] * 2 for d in drafters]
 
-        def timed(d, o, exact):
+        def timed(d, o, mode):  # one pass over the prompts, batch at a time, in mode (exact or not), into o
             ts = time.perf_counter()
-            got = run(d, prompts, exact, rows=batch)
+            got = run(d, prompts, mode, rows=batch)
             o += batched(got, time.perf_counter() - ts - got[0].prefill_s)
             print(f"[bench] batch {batch}: {d.name} {sum(len(x.tokens) for x in o) / sum(x.steps for x in o):.2f} "
                   f"tokens/step, {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
