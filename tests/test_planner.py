@@ -334,6 +334,39 @@ def test_probes_cost_at_most_a_share_of_the_time_at_ar(row_cost):
     assert len(probes) >= 15 * PROBE if row_cost < 1e-3 else len(probes) <= 4 * PROBE
 
 
+def drifting(B: int, seed: int, ar: bool = False) -> float:
+    """Tokens per second of B sequences whose drafts pay only with every 10th token right (a drafting step costs 6 ms a
+    sequence beyond its forward), planned (ar: AR throughout), on a machine whose speed swings 25% either way once a
+    minute, with 5% noise a step."""
+    rng, clock, hits = random.Random(seed), [0.0], {}
+    cost = Measured({1: 0.040, 2: 0.041, 3: 0.044, 4: 0.047, 6: 0.05, 8: 0.052, 12: 0.06, 16: 0.07, 32: 0.09})
+
+    def seconds(rows, size):
+        pace = (1 + 0.25 * math.sin(2 * math.pi * clock[0] / 60)) * math.exp(rng.gauss(0, 0.05))
+        took = (cost.forward(rows) + (0.006 * B if size else 0.0)) * pace
+        clock[0] += took
+        return took
+
+    planner = Tuned(cost, replan=32)
+    if ar:
+        planner.choose = lambda: 0
+    drive(planner, [[0.5, 0.0, 0.0]] * 3, 2000, lambda step, i: hits.setdefault(i, rng.random() < 0.1), seconds, B=B)
+    return planner.clock / clock[0]
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_drafting_that_never_pays_costs_its_probes_alone_on_a_drifting_machine(B, monkeypatch):
+    """Alone and in a batch, a drafter that never pays runs within its probes' SHARE (and 1%) of AR's pace while
+    the machine's speed drifts: each kind of step is priced at the median of its recent steps. Planted: priced at
+    its last step alone (costs.WINDOW = 1), a slow spell over AR steps sends it drafting (0.942 of AR's pace at B = 1,
+    0.965 at B = 4)."""
+    from nanospec.tuning import costs
+    paces = lambda: [drifting(B, seed) / drifting(B, seed, ar=True) for seed in range(3)]
+    assert min(paces()) >= 1 - SHARE - 0.01
+    monkeypatch.setattr(costs, "WINDOW", 1)
+    assert min(paces()) < 1 - SHARE - 0.01
+
+
 def test_a_probe_that_finds_good_drafts_brings_drafting_back():
     """A ranked drafter whose candidates are all wrong for a stretch (AR gets planned), then right at
     top-1 on 3 of 5 tokens: a probe's outcomes replace the stale estimates, so drafting comes back at
