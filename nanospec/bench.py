@@ -137,8 +137,8 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     for i, p in enumerate(prompts if batch == 1 else ()):
         # fast AR, exact AR at its own smallest block, the methods: in order, then in reverse on the next prompt,
         # so a drift in the machine's speed over a round hits every method alike
-        runs = [(Drafter(), o, mode) for o, mode in ((base["fast AR"], False), (base.get("exact AR"), True)) if
-                o is not None] + [(d, o, exact) for d, o in zip(drafters, outs)]
+        runs = [(Drafter(), o, name == "exact AR") for name, o in base.items()]
+        runs += [(d, o, exact) for d, o in zip(drafters, outs)]
         for d, o, mode in runs[::-1] if i % 2 else runs:
             o.append(run(d, p, mode))
         for d, r in zip(drafters, ref):
