@@ -106,6 +106,8 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     eos = model.args.eos_id if eos_id is None else eos_id
     for peer in peers:
         peer.generate(prompts[0], min(8, max_new_tokens), eos)
+    # what a profile runs: each drafter as the timed runs find it (after them, a trie would hold their outputs)
+    untouched = [copy.deepcopy(d) for d in drafters]
     # Interleaved: each prompt runs under every method in turn, so slow drifts in machine speed
     # (frequent on shared CPUs) hit every method alike.
     t0 = time.perf_counter()
@@ -162,17 +164,17 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
           f" over {len(prompts)} prompts; speedups are against " + (f"{baseline}, {ar_tps:.1f} tok/s" if batch == 1
           else "the AR passes just before and after each method's"), file=sys.stderr, flush=True)
     results = []
-    for d, runs, against, near in zip(drafters, outs, ref, beside):
+    for d, fresh, runs, against, near in zip(drafters, untouched, outs, ref, beside):
         near = near or ar_runs  # alone: the run's AR; a batch: the AR passes beside the method's
         new = sum(len(o.tokens) for o in runs)
         steps = sum(o.steps for o in runs)
         step_ms = 1000 * sum(o.decode_s for o in runs) / steps
         fwd_ms = 1000 * sum(o.forward_s for o in runs) / steps
-        kernel = kernel_ms(lambda d, p: run(d, p, exact), d, prompts[0])
+        kernel = kernel_ms(lambda d, p: run(d, p, exact), fresh, prompts[0])
         if profile:
             base = (devices.of(dev or model.embed.weight).programs if exact else None) or EAGER
             profiled = lambda d, p, programs: run(d, p, exact, rows=batch, programs=programs)
-            print(host_profile(profiled, d, prompts[:batch], base), file=sys.stderr, flush=True)
+            print(host_profile(profiled, fresh, prompts[:batch], base), file=sys.stderr, flush=True)
         results.append(dict(method=d.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=steps,
                             mean_accepted=round(new / steps, 3), step_ms=round(step_ms, 3), forward_ms=round(fwd_ms, 3),
                             host_ms=round(step_ms - fwd_ms, 3), kernel_ms=None if kernel is None else round(kernel, 3),

@@ -128,6 +128,23 @@ def test_a_batchs_method_runs_between_two_ar_passes_and_is_measured_against_them
                                                                              (72, 1.167, "fast AR beside it")]
 
 
+def test_a_profile_runs_each_drafter_as_the_timed_runs_found_it(monkeypatch):
+    """--profile's run starts from the drafter as it was before the timed runs: Lookahead's trie holds no output
+    yet (profiled after them, its trie would hold every output, and it would draft better than the bench did)."""
+    from helpers import ARGS
+    from nanospec import bench
+    from nanospec.methods.lookahead import Lookahead
+    model, profiled, timed, real = random_model(ARGS, 1), [], [], bench.generate
+    outputs = lambda d: sum(d.trie.sizes.values())  # the trie's nodes that outputs put there
+    monkeypatch.setattr(bench, "host_profile", lambda run, d, prompts, base: profiled.append(outputs(d)) or "")
+    monkeypatch.setattr(bench, "generate", lambda model, prompt, d, **kw: (
+        timed.append(outputs(d)) if kw["max_new_tokens"] == 12 and d.name == "lookahead" else None) or
+        real(model, prompt, d, **kw))
+    la = Lookahead(decoding_length=8, branch_length=4)
+    bench.bench(model, [[3, 4, 5], [6, 7], [8, 9, 10]], [la], max_new_tokens=12, eos_id=-1, profile=True)
+    assert outputs(la) > 0 and profiled == [timed[0]] == [0]  # the timed runs filled its trie; not the profile's
+
+
 def test_an_ar_step_is_compared_with_ars_over_as_many_sequences():
     """A batch's tail step (one sequence left) costs about a full batch's step: a method whose AR steps fall there
     is compared with AR's tail steps, not with AR's full-batch share; a stall on one of its steps is not its cost."""
