@@ -123,6 +123,27 @@ def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp
         assert not measure(model, exact=True, rows=rows, context=8, reps=1, dev=dev).padded
 
 
+def test_measured_row_costs_keep_their_shape_through_a_slow_spell(monkeypatch, tmp_path):
+    """costs.measure prices a row count by its median share of a round, scaled to the fastest round: a slow spell
+    over the last rounds, and one slow forward of the fastest round, leave the shape as it is (the fastest time of
+    each count would price that forward's count 30% high). A fake clock: a forward of n rows takes 1 + n/4."""
+    from nanospec.tuning import costs
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    clock, calls, rows = [0.0], [], (1, 2, 4, 8)
+
+    def run(dec, block, embeds=None):
+        calls.append(len(block))
+        k = len(calls) - 1 - 1 - len(rows)  # after the prefill's forward and the warm-up round
+        pace = 1.0 if 0 <= k < len(rows) and len(block) != 8 else 1.3  # round 1 fast but for 8 rows; then slow
+        clock[0] += pace * (1 + len(block) / 4)
+
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(costs.Decoding, "run", run)
+    m = costs.measure(random_model(ARGS), rows=rows, context=8, reps=4)
+    assert len(calls) == 1 + 5 * len(rows)
+    assert [round(m.forward(n) / m.forward(1), 6) for n in rows] == [1.0, 1.2, 1.6, 2.4]
+
+
 def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
     """Measured learns, per batch size and kind of step (AR's or a drafter's), a step's excess over
     its forward: the median of the last steps, so one stall does not move it; bare leaves it out. A

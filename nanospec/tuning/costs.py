@@ -7,7 +7,6 @@ import collections
 import hashlib
 import itertools
 import json
-import math
 import statistics
 import time
 
@@ -22,7 +21,7 @@ from .products import BUCKETS, to_json
 
 COST_ROWS = BUCKETS + (96, 128)  # every bucket of fast mode's products, and beyond them
 WINDOW = 16  # the steps of a kind whose median excess is taken
-COSTS_VERSION = 3  # bumped when the code changes what a forward costs: cached measures are then stale
+COSTS_VERSION = 4  # bumped when the code changes what a forward costs, or how it is measured: cached ones are stale
 
 
 class Measured:
@@ -70,10 +69,12 @@ class Measured:
 @torch.inference_mode()
 def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps: int = 5, dev=None) -> Measured:
     """Seconds per forward of n rows after `context` tokens, on this machine, model, dtype and mode:
-    measured once and cached under the cache root, keyed by all four. The row counts take turns,
-    reps rounds, and each keeps its fastest: a busy spell of a shared machine then slows one round
-    of every count, not every round of one. dev: the device's layout and speed (devices.py; its kernels: fast
-    mode's product forms, part of the key)."""
+    measured once and cached under the cache root, keyed by all four. The row counts take turns, reps
+    rounds of a second or two; a count costs its median share of a round, scaled to the fastest round. A busy spell
+    of a shared machine slows a whole round, which its shares do not see, and one slow forward moves one share of
+    one round, where the fastest time of each count would price a count by its luckiest forward against the
+    others' (their shape, which the planner's choices read, then varies from one measure to the next). dev: the
+    device's layout and speed (devices.py; its kernels: fast mode's product forms, part of the key)."""
     w = model.embed.weight
     table = None if exact or dev is None else dev.kernels
     forms = "" if table is None else "-" + hashlib.sha256(to_json(table).encode()).hexdigest()[:8]
@@ -87,15 +88,19 @@ def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps
     g = torch.Generator().manual_seed(0)
     dec.prefill(torch.randint(0, model.args.vocab_size, (context,), generator=g).tolist())
     blocks = {n: Tree.chain(1, [1] * (n - 1)).block(dec.cur) for n in rows}
-    points = {}
+    rounds = []
     for rep in range(reps + 1):  # the first round warms up
+        took = {}
         for n, block in blocks.items():
             dec.dev.sync(dec.device)
             t0 = time.perf_counter()
             dec.run(block)
             dec.dev.sync(dec.device)
-            if rep:
-                points[n] = min(points.get(n, math.inf), time.perf_counter() - t0)
+            took[n] = time.perf_counter() - t0
+        rounds.append(took)
+    fastest = min(rounds[1:], key=lambda took: sum(took.values()))
+    share = {n: statistics.median(took[n] / sum(took.values()) for took in rounds[1:]) for n in rows}
+    points = {n: share[n] * sum(fastest.values()) for n in rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda p: p.write_text(json.dumps({"key": key, "seconds": points}, indent=1)))
     return Measured(points, padded=bool(forms))
