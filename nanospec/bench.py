@@ -170,7 +170,8 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         steps = sum(o.steps for o in runs)
         step_ms = 1000 * sum(o.decode_s for o in runs) / steps
         fwd_ms = 1000 * sum(o.forward_s for o in runs) / steps
-        kernel = kernel_ms(lambda d, p: run(d, p, exact), fresh, prompts[0])
+        on_gpu = model.embed.weight.device.type == "cuda"
+        kernel = kernel_ms(lambda d, p: run(d, p, exact), fresh, prompts[0]) if on_gpu else None
         if profile:
             base = (devices.of(dev or model.embed.weight).programs if exact else None) or EAGER
             profiled = lambda d, p, programs: run(d, p, exact, rows=batch, programs=programs)
@@ -243,7 +244,7 @@ def ar_speeds(base: dict, drafters: list[Drafter], outs: list[list[Output]], exa
 
 
 def kernel_ms(run, drafter, prompt) -> float | None:
-    """GPU kernel time per decoding forward (torch profiler, prefill excluded); None on a CPU."""
+    """GPU kernel time per decoding forward (torch profiler, prefill excluded); None where nothing ran on a GPU."""
     d = copy.deepcopy(drafter)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
     start, finish = d.start, d.finish
