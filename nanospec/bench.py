@@ -107,7 +107,8 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     for peer in peers:
         peer.generate(prompts[0], min(8, max_new_tokens), eos)
     # what a profile runs: each drafter as the timed runs find it (after them, a trie would hold their outputs)
-    untouched = [copy.deepcopy(d) for d in drafters]
+    on_gpu = model.embed.weight.device.type == "cuda"  # where kernel_ms has kernels to time
+    untouched = [copy.deepcopy(d) if profile or on_gpu else None for d in drafters]
     # Interleaved: each prompt runs under every method in turn, so slow drifts in machine speed
     # (frequent on shared CPUs) hit every method alike.
     t0 = time.perf_counter()
@@ -170,7 +171,6 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
         steps = sum(o.steps for o in runs)
         step_ms = 1000 * sum(o.decode_s for o in runs) / steps
         fwd_ms = 1000 * sum(o.forward_s for o in runs) / steps
-        on_gpu = model.embed.weight.device.type == "cuda"
         kernel = kernel_ms(lambda d, p: run(d, p, exact), fresh, prompts[0]) if on_gpu else None
         if profile:
             base = (devices.of(dev or model.embed.weight).programs if exact else None) or EAGER

@@ -97,10 +97,10 @@ def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps
             dec.run(block)
             dec.dev.sync(dec.device)
             took[n] = time.perf_counter() - t0
-        rounds.append(took)
-    fastest = min(rounds[1:], key=lambda took: sum(took.values()))
-    share = {n: statistics.median(took[n] / sum(took.values()) for took in rounds[1:]) for n in rows}
-    points = {n: share[n] * sum(fastest.values()) for n in rows}
+        if rep:
+            rounds.append((sum(took.values()), took))
+    fastest = min(total for total, _ in rounds)
+    points = {n: fastest * statistics.median(took[n] / total for total, took in rounds) for n in rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda p: p.write_text(json.dumps({"key": key, "seconds": points}, indent=1)))
     return Measured(points, padded=bool(forms))
