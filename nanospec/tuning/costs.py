@@ -100,7 +100,7 @@ def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps
         if rep:
             rounds.append((sum(took.values()), took))
     fastest = min(total for total, _ in rounds)
-    points = {n: fastest * statistics.median(took[n] / total for total, took in rounds) for n in rows}
+    points = {n: fastest * statistics.median(t[n] / total for total, t in rounds) for n in rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda p: p.write_text(json.dumps({"key": key, "seconds": points}, indent=1)))
     return Measured(points, padded=bool(forms))
