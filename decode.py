@@ -88,6 +88,9 @@ def parse_args(argv=None):
                    "row costs on this machine (measured once, cached) and how the method's drafts fare; none: "
                    "each method's own tree. ProPD plans its own trees either way (its paper's online cost line; "
                    "propd:planner=measured hands it to the core planner)")
+    p.add_argument("--budget", type=int, metavar="N", help="fast mode: every step of every method drafts N nodes, "
+                   "the core planner's tree of that size, never planned (0: every step an AR step, the method's "
+                   "own bookkeeping still run); what a budget buys, to set beside --planner measured")
     p.add_argument("--trace", help="write FILE.jsonl (nanospec-trace/1): per prompt the emitted ids and, per "
                    "position, its logit row's top-k, log-sum-exp and sha256 (the reference: --method ar --mode exact)")
     p.add_argument("--trace-k", type=int, default=8, help="top-k logits per position in --trace")
@@ -123,6 +126,8 @@ def setup(args):
         raise NanospecError("--show N draws the first N steps: N must be at least 1")
     if args.trace_k < 2:
         raise NanospecError("--trace-k must be at least 2 (compare reads the top-2 margin)")
+    if args.budget is not None and (args.budget < 0 or args.planner == "none"):
+        raise NanospecError("--budget N plans N >= 0 draft nodes a step: not with --planner none")
     if args.max_new_tokens < 1:
         raise NanospecError("--max-new-tokens must be at least 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
@@ -152,14 +157,18 @@ def tune(args, model, exact: bool, drafters) -> Device:
     CPU, --kernels tuned gives the model's products each its fastest form by row count (tuning/products.py);
     --planner measured hands every drafter without a planner of its own the core planner with a CPU's additions, on
     this machine's measured row costs (a drafter it can plan: ranked, or nested), and a method's own planner gets
-    the sizes that fill the row buckets."""
+    the sizes that fill the row buckets; --budget N hands every drafter it can plan one of a single size, N."""
     dev = devices.of(model.embed.weight)  # the device the weights are on
+    if exact and args.budget is not None:
+        raise NanospecError("--budget N plans fast mode's steps: exact mode runs each method's own tree (--mode fast)")
     if exact:
         return replace(dev, call=compiled.layer) if args.compile else dev
     if args.kernels == "tuned" and args.device == "cpu":
         dev = replace(dev, kernels=kernels.tuned(model, *drafters))  # the drafters' products too
     for d in drafters:
-        if d.planner is not None:
+        if args.budget is not None and (d.topk or d.nested):  # one size: every step's
+            d.plan(Tuned(measure_costs(model, dev=dev), sizes=(args.budget,)))
+        elif d.planner is not None:
             own_sizes(d)
         elif args.planner == "measured" and (d.topk or d.nested):
             d.plan(Tuned(measure_costs(model, dev=dev)))

@@ -183,6 +183,19 @@ def test_prompts_decode_in_batches_and_bench_by_batch_size(weights, tmp_path):
     assert [r["new_tokens"] for r in res[2:]] == [2 * r["new_tokens"] for r in res[:2]]  # batches run twice, ABBA
 
 
+def test_a_fixed_budget_drafts_that_many_nodes_every_step(tmp_path):
+    """--budget N: every method that can be planned (ranked, nested; ProPD's own planner replaced) drafts N nodes at
+    every step, and 0 makes every step an AR step; tokens stay AR's."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]) + "\n")
+    for n in (0, 2):
+        res = last_json(call(decode.main, "--weights", PYLM, "--bench", "--prompts", prompts, "--methods",
+                             "ar,medusa,propd,bita,lookahead", "--max-new-tokens", 8, "--budget", n, "--json"))
+        for r in res["results"][1:]:
+            assert r["mismatches"] == 0 and r["notes"].endswith(f"budget {n} (100%)"), r
+            assert (r["steps"] == r["new_tokens"]) if n == 0 else r["ar_step_ms"] is None, r
+
+
 def test_bench_times_the_peers_in_the_same_run(weights, tmp_path):
     """--peers transformers: transformers' greedy, prompt lookup and assisted generation beside the
     methods, judged the same way (tok/s, speedup against the run's fastest AR, mismatches)."""
@@ -265,6 +278,9 @@ def bad_prompts(tmp_path):
     (["--batch", "1,2"], "--batch takes one size when decoding"),
     (["--bench", "--batch", "2", "--peers", "transformers"], "use it with --batch 1"),
     (["--max-new-tokens", "many"], "invalid int value"),
+    (["--budget", "-1"], "--budget N plans N >= 0 draft nodes"),
+    (["--budget", 1, "--planner", "none"], "not with --planner none"),
+    (["--budget", 1, "--mode", "exact"], "exact mode runs each method's own tree"),
     (["--device", "cuda"], "no CUDA device") if not torch.cuda.is_available()
     else (["--device", "tpu"], "invalid choice"),
 ])

@@ -71,7 +71,7 @@ class Tuned(Planner):
         size = super().choose()
         if not (planning and self.at == self.clock) or size:
             return size
-        if best(self.lengths(sure=bool(self.P)), lambda s: self.seconds(s, bare=True)):
+        if len(self.sizes) > 1 and best(self.lengths(sure=bool(self.P)), lambda s: self.seconds(s, bare=True)):
             # AR for want of acceptance (a ranked drafter's: an unranked one's drafts are scored every step)
             # or for drafting's cost: a probe renews both. The cheapest tree teaches the first depth (all of
             # them, for heads that draft every depth; rows that follow the budget draft one: drafter.Ranked)
