@@ -8,6 +8,10 @@ Response shapes, as the servers named in the README return them:
 - "llama-server": logprobs.content[i] with id, token, logprob and top_logprobs (with ids).
 flip_at=N plants a speculation bug: from output position N on, the runner-up token is emitted
 once. refuse_ids=True answers 422 to a prompt of ids (as llama-cpp-python's server does).
+logit_scale=s plants a bug that moves every distribution and no argmax: the logits scaled by s before the
+log-probabilities (a temperature left on). max_logprobs=K answers 400 to a request for more than K top
+log-probabilities (as vLLM's --max-logprobs does); echo_rows=True lists the top log-probabilities of echoed
+prompt tokens too (as vLLM does), else echo lists none (as llama-cpp-python's server without logits_all).
 batch_flip_at=N plants a batch dependence: each request is held until another arrives or for `hold`
 seconds, and one that overlaps another request emits the runner-up at position N (a lone request
 never does).
@@ -19,11 +23,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from nanospec.engine import generate
+from nanospec.oracle import forced
 
 
 class Stub:
-    def __init__(self, model, tok, shape="vllm", flip_at=None, refuse_ids=False, batch_flip_at=None, hold=2.0):
+    def __init__(self, model, tok, shape="vllm", flip_at=None, refuse_ids=False, batch_flip_at=None, hold=2.0,
+                 logit_scale=1.0, max_logprobs=20, echo_rows=False):
         self.model, self.tok, self.shape, self.flip_at, self.refuse_ids = model, tok, shape, flip_at, refuse_ids
+        self.logit_scale, self.max_logprobs, self.echo_rows = logit_scale, max_logprobs, echo_rows
         self.batch_flip_at, self.hold, self.active, self.cond = batch_flip_at, hold, {}, threading.Condition()
         self.requests = []
         stub = self
@@ -93,14 +100,21 @@ class Stub:
         if isinstance(prompt, list) and self.refuse_ids:
             return 422, {"detail": [{"msg": "Input should be a valid string", "loc": ["body", "prompt"]}]}
         ids = self.tok.encode(prompt) if isinstance(prompt, str) else prompt
-        tokens, rows, finish = self.decode(ids, body["max_tokens"], overlapped)
         k = body.get("logprobs") or 0
+        if k > self.max_logprobs:
+            return 400, {"error": {"message": f"logprobs {k} is more than the maximum {self.max_logprobs}"}}
+        tokens, rows, finish = self.decode(ids, body["max_tokens"], overlapped)
         if body.get("echo"):
             p = ids[1:] if ids[:1] == [self.tok.bos_id] else ids
-            lp = {"tokens": [self.name(i) for i in p + tokens], "top_logprobs": [None] * (len(p) + len(tokens))}
+            top = [None] * (len(p) + len(tokens))
+            if self.echo_rows:  # row j of the echo: the distribution its token was read from (none for the first)
+                seen = torch.log_softmax(self.logit_scale * forced.rows(self.model, ids[:1], ids[1:]).double(), -1)
+                top[len(p) - len(seen):len(p)] = [{self.name(int(i)): float(v) for i, v in zip(*r.topk(k)[::-1])}
+                                                  for r in seen]
+            lp = {"tokens": [self.name(i) for i in p + tokens], "top_logprobs": top}
             return 200, {"choices": [{"text": "", "logprobs": lp, "finish_reason": finish}],
                          "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens)}}
-        logp = torch.log_softmax(rows.double(), -1) if len(tokens) else rows
+        logp = torch.log_softmax(self.logit_scale * rows.double(), -1) if len(tokens) else rows
         tops = [logp[j].topk(k) for j in range(len(tokens))]
         if self.shape == "llama-server":
             content = [{"id": t, "token": self.tok.decode([t]), "logprob": float(logp[j, t]),

@@ -235,9 +235,9 @@ def test_two_files_with_weights_get_the_whole_output_verdict(weights, tmp_path):
     code, out, err = call(compare.main, tmp_path / "ar.jsonl", tmp_path / "ar.jsonl", "--weights", weights, "--json")
     assert code == 0 and "whole output: 72 positions scored by nanospec fp32: 0 flips" in out, out + err
     assert json.loads(out.splitlines()[-1])["runs"][0]["whole"]["verdict"] == "pass"
-    assert "detection floor (nanospec float32 vs float32, measured now): rope base /" in out
+    assert "detection floor (nanospec float32 vs float32, measured now), from ids: rope base /" in out
     code, out, err = call(compare.main, tmp_path / "ar.jsonl", tmp_path / "bug.jsonl", "--weights", weights, "--json",
                           "--no-floors")
     (run,) = json.loads(out.splitlines()[-1])["runs"]
     assert code == 1 and run["whole"]["verdict"] == "divergence" and run["whole"]["log10_p"] < -4, out + err
-    assert "detection floor" not in out and "(3 x the smallest, Bonferroni; alpha 0.0001): divergence" in out
+    assert "detection floor" not in out and "(4 x the smallest, Bonferroni; alpha 0.0001): divergence" in out

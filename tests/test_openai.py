@@ -6,6 +6,7 @@ end in one error line."""
 import json
 
 import pytest
+import torch
 
 from gguf_files import ascii_model
 from helpers import call, run_cli
@@ -40,10 +41,12 @@ def test_each_response_shape_maps_back_to_the_reference(served, shape, prompt_as
     (run,) = runs
     assert run["against"] == "reference" and run["summary"]["identical"] == 2, text
     sent = [r for r in stub.requests if not r["echo"]]
-    assert all(r["temperature"] == 0 and r["top_k"] == 1 and r["repeat_penalty"] == 1 and r["logprobs"] == 5
+    assert all(r["temperature"] == 0 and r["top_k"] == 1 and r["repeat_penalty"] == 1 and r["logprobs"] == 20
                for r in sent)
     assert all(isinstance(r["prompt"], list if prompt_as == "ids" else str) for r in sent)
-    assert len(stub.requests) == (4 if prompt_as == "text" else 2)  # text: an echo request checks the prompt tokens
+    # the logprobs probe, the 2 prompts, and 2 echo requests: text checks the prompt tokens, ids asks for rows at
+    # the reference's tokens (this server lists none for echoed tokens: no echo run)
+    assert len(stub.requests) == 5 and len(sent) == 3
 
 
 def test_a_planted_speculation_bug_is_a_divergence_against_both(served):
@@ -126,3 +129,58 @@ def test_a_planted_batch_dependence_is_caught(served):
     with Stub(model, tok) as fair:
         code, runs, text = engine(served, fair.url, "--concurrency", 2)
     assert code == 0 and runs[-1]["against"] == "alone" and runs[-1]["summary"]["identical"] == 2, text
+
+
+@pytest.fixture(scope="module")
+def served8(served, tmp_path_factory):
+    """The same model with its output norm's weight x 0.05 (logits x 0.05: its rows hold distributions to move, not
+    one certain token), and 8 prompts (the distance test resamples prompts)."""
+    import shutil
+
+    from nanospec.io.checkpoint import save
+    src, model, tok, _ = served
+    d = tmp_path_factory.mktemp("openai8")
+    soft = load(src)
+    with torch.no_grad():
+        soft.norm.weight.mul_(0.05)
+    save(soft, d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / f, d / f)
+    model = load(d)
+    prompts = d / "p.jsonl"
+    texts = ["def f(x):\n    return", "import os\n", "class A:\n", "for i in range(", "x = [", "while True:",
+             "print(", "if a == b:"]
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return d, model, tok, prompts
+
+
+def test_the_largest_logprobs_and_the_echo_rows(served8):
+    """The server is asked for as many top log-probabilities as it allows (20 refused, 10 taken), and where echo
+    lists them, it is also scored at the reference's own tokens: a run of its own, judged whole, passed."""
+    _, model, tok, _ = served8
+    with Stub(model, tok, max_logprobs=10, echo_rows=True) as stub:
+        code, runs, text = engine(served8, stub.url, "--no-floors")
+    assert code == 0, text
+    asked = [r["logprobs"] for r in stub.requests]
+    assert asked[:2] == [20, 10] and set(asked[2:]) == {10}, asked
+    by = {r["setting"]: r for r in runs}
+    echo = by[f"{stub.url} (echo: at the reference's tokens)"]
+    assert echo["whole"]["verdict"] == "pass" and echo["whole"]["distance"]["k"] == 8, text
+    assert by[stub.url]["whole"]["distance"]["k"] == 8 and "lists 10 top log-probabilities" in text
+
+
+def test_a_bug_that_flips_no_token_is_seen_through_rows_alone(served8):
+    """Log-probabilities returned at a temperature move every distribution and no argmax: with the server's rows
+    the distance test makes it a divergence; a server that lists one log-probability (ids only) passes it, and
+    the run says it could see little."""
+    _, model, tok, _ = served8
+    with Stub(model, tok, logit_scale=0.7) as bad, Stub(model, tok, logit_scale=0.7, max_logprobs=1) as blind:
+        code, runs, text = engine(served8, bad.url, "--no-floors")
+        assert code == 1 and runs[0]["summary"]["identical"] == 8, text
+        w = runs[0]["whole"]
+        assert w["verdict"] == "divergence" and w["flips"] == 0 and w["log10_p_tests"]["distance"] < -4.6, text
+        code, runs, text = engine(served8, blind.url, "--no-floors")
+    assert code == 0 and runs[0]["whole"]["distance"] is None, text
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  distances: none"))
+    assert lines[at + 1].startswith("  this run could see little: ids only") and lines[at + 2].startswith("{"), text

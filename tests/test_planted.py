@@ -23,13 +23,14 @@ BASE = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, hi
 VARIANTS = {"llama": BASE, "scaled": replace(BASE, rope_scaling={"rope_type": "linear", "factor": 4.0}),
             "qwen3": replace(BASE, qk_norm=True), "mistral": replace(BASE, sliding_window=12)}
 OF = {"rope_scaling": "scaled", "qk_norm": "qwen3", "window": "mistral"}  # the rest plant in the plain Llama
-STRENGTH = {"rope_base": 10.0, "norm_eps": 1e5, "rejected_key": 4}
+STRENGTH = {"rope_base": 10.0, "norm_eps": 1e5, "rejected_key": 4, "final_norm_eps": 1e5, "logit_scale": 1.5,
+            "softcap": 10.0}
 N_NEW = 24
 
 
 def prompts():
     g = torch.Generator().manual_seed(0)
-    return [[1] + torch.randint(3, BASE.vocab_size, (5,), generator=g).tolist() for _ in range(4)]
+    return [[1] + torch.randint(3, BASE.vocab_size, (5,), generator=g).tolist() for _ in range(8)]
 
 
 def q8_0(model, dtype=torch.float32):
@@ -68,8 +69,11 @@ class Setup:
             self.noises[kind] = noise.measure(self.fp32, model, self.refs, model is self.fp32, kind)
         return self.noises[kind]
 
-    def judge(self, outputs: list[list[int]], kind: str) -> dict:
-        others = [{"prompt_ids": p, "output_ids": o} for p, o in zip(self.prompts, outputs)]
+    def judge(self, outputs: list, kind: str) -> dict:
+        """outputs: per prompt its ids, or (ids, rows): then the engine's top 20 of each row go with them."""
+        others = [{"prompt_ids": p, "output_ids": o} if isinstance(o, list) else
+                  {"prompt_ids": p, "output_ids": o[0], "positions": noise.positions_of(o[1], 20)}
+                  for p, o in zip(self.prompts, outputs)]
         return whole.test(forced.score_run(self.fp32, self.refs, others), self.noise(kind))
 
 
@@ -79,11 +83,13 @@ def setups():
 
 
 NOISES = ["fp32", "bf16", "llama.cpp kv f16"]
+GROSS = [c for c in plants.CLASSES if c not in plants.SUBTLE]
 
 
 @pytest.mark.parametrize("kind", NOISES)
-@pytest.mark.parametrize("cls", plants.CLASSES)
+@pytest.mark.parametrize("cls", GROSS)
 def test_each_planted_class_is_a_divergence(setups, cls, kind):
+    """The gross classes, from the engine's ids alone."""
     s = setups[OF.get(cls, "llama")]
     model = s.engines[kind]
     assert plants.applies(cls, model, s.prompts[0])
@@ -92,14 +98,32 @@ def test_each_planted_class_is_a_divergence(setups, cls, kind):
     assert w["verdict"] == "divergence" and w["log10_p"] < math.log10(whole.ALPHA), whole.describe(w)
 
 
+@pytest.mark.parametrize("kind", NOISES)
+@pytest.mark.parametrize("cls", plants.SUBTLE)
+def test_each_subtle_class_is_a_divergence_with_rows_alone(setups, cls, kind):
+    """A subtle class flips no argmax: from ids alone it passes, and says it could see little; from the engine's
+    rows (its top 20, as a server's logprobs list them) the distance test makes it a divergence."""
+    s = setups["llama"]
+    model = s.engines[kind]
+    outs = [plants.decode(model, p, N_NEW, cls, STRENGTH[cls], rows=True) for p in s.prompts]
+    ids = s.judge([o for o, _ in outs], kind)
+    assert ids["verdict"] == "pass" and ids["flips"] == s.judge([plants.decode(model, p, N_NEW) for p in s.prompts],
+                                                                kind)["flips"], whole.describe(ids)
+    assert "could see little" in whole.caveat(ids)
+    w = s.judge(outs, kind)
+    assert w["verdict"] == "divergence" and w["log10_p_tests"]["distance"] < math.log10(whole.ALPHA / 4), \
+        whole.describe(w)
+
+
 @pytest.mark.parametrize("variant, kind", [("llama", "llama.cpp kv f32")] + [
     (v, k) for v in ("llama", "qwen3", "mistral") for k in ("fp32", "bf16", "llama.cpp kv f16")])
 def test_a_correct_engine_passes(setups, kind, variant):
-    """nanospec's fast mode at fp32 and bf16, and the modeled llama.cpp, decoding freely: not flagged."""
+    """nanospec's fast mode at fp32 and bf16, and the modeled llama.cpp, decoding freely, with their rows: not
+    flagged, by the flips or by the distances."""
     s = setups[variant]
     model = s.engines[kind]
-    w = s.judge([plants.decode(model, p, N_NEW) for p in s.prompts], kind)
-    assert w["verdict"] == "pass", whole.describe(w)
+    w = s.judge([plants.decode(model, p, N_NEW, rows=True) for p in s.prompts], kind)
+    assert w["verdict"] == "pass" and w["distance"] is not None, whole.describe(w)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -117,13 +141,18 @@ def test_transformers_is_not_flagged(setups, tmp_path, dtype):
 
 
 def test_floors_are_reported_for_each_class(setups):
-    """At fp32 noise every class that the model has gets a floor within its ladder; those it lacks say so."""
+    """At fp32 noise every class that the model has gets a floor within its ladder with rows; from ids alone, the
+    gross classes too, and the subtle ones none; those it lacks say so."""
     s = setups["llama"]
     found = floors.floors(s.fp32, s.fp32, s.refs, s.noise("fp32"))
     assert set(found) == set(plants.CLASSES)
     assert {k for k, v in found.items() if v == "n/a"} == {"rope_scaling", "qk_norm", "window"}
-    assert found["bos"] == "BOS left out" and found["rope_base"].startswith("rope base /")
-    assert not any(v.startswith("not flagged") for v in found.values()), found
+    assert found["bos"]["ids"] == "BOS left out" and found["rope_base"]["ids"].startswith("rope base /")
+    assert not any(v["rows"].startswith("not flagged") for v in found.values() if v != "n/a"), found
+    assert all(found[c]["ids"].startswith("not flagged") for c in plants.SUBTLE), found
+    assert not any(found[c]["ids"].startswith("not flagged") for c in plants.CLASSES
+                   if c not in plants.SUBTLE and found[c] != "n/a"), found
+    assert "with rows: soft cap" in floors.describe(found, "fp32")
 
 
 def test_tails_are_the_distributions():
@@ -156,3 +185,77 @@ def test_whole_test_on_known_scores():
     assert far["verdict"] == "divergence" and far["log10_p_tests"]["count"] > -1, whole.describe(far)
     many = whole.test([synthetic([(i * 16 + 5, 0.004) for i in range(12)])], nz)
     assert many["verdict"] == "divergence" and many["log10_p_tests"]["count"] < math.log10(whole.ALPHA / 3)
+
+
+def synthetic_distances(seed: int, prompts: int = 8, n: int = 64, ratio: float = 1.0, agree: float = 0.9,
+                        base: int | None = None) -> list:
+    """Per-prompt distances as forced.distances keeps them (k = 8): log-normal KLs around 1e-3 with a prompt's own
+    level (positions within a prompt move together), times ratio, and top-N agreement at the rate `agree`. base:
+    the seed of another such draw whose positions this one shares, each KL moved by its own factor (an engine
+    scored at the same positions as a noise sample of the same prompts: the pairing)."""
+    g = torch.Generator().manual_seed(seed)
+    shared = synthetic_distances(base, prompts, n) if base is not None else None
+    out = []
+    for p in range(prompts):
+        if shared is None:
+            kl = torch.exp(0.5 * torch.randn(1, generator=g) + 1.5 * torch.randn(n, generator=g)) * 1e-3
+        else:
+            kl = torch.tensor(shared[p]["8"]["kl"]) * torch.exp(0.5 * torch.randn(n, generator=g))
+        same = (torch.rand(n, generator=g) < agree).int().tolist()
+        out.append({"key": f"p{p}", "8": {"kl": (ratio * kl).tolist(), "same": same}})
+    return out
+
+
+def judged(run: list, noise_d: list, positions: int = 64) -> dict:
+    scores = [{"positions": positions, "flips": [], "gaps": [1.0] * positions, "key": d["key"], "distances": d}
+              for d in run]
+    nz = {"source": "synthetic", "positions": len(noise_d) * positions, "flips": 0, "movements": [0.01],
+          "distances": noise_d}
+    return whole.test(scores, nz)
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_the_distance_test_on_known_scores(paired):
+    """A run whose mean KL is 4x the noise's, or whose top-N ids leave the reference's four times as often, is a
+    divergence by the distance test alone (no flips); a run drawn like the noise is not, and it states the smallest
+    KL ratio it flags. Paired: 8 prompts scored at the noise sample's positions; unpaired: 16 prompts against 40
+    others (a calibration made on other prompts)."""
+    if paired:
+        nz, draw = synthetic_distances(0, base=9), lambda **kw: synthetic_distances(1, base=9, **kw)
+    else:
+        nz = [{**d, "key": "noise " + d["key"]} for d in synthetic_distances(0, prompts=40)]
+        draw = lambda **kw: synthetic_distances(1, prompts=16, **kw)
+    same = judged(draw(), nz)
+    assert same["verdict"] == "pass" and same["distance"]["paired"] == paired, whole.describe(same)
+    assert 1 < same["distance"]["smallest_flagged_ratio"] < 4 and whole.caveat(same) is None, whole.describe(same)
+    for run in (draw(ratio=4.0), draw(agree=0.6)):
+        w = judged(run, nz)
+        assert w["verdict"] == "divergence" and w["log10_p_tests"]["distance"] < math.log10(whole.ALPHA / 4), \
+            whole.describe(w)
+        assert w["log10_p_tests"]["count"] == 0
+    ids_only = whole.test([{"positions": 64, "flips": [], "gaps": [1.0] * 64}],
+                          {"source": "s", "positions": 64, "flips": 0, "movements": [0.01], "distances": nz})
+    assert ids_only["distance"] is None and "could see little: ids only" in whole.caveat(ids_only)
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_false_alarms_by_resampling_the_noise(paired):
+    """1,000 correct runs of 8 prompts, each judged against a noise: none is a divergence (a correct engine's
+    false-alarm rate below 1 in 1,000), and their distance p-values are not far below uniform (at most 3% under
+    0.01). Paired: each run and its noise drawn at the same positions of a pool prompt; unpaired: a run's prompts
+    drawn from a 40-prompt pool, judged against the other 32."""
+    pool = synthetic_distances(7, prompts=40)
+    g = torch.Generator().manual_seed(1)
+    ps = []
+    for r in range(1000):
+        order = torch.randperm(40, generator=g).tolist()
+        if paired:
+            base = [pool[i] for i in order[:8]]
+            jitter = lambda d, s: [{**x, "8": {**x["8"], "kl": (torch.tensor(x["8"]["kl"]) * torch.exp(
+                0.5 * torch.randn(64, generator=g))).tolist()}} for x in d]
+            w = judged(jitter(base, r), jitter(base, r))
+        else:
+            w = judged([pool[i] for i in order[:8]], [pool[i] for i in order[8:]])
+        ps.append(10 ** w["log10_p_tests"]["distance"])
+        assert w["verdict"] == "pass", whole.describe(w)
+    assert sum(p < 0.01 for p in ps) <= 30

@@ -96,6 +96,8 @@ def report(run: dict, ulps: float | None = None) -> None:
         print(whole.describe(run["whole"]))
         if run["whole"].get("floors"):
             print(floors.describe(run["whole"]["floors"], run["whole"]["noise"]["source"]))
+        if whole.caveat(run["whole"]):
+            print(whole.caveat(run["whole"]))
 
 
 def title(run: dict) -> str:

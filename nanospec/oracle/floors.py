@@ -2,35 +2,43 @@
 
 Each class is planted at increasing strength in the model under test (at the dtype its noise was measured in),
 teacher-forced over the reference's sequences, and its rows scored against the reference's (forced.score: the
-planted model's argmax as the engine's token) and judged by whole.test against the noise. A class's floor is the
-weakest strength flagged, found by bisection over its ladder (STRENGTHS, weakest first; a stronger bug flags at
-least as surely); classes that the model does not have (a rope_scaling, q/k norms, a window, a BOS) are
+planted model's argmax as the engine's token) and judged by whole.test against the noise, twice: from its ids
+alone, and with its top rows (forced.KS's largest), as an engine that returns rows is judged. A class's floor is
+the weakest strength flagged, found by bisection over its ladder (STRENGTHS, weakest first; a stronger bug flags
+at least as surely); classes that the model does not have (a rope_scaling, q/k norms, a window, a BOS) are
 reported as such.
 """
 import torch
 
-from . import forced, plants, whole
+from . import forced, noise, plants, whole
 
 STRENGTHS = {"rope_base": [1.001, 1.003, 1.01, 1.03, 1.1, 1.3, 2.0, 4.0, 10.0],
              "norm_eps": [10.0, 100.0, 1e3, 1e4, 1e5, 1e6],
-             "rejected_key": [64, 32, 16, 8, 4, 2]}
+             "rejected_key": [64, 32, 16, 8, 4, 2],
+             "final_norm_eps": [1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9],
+             "logit_scale": [1.01, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0],
+             "softcap": [800.0, 400.0, 200.0, 100.0, 50.0, 20.0, 10.0]}
 LABELS = {"rope_base": "rope base /{:g}", "norm_eps": "eps x{:g}", "rejected_key": "rejected key every {:g} steps",
           "rope_scaling": "rope scaling left out", "qk_norm": "q/k norm left out",
-          "window": "window one key longer", "bos": "BOS left out"}
+          "window": "window one key longer", "bos": "BOS left out", "final_norm_eps": "output norm eps x{:g}",
+          "logit_scale": "logits x{:g}", "softcap": "soft cap {:g}"}
 
 
-def flagged(model, cls: str, strength: float, paths: list[tuple], noise: dict, alpha: float) -> bool:
-    """Whether a class at a strength is a divergence against the noise; paths: (prompt, tokens, ref_rows)."""
+def flagged(model, cls: str, strength: float, paths: list[tuple], nz: dict, alpha: float, rows: bool) -> bool:
+    """Whether a class at a strength is a divergence against the noise, from ids alone or with rows; paths:
+    (prompt, tokens, ref_rows)."""
     scores = []
     for prompt, tokens, ref in paths:
-        rows = plants.forced_rows(model, cls, strength, prompt, tokens, ref)
-        scores.append(forced.score(ref, rows.argmax(-1).tolist()))
-    return whole.test(scores, noise, alpha)["verdict"] == "divergence"
+        got = plants.forced_rows(model, cls, strength, prompt, tokens, ref)
+        listed = noise.positions_of(got, max(forced.KS)) if rows else None
+        scores.append(forced.score(ref, got.argmax(-1).tolist(), listed, 0, forced.prompt_key(prompt)))
+    return whole.test(scores, nz, alpha)["verdict"] == "divergence"
 
 
-def floors(model, reference, entries: list[dict], noise: dict, alpha: float = whole.ALPHA) -> dict:
-    """{class: label of its floor, or why there is none}; model: the planted model (the noise's dtype),
-    reference: nanospec fp32, entries: the reference's traces (their sequences are forced)."""
+def floors(model, reference, entries: list[dict], nz: dict, alpha: float = whole.ALPHA) -> dict:
+    """{class: {"ids": label of its floor from ids alone, "rows": with rows}, or "n/a" where the model lacks the
+    class}; model: the planted model (the noise's dtype), reference: nanospec fp32, entries: the reference's traces
+    (their sequences are forced)."""
     entries = [e for e in entries if e["output_ids"]]
     with torch.no_grad():
         paths = [(e["prompt_ids"], e["output_ids"], forced.rows(reference, e["prompt_ids"], e["output_ids"]))
@@ -40,24 +48,29 @@ def floors(model, reference, entries: list[dict], noise: dict, alpha: float = wh
         if not plants.applies(cls, model, entries[0]["prompt_ids"] if entries else None):
             out[cls] = "n/a"
             continue
-        ladder = STRENGTHS.get(cls, [1.0])
-        lo, hi = 0, len(ladder)  # the weakest flagged is in ladder[lo:hi], or none (hi == len)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if flagged(model, cls, ladder[mid], paths, noise, alpha):
-                hi = mid
-            else:
-                lo = mid + 1
-        if lo == len(ladder):
-            out[cls] = (f"not flagged up to {LABELS[cls].format(ladder[-1])}" if cls in STRENGTHS
-                        else f"{LABELS[cls]}: not flagged")
-        else:
-            out[cls] = LABELS[cls].format(ladder[lo])
+        out[cls] = {how: floor(model, cls, paths, nz, alpha, how == "rows") for how in ("ids", "rows")}
     return out
+
+
+def floor(model, cls: str, paths, nz: dict, alpha: float, rows: bool) -> str:
+    ladder = STRENGTHS.get(cls, [1.0])
+    lo, hi = 0, len(ladder)  # the weakest flagged is in ladder[lo:hi], or none (hi == len)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if flagged(model, cls, ladder[mid], paths, nz, alpha, rows):
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == len(ladder):
+        return f"not flagged up to {LABELS[cls].format(ladder[-1])}" if cls in STRENGTHS else \
+            f"{LABELS[cls]}: not flagged"
+    return LABELS[cls].format(ladder[lo])
 
 
 def describe(found: dict, source: str) -> str:
     absent = [LABELS[k].removesuffix(" left out").removesuffix(" one key longer") for k, v in found.items()
               if v == "n/a"]
-    return (f"  detection floor ({source}): " + ", ".join(v for v in found.values() if v != "n/a")
+    shown = [v["ids"] if v["ids"] == v["rows"] else f"{v['ids']} (with rows: {v['rows']})"
+             for v in found.values() if v != "n/a"]
+    return (f"  detection floor ({source}), from ids: " + ", ".join(shown)
             + (f" (not in this model or its prompts: {', '.join(absent)})" if absent else ""))

@@ -8,7 +8,10 @@ positions of reference sequences, against the reference's rows there (its top-k 
   margin test's survival function, S(m) = the share of positions moved by at least m, is read from them, and
   past their 90th percentile it is an exponential tail fitted to the excesses there (a flip at a margin
   beyond every measured movement is then explained with a small but stated probability, not with zero);
-- kl: percentiles of KL(engine || reference) over the reference's listed ids (both renormalized there).
+- distances: per prompt (named by forced.prompt_key), at each truncation k of forced.KS, every position's KL of
+  the engine's distribution from the reference's over the engine's top k ids and whether its top-N ids are the
+  reference's (forced.distances): the same numbers a run's scores keep, so that whole.py's distance test compares
+  like with like, and resamples them by prompt.
 
 Where it comes from: an engine's calibration (--calibrate writes one per setting), else measured on the spot,
 nanospec itself at the engine's dtype against nanospec fp32, on the run's own prompts (for fp32: nanospec's
@@ -29,10 +32,11 @@ def positions_of(rows: torch.Tensor, k: int = 8) -> list[dict]:
     return [{"top_ids": i.tolist(), "top_logits": v.tolist()} for i, v in zip(top.indices, top.values)]
 
 
-def sample(positions: list[dict], rows: torch.Tensor) -> dict:
-    """One prompt's noise: a correct engine's rows (n, vocab) against the reference's positions (top-k)."""
+def sample(positions: list[dict], rows: torch.Tensor, ref: torch.Tensor | None = None, key: str | None = None) -> dict:
+    """One prompt's noise: a correct engine's rows (n, vocab) against the reference's positions (top-k); ref: the
+    reference's full rows, where known (else its positions stand in for them in the distances)."""
     rows = torch.as_tensor(rows).float()
-    flips, moves, kls = [], [], []
+    flips, moves = [], []
     for i, (p, row) in enumerate(zip(positions, rows)):
         ids, vals = p["top_ids"], p["top_logits"]
         b = int(row.argmax())
@@ -40,26 +44,24 @@ def sample(positions: list[dict], rows: torch.Tensor) -> dict:
             flips.append(vals[0] - (vals[ids.index(b)] if b in ids else vals[-1]))
         if len(ids) > 1:
             moves.append(abs((vals[0] - vals[1]) - float(row[ids[0]] - row[ids[1]])))
-            kls.append(forced.restricted_kl(torch.tensor(vals), list(range(len(ids))), row[ids].tolist()))
+    d = forced.distances(positions if ref is None else ref, positions_of(rows, max(forced.KS)))
     return {"positions": len(rows), "prompts": 1, "flips": len(flips), "flip_margins": flips, "movements": moves,
-            "kl": kls}
+            "distances": [{"key": key, **d}]}
 
 
 def merge(samples: list[dict], source: str) -> dict:
     """Samples (of prompts, or of settings) as one noise model."""
     cat = lambda f: sorted(float(f"{x:.4g}") for s in samples for x in s[f])
-    kl = torch.tensor(cat("kl") or [0.0], dtype=torch.float64)
+    dist = [d for s in samples for d in s.get("distances", [])]
     return {"source": source, "positions": sum(s["positions"] for s in samples),
             "prompts": sum(s["prompts"] for s in samples), "flips": sum(s["flips"] for s in samples),
-            "flip_margins": cat("flip_margins"), "movements": cat("movements"), "kl_values": cat("kl"),
-            "kl": {"mean": float(f"{float(kl.mean()):.4g}"), "p99": float(f"{float(kl.quantile(0.99)):.4g}"),
-                   "max": float(f"{float(kl.max()):.4g}")}}
+            "flip_margins": cat("flip_margins"), "movements": cat("movements"), "distances": dist}
 
 
 def from_calibration(entries: list[dict], source: str) -> dict | None:
     """The noise of calibration entries (the samples they keep), None where one keeps none (an older file)."""
     kept = [e.get("noise") for e in entries]
-    return None if not kept or None in kept else merge([{**n, "kl": n["kl_values"]} for n in kept], source)
+    return None if not kept or None in kept else merge(kept, source)
 
 
 def survival(noise: dict, m: float) -> float:
@@ -85,6 +87,7 @@ def measure(reference, model, entries: list[dict], exact_rows: bool, source: str
         if not e["output_ids"]:
             continue
         d = forced.rows(model, e["prompt_ids"], e["output_ids"])
-        ref = e["positions"] if exact_rows else positions_of(forced.rows(reference, e["prompt_ids"], e["output_ids"]))
-        samples.append(sample(ref, d))
+        full = forced.rows(reference, e["prompt_ids"], e["output_ids"])
+        ref = e["positions"] if exact_rows else positions_of(full)
+        samples.append(sample(ref, d, full, forced.prompt_key(e["prompt_ids"])))
     return merge(samples, source)

@@ -9,16 +9,28 @@ Three tests, each a one-sided p-value:
   k(t) flips have a margin of at least t, where the noise predicts lambda(t) = sum over positions i of
   S(max(t, gap_i)) (gap_i: the reference's top-2 gap at i; S: the noise's survival function, noise.py):
   P(Poisson(lambda(t)) >= k(t)), the smallest over thresholds times their number (Bonferroni).
-The run's p is 3 x the smallest of the three (Bonferroni), at most 1; it is a divergence when p < ALPHA.
+- distance: where the engine gave rows, do its distributions sit further from the reference's than the noise's
+  do? Two statistics at the same truncation k (the largest of forced.KS the run lists at every position): the
+  mean KL over the run's positions, and the share of positions whose top-N ids are not the reference's (plus one,
+  so that none is not zero), each as a log ratio to the noise's. Positions within a prompt are not independent,
+  so the ratio's spread is measured by resampling prompts (RESAMPLES draws): paired with the noise's sample of
+  the same prompt where every prompt has one (the noise measured on the run's prompts), else run and noise
+  drawn apart. Its p is Student's t tail of log ratio / spread with (prompts - 1) degrees of freedom, twice the
+  smaller of the two (Bonferroni). A run of ids alone has no distance test, and says so.
+The run's p is 4 x the smallest of the four (Bonferroni), at most 1; it is a divergence when p < ALPHA.
 Tail probabilities are summed in log space, so a p far below float's range is still reported (as log10), down to
 FLOOR (p = 0 under the noise model: a flip at a margin its survival function puts at zero).
 """
 import math
 
-from .forced import TOP_N
+import torch
+
+from .forced import KS, TOP_N
 from .noise import survival
 
 ALPHA = 1e-4
+TESTS = ("count", "early", "margin", "distance")
+RESAMPLES = 2000
 FLOOR = -1e6  # log p below this (p = 0 under the noise model, or near it) is reported as this, a finite number
 
 
@@ -60,6 +72,87 @@ def log_poisson_sf(k: int, lam: float) -> float:
             return min(out, 0.0)
 
 
+def log_beta_inc(x: float, a: float, b: float) -> float:
+    """log I_x(a, b), the regularized incomplete beta function (Lentz's continued fraction; x < (a+1)/(a+b+2))."""
+    if x <= 0:
+        return -math.inf
+    front = a * math.log(x) + b * math.log1p(-x) + math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) - math.log(a)
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 500):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d, c = 1 + num * d, 1 + num / c
+            d, c = 1 / (d if abs(d) > tiny else tiny), c if abs(c) > tiny else tiny
+            f *= d * c
+        if abs(d * c - 1) < 1e-14:
+            break
+    return front + math.log(f)
+
+
+def log_t_sf(t: float, df: int) -> float:
+    """log P(T >= t) for Student's t with df degrees of freedom."""
+    if t <= 0:
+        return 0.0
+    if math.isinf(t):
+        return -math.inf
+    x, a = df / (df + t * t), df / 2
+    if x < (a + 1) / (a + 1.5 + 1):
+        return math.log(0.5) + log_beta_inc(x, a, 0.5)
+    return math.log(0.5) + math.log1p(-math.exp(log_beta_inc(1 - x, 0.5, a)))
+
+
+def distance(scores: list[dict], noise: dict, alpha: float = ALPHA) -> dict | None:
+    """The distance test (module docstring): None where the run or the noise has no distances to compare."""
+    run = [s for s in scores if s.get("distances")]
+    noise_d = noise.get("distances") or []
+    common = [k for k in KS if run and noise_d and all(str(k) in d for d in [s["distances"] for s in run] + noise_d)]
+    if not common:
+        return None
+    k = str(common[-1])
+    by_key = {d["key"]: d for d in noise_d}
+    paired = all(s.get("key") in by_key for s in run)  # the noise has a sample of every prompt of the run
+    mine = torch.tensor([stats(s["distances"][k]) for s in run], dtype=torch.float64)  # (P, 3)
+    theirs = torch.tensor([stats(by_key[s["key"]][k]) for s in run] if paired else [stats(d[k]) for d in noise_d],
+                          dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    i = torch.randint(len(mine), (RESAMPLES, len(mine)), generator=g)
+    j = i if paired else torch.randint(len(theirs), (RESAMPLES, len(theirs)), generator=g)
+    ratio = lambda a, b: log_rates(a) - log_rates(b)  # (..., 2): log KL ratio, log disagreement ratio
+    obs, spread = ratio(mine.sum(0), theirs.sum(0)), ratio(mine[i].sum(1), theirs[j].sum(1)).std(0)
+    df = (len(mine) if paired else min(len(mine), len(theirs))) - 1
+    t = [float(o / sp) if sp > 0 else (math.inf if o > 0 else 0.0) for o, sp in zip(obs, spread)]
+    log_p = min(0.0, math.log(2) + min(log_t_sf(x, df) for x in t)) if df > 0 else 0.0
+    crit = critical_t(math.log(alpha / (2 * len(TESTS))), df) if df > 0 else math.inf  # one prompt: no spread
+    n_run, n_noise = float(mine[:, 2].sum()), float(theirs[:, 2].sum())
+    return {"k": int(k), "paired": paired, "prompts": len(mine), "log_p": log_p,
+            "kl_mean": float(mine[:, 0].sum()) / n_run, "noise_kl_mean": float(theirs[:, 0].sum()) / n_noise,
+            "top_n_same": 1 - float(mine[:, 1].sum()) / n_run,
+            "noise_top_n_same": 1 - float(theirs[:, 1].sum()) / n_noise,
+            "kl_ratio": math.exp(float(obs[0])),
+            "smallest_flagged_ratio": math.exp(min(700.0, float(spread[0]) * crit)) if df > 0 else math.inf}
+
+
+def stats(d: dict) -> list[float]:
+    """A prompt's (sum of KL, positions whose top-N ids are not the reference's, positions) at one k."""
+    return [sum(d["kl"]), len(d["same"]) - sum(d["same"]), len(d["kl"])]
+
+
+def log_rates(x: torch.Tensor) -> torch.Tensor:
+    """(..., 3) sums as (..., 2) log rates: mean KL, and the disagreement share with one added."""
+    return torch.stack((x[..., 0] / x[..., 2], (x[..., 1] + 1) / x[..., 2]), -1).log()
+
+
+def critical_t(log_level: float, df: int) -> float:
+    """The t whose tail is exp(log_level), by bisection."""
+    lo, hi = 0.0, 1e6
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if log_t_sf(mid, df) > log_level else (lo, mid)
+    return hi
+
+
 def test(scores: list[dict], noise: dict, alpha: float = ALPHA) -> dict:
     """The run's verdict from its prompts' scores (forced.score) against a noise model (noise.merge)."""
     n = sum(s["positions"] for s in scores)
@@ -79,18 +172,15 @@ def test(scores: list[dict], noise: dict, alpha: float = ALPHA) -> dict:
         lp = log_poisson_sf(k, lam) + math.log(len(thresholds))
         if lp < margin:
             margin, worst = lp, {"threshold": t, "flips": k, "expected": lam}
-    logs = {k: min(max(v, FLOOR), 0.0) for k, v in (("count", count), ("early", early), ("margin", margin))}
-    log_p = min(0.0, math.log(3) + min(logs.values()))
-    kl = [x for s in scores for x in s.get("kl", [])]
+    dist = distance(scores, noise, alpha)
+    tests = (("count", count), ("early", early), ("margin", margin), ("distance", dist["log_p"] if dist else 0.0))
+    logs = {k: min(max(v, FLOOR), 0.0) for k, v in tests}
+    log_p = min(0.0, math.log(len(TESTS)) + min(logs.values()))
     out = {"verdict": "divergence" if log_p < math.log(alpha) else "pass", "alpha": alpha,
            "log10_p": log_p / math.log(10), "p": math.exp(log_p),
            "log10_p_tests": {k: v / math.log(10) for k, v in logs.items()}, "positions": n, "flips": K,
            "first_flips": firsts, "early_positions": trials, "margin_at": worst,
-           "noise": {k: noise[k] for k in ("source", "positions", "flips", "kl") if k in noise}}
-    if kl:
-        srt = sorted(kl)
-        out["kl"] = {"mean": sum(kl) / len(kl), "p99": srt[min(len(srt) - 1, int(0.99 * len(srt)))], "max": srt[-1]}
-        out["top_n_same"] = sum(s.get("top_n_same", 0) for s in scores) / max(1, n)
+           "noise": {k: noise[k] for k in ("source", "positions", "flips") if k in noise}, "distance": dist}
     return out
 
 
@@ -101,20 +191,41 @@ def fmt_p(log10_p: float) -> str:
 
 
 def describe(w: dict) -> str:
-    """The verdict in two lines: the tests with their p-values, then the distances where the engine gave rows."""
-    t, nz = w["log10_p_tests"], w["noise"]
+    """The verdict in two lines: the tests with their p-values, then the distances where the engine gave rows (or
+    that it gave none)."""
+    t, nz, d = w["log10_p_tests"], w["noise"], w.get("distance")
     line = (f"  whole output: {w['positions']} positions scored by nanospec fp32: {w['flips']} flips, the first "
             f"in {w['first_flips']} prompts within {w['early_positions']} positions (noise: {nz['flips']} flips in "
             f"{nz['positions']}, {nz['source']}); p-values: count {fmt_p(t['count'])}, early {fmt_p(t['early'])}, "
-            f"margin {fmt_p(t['margin'])}")
+            f"margin {fmt_p(t['margin'])}, distance {fmt_p(t['distance']) if d else 'untested'}")
     at = w.get("margin_at")
     if at:
         line += f" ({at['flips']} flips at margins >= {at['threshold']:.3g}, the noise expects {at['expected']:.3g})"
-    line += f"; p = {fmt_p(w['log10_p'])} (3 x the smallest, Bonferroni; alpha {w['alpha']:g}): {w['verdict']}"
-    if "kl" in w:
-        k, nk = w["kl"], nz.get("kl", {})
-        line += (f"\n  distances: KL(engine || reference) over its listed ids: mean {k['mean']:.3g}, p99 "
-                 f"{k['p99']:.3g}, max {k['max']:.3g} (noise: mean {nk.get('mean', 0):.3g}, p99 "
-                 f"{nk.get('p99', 0):.3g}, max {nk.get('max', 0):.3g}); top-{TOP_N} ids the reference's at "
-                 f"{100 * w['top_n_same']:.1f}% of positions")
-    return line
+    line += (f"; p = {fmt_p(w['log10_p'])} ({len(TESTS)} x the smallest, Bonferroni; alpha {w['alpha']:g}): "
+             f"{w['verdict']}")
+    if d is None:
+        return line + ("\n  distances: none (the engine gave ids only, or its noise keeps no distances): a bug that "
+                       "moves the distributions but flips no more argmaxes than the noise goes unseen")
+    n = min(TOP_N, d["k"])
+    return line + (f"\n  distances at the top {d['k']} ids ({d['prompts']} prompts, "
+                   f"{'paired with the noise' if d['paired'] else 'against the noise'}): mean KL(engine || "
+                   f"reference) {d['kl_mean']:.3g} against the noise's {d['noise_kl_mean']:.3g} "
+                   f"(x{d['kl_ratio']:.3g}); "
+                   f"top-{n} ids the reference's at {100 * d['top_n_same']:.1f}% of positions against "
+                   f"{100 * d['noise_top_n_same']:.1f}%; this run flags a mean KL of x{d['smallest_flagged_ratio']:.3g}"
+                   f" the noise's or more")
+
+
+SEES_LITTLE = 10.0  # a run that cannot flag a mean KL ten times the noise's misses the subtle classes (plants.py)
+
+
+def caveat(w: dict) -> str | None:
+    """One closing line where a run could see little, so that its pass does not read like a proof."""
+    d = w.get("distance")
+    if d is None:
+        return ("  this run could see little: ids only, so only bugs that flip argmaxes beyond the noise's are "
+                "caught (give the engine's top-k rows or logprobs to test the distances)")
+    if d["smallest_flagged_ratio"] > SEES_LITTLE:
+        return (f"  this run could see little: on {d['prompts']} prompts it flags only a mean KL of "
+                f"x{d['smallest_flagged_ratio']:.3g} the noise's or more (more prompts narrow it)")
+    return None

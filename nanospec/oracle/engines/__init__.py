@@ -28,7 +28,8 @@ from .. import floors, forced, noise, whole
 from .. import trace as traces
 
 MODULES = {"transformers": "hf", "llama.cpp": "llamacpp", "openai": "openai"}
-TOP_K = 8  # top-k kept per position, as in traces
+TOP_K = 8  # top-k kept per position of the reference, as in traces
+ROWS_K = max(forced.KS)  # an in-process engine's rows: as many ids as the distance test reads
 
 
 def run(name: str, args) -> list[dict]:
@@ -51,7 +52,7 @@ def tokenizer(weights: Path):
     return tok
 
 
-def top(row, k: int = TOP_K) -> dict:
+def top(row, k: int = ROWS_K) -> dict:
     """A row's k largest logits as a trace position (ids and fp32 values, largest first; numpy, so
     that an engine's loop does not wake torch's threads)."""
     row = np.asarray(row, dtype=np.float32)
@@ -148,13 +149,16 @@ class Whole:
             self.noises[key] = nz
         return self.noises[key]
 
-    def of(self, refs, others, dtype: str, model=None, calibrated=None, source: str = "") -> dict:
-        """{"whole": the verdict} for a run against refs, or {} when the test is off."""
+    def of(self, refs, others, dtype: str, model=None, calibrated=None, source: str = "", echo: bool = False) -> dict:
+        """{"whole": the verdict} for a run against refs, or {} when the test is off. echo: the others are the
+        engine's rows at the reference's own tokens (forced.score_echo), not outputs of its own."""
         if not self.on or refs is None:
             return {}
         nz = self.noise(refs, dtype, model, calibrated, source)
         if nz is None:
             return {}
         agree = refs if all(e.get("dtype", "float32") == "float32" for e in refs) else None
-        w = whole.test(forced.score_run(self.reference(), agree, others), nz)
+        scores = forced.score_echo(self.reference(), others) if echo else \
+            forced.score_run(self.reference(), agree, others)
+        w = whole.test(scores, nz)
         return {"whole": {**w, **({"floors": nz["floors"]} if "floors" in nz else {})}}

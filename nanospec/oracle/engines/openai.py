@@ -39,6 +39,7 @@ from ..verdict import compare
 from . import Whole, progress, prompt_texts, references, save, tokenizer
 
 TOP_LOGPROBS = 5  # OpenAI's own API allows at most 5
+LOGPROBS_TRIED = (20, 10, 5, 1)  # asked largest first: vLLM's default cap is 20, OpenAI's 5
 
 
 def post(url: str, body: dict, timeout: float = 600.0) -> dict:
@@ -111,11 +112,41 @@ def position(alts: list[tuple[int, float]]) -> dict:
     return {"top_ids": [a[0] for a in alts], "top_logits": [float(a[1]) for a in alts], "logprobs": True}
 
 
-def body(args, prompt, max_tokens: int, echo: bool = False) -> dict:
+def body(args, prompt, max_tokens: int, echo: bool = False, logprobs: int = TOP_LOGPROBS) -> dict:
     b = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 1,
-         "repeat_penalty": 1.0, "seed": 0, "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True,
+         "repeat_penalty": 1.0, "seed": 0, "logprobs": logprobs, "return_tokens_as_token_ids": True,
          "return_token_ids": True, "echo": echo, "stream": False}
     return {**b, "model": args.model} if args.model else b
+
+
+def largest_logprobs(url, args, prompt, pieces: Pieces) -> int:
+    """The most top log-probabilities the server lists per token, found by asking: LOGPROBS_TRIED in turn until
+    one is answered (a server may also list fewer than asked: then as many as it listed)."""
+    for k in LOGPROBS_TRIED:
+        try:
+            r = post(url, body(args, prompt, 1, logprobs=k))
+        except NanospecError as e:
+            if "answered HTTP 4" in str(e) and k != LOGPROBS_TRIED[-1]:
+                continue  # more than it allows
+            raise
+        _, rows = parse((r.get("choices") or [{}])[0], pieces, "the logprobs probe")
+        return min(k, max((len(row["top_ids"]) for row in rows), default=1))
+    return 1
+
+
+def echoed(url, args, ref: dict, k: int, pieces: Pieces) -> list[dict] | None:
+    """The server's rows at the reference's own tokens: the reference's prompt and output sent as one prompt with
+    echo, which lists each prompt token's top log-probabilities; None where the server lists none (or refuses)."""
+    out = ref["output_ids"]
+    try:
+        r = post(url, body(args, ref["prompt_ids"] + out, 1, echo=True, logprobs=k))
+        ids, rows = parse((r.get("choices") or [{}])[0], pieces, "echo")
+    except (NanospecError, KeyError, TypeError):
+        return None
+    n, p = len(out), ref["prompt_ids"]
+    at = next((len(q) for q in (p, p[1:]) if ids[:len(q)] == q and ids[len(q):len(q) + n] == out), None)  # BOS or not
+    rows = rows[at:at + n] if at is not None else []
+    return rows if len(rows) == n and all(len(row["top_ids"]) > 1 for row in rows) else None
 
 
 def server_prompt(url, args, text: str, pieces: Pieces, k: int, n: int) -> tuple[list[int], int | None]:
@@ -126,10 +157,10 @@ def server_prompt(url, args, text: str, pieces: Pieces, k: int, n: int) -> tuple
     return ids[:n], (r.get("usage") or {}).get("prompt_tokens")
 
 
-def completion(url, args, k: int, text: str, p: list[int], pieces, eos_id) -> dict:
+def completion(url, args, k: int, text: str, p: list[int], pieces, eos_id, logprobs: int) -> dict:
     """One prompt's greedy completion from the server, as a trace entry."""
     t = time.perf_counter()
-    r = post(url, body(args, text if args.prompt_as == "text" else p, args.max_new_tokens))
+    r = post(url, body(args, text if args.prompt_as == "text" else p, args.max_new_tokens, logprobs=logprobs))
     choice = (r.get("choices") or [None])[0]
     if not isinstance(choice, dict):
         raise NanospecError(f"{url} answered without choices for prompt {k}")
@@ -141,7 +172,7 @@ def completion(url, args, k: int, text: str, p: list[int], pieces, eos_id) -> di
             "request_s": round(time.perf_counter() - t, 3), **({"dtype": args.dtype} if args.dtype else {})}
 
 
-def outputs(url, args, texts, prompts, pieces, eos_id, tag) -> list[dict]:
+def outputs(url, args, texts, prompts, pieces, eos_id, tag, logprobs: int) -> list[dict]:
     """Each prompt alone: one request at a time (text prompts: the server's tokens checked first)."""
     outs, t0 = [], time.perf_counter()
     for k, (text, p) in enumerate(zip(texts, prompts)):
@@ -151,15 +182,15 @@ def outputs(url, args, texts, prompts, pieces, eos_id, tag) -> list[dict]:
             if theirs != mine or count not in (None, len(p)):
                 raise NanospecError(f"{url} tokenizes prompt {k} otherwise than nanospec (server {theirs[:12]}..., "
                                     f"nanospec {p[:12]}...): send ids (--prompt-as ids) to a server that takes them")
-        outs.append(completion(url, args, k, text, p, pieces, eos_id))
+        outs.append(completion(url, args, k, text, p, pieces, eos_id, logprobs))
         progress(f"openai {tag}", k, len(prompts), t0)
     return outs
 
 
-def concurrent(url, args, texts, prompts, pieces, eos_id) -> list[dict]:
+def concurrent(url, args, texts, prompts, pieces, eos_id, logprobs: int) -> list[dict]:
     """The same requests, --concurrency of them in flight at once: the server batches them."""
     with ThreadPoolExecutor(args.concurrency) as pool:
-        return list(pool.map(lambda k: completion(url, args, k, texts[k], prompts[k], pieces, eos_id),
+        return list(pool.map(lambda k: completion(url, args, k, texts[k], prompts[k], pieces, eos_id, logprobs),
                              range(len(prompts))))
 
 
@@ -194,18 +225,28 @@ def run(args) -> list[dict]:
 
     urls = [("server", args.url.rstrip("/"))]
     urls += [("greedy server", args.greedy_url.rstrip("/"))] if args.greedy_url else []
-    got = {}
+    got, k = {}, {}
     for name, url in urls:  # the servers first: a server that fails, fails before the reference's work
-        got[name] = outputs(f"{url}/completions", args, texts, prompts, pieces, model.args.eos_id, name)
+        first = texts[0] if args.prompt_as == "text" else prompts[0]
+        k[name] = largest_logprobs(f"{url}/completions", args, first, pieces)
+        print(f"[openai] {url} lists {k[name]} top log-probabilities per token", file=sys.stderr, flush=True)
+        got[name] = outputs(f"{url}/completions", args, texts, prompts, pieces, model.args.eos_id, name, k[name])
         save(args, f"openai-{name.replace(' ', '-')}", got[name])
     if args.concurrency > 1:  # after the lone runs, so that no other request overlaps them
         url = f"{args.url.rstrip('/')}/completions"
-        got["batched"] = concurrent(url, args, texts, prompts, pieces, model.args.eos_id)
+        got["batched"] = concurrent(url, args, texts, prompts, pieces, model.args.eos_id, k["server"])
         save(args, f"openai-concurrency{args.concurrency}", got["batched"])
     refs = references(args, model, prompts)
     save(args, "nanospec-ar-float32", refs)
     for name, url in urls if refs is not None else []:
         runs.append(judge(refs, got[name], setting=url, against="reference"))
+        rows = [echoed(f"{url}/completions", args, e, k[name], pieces) for e in refs] if args.prompt_as == "ids" \
+            else [None]
+        if None not in rows and whole.on:  # the server scored at the reference's own tokens: no first flip cuts it
+            echo = [{**e, "positions": r} for e, r in zip(refs, rows)]
+            runs.append({"engine": "openai", "setting": f"{url} (echo: at the reference's tokens)",
+                         "against": "reference", **tol, "results": compare(refs, echo, args.dtype, 0.0),
+                         **whole.of(refs, echo, args.dtype or "float32", echo=True, **calibrated)})
     if args.greedy_url:
         runs.append(judge(got["greedy server"], got["server"], setting=args.url.rstrip("/"), against="greedy"))
     if args.concurrency > 1:  # does batching change the server's output? Each prompt against itself sent alone
