@@ -149,7 +149,8 @@ def test_transformers_client(weights, tmp_path):
                                                                 ("assisted", "greedy"))]
     assert all(r["summary"]["prompts"] == 2 and r["summary"]["divergence"] == 0 for r in runs)
     assert all(r["whole"]["verdict"] == "pass" for r in runs if r["against"] == "reference")
-    assert all("whole" not in r for r in runs if r["against"] == "greedy")  # its own rows: the per-prompt rule
+    assert all(r["whole"]["verdict"] == "pass" and r["whole"]["noise"]["source"] == "the engine's own plain run"
+               for r in runs if r["against"] == "greedy")  # judged whole against its own greedy run
     assert "transformers prompt_lookup float32 cpu vs its own greedy: 2 prompts" in out
     assert "nanospec bfloat16 vs float32, measured now" in out and "detection floor (" in out
     saved = trace.read(tmp_path / "traces" / "transformers-greedy-float32.jsonl")

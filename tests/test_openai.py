@@ -59,6 +59,7 @@ def test_a_planted_speculation_bug_is_a_divergence_against_both(served):
     for key in ((spec.url, "reference"), (spec.url, "greedy")):
         assert [(r["verdict"], r["position"]) for r in by[key]["results"]] == [("divergence", 3)] * 2, text
     assert f"openai {spec.url} vs its own greedy: 2 prompts: 0 identical, 0 near-tie, 2 divergence" in text
+    assert by[(spec.url, "greedy")]["whole"]["verdict"] == "divergence"
     assert "greedy" in text and "speculative" in text
 
 
@@ -184,3 +185,15 @@ def test_a_bug_that_flips_no_token_is_seen_through_rows_alone(served8):
     lines = text.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("  distances: none"))
     assert lines[at + 1].startswith("  this run could see little: ids only") and lines[at + 2].startswith("{"), text
+
+
+def test_speculation_is_judged_whole_against_the_engines_own_plain_run(served8):
+    """--self-only: a speculative server whose rows come at a temperature, against the same engine's plain server,
+    is a divergence by the distances (no flip); the plain server against itself passes."""
+    _, model, tok, _ = served8
+    with Stub(model, tok) as greedy, Stub(model, tok, logit_scale=0.7) as spec:
+        code, runs, text = engine(served8, spec.url, "--greedy-url", greedy.url, "--self-only")
+        assert code == 1 and runs[0]["whole"]["flips"] == 0, text
+        assert runs[0]["whole"]["distance"]["paired"] and runs[0]["whole"]["log10_p_tests"]["distance"] < -4.6, text
+        code, runs, text = engine(served8, greedy.url, "--greedy-url", greedy.url, "--self-only")
+    assert code == 0 and runs[0]["whole"]["verdict"] == "pass", text

@@ -24,14 +24,11 @@ LABELS = {"rope_base": "rope base /{:g}", "norm_eps": "eps x{:g}", "rejected_key
           "logit_scale": "logits x{:g}", "softcap": "soft cap {:g}"}
 
 
-def flagged(model, cls: str, strength: float, paths: list[tuple], nz: dict, alpha: float, rows: bool) -> bool:
-    """Whether a class at a strength is a divergence against the noise, from ids alone or with rows; paths:
-    (prompt, tokens, ref_rows)."""
-    scores = []
-    for prompt, tokens, ref in paths:
-        got = plants.forced_rows(model, cls, strength, prompt, tokens, ref)
-        listed = noise.positions_of(got, max(forced.KS)) if rows else None
-        scores.append(forced.score(ref, got.argmax(-1).tolist(), listed, 0, forced.prompt_key(prompt)))
+def flagged(got: list, paths: list[tuple], nz: dict, alpha: float, rows: bool) -> bool:
+    """Whether a planted model's rows (got, per path) are a divergence against the noise, from ids alone or with
+    rows; paths: (prompt, tokens, ref_rows)."""
+    scores = [forced.score(ref, g.argmax(-1).tolist(), noise.positions_of(g, max(forced.KS)) if rows else None, 0,
+                           forced.prompt_key(prompt)) for g, (prompt, _, ref) in zip(got, paths)]
     return whole.test(scores, nz, alpha)["verdict"] == "divergence"
 
 
@@ -48,16 +45,24 @@ def floors(model, reference, entries: list[dict], nz: dict, alpha: float = whole
         if not plants.applies(cls, model, entries[0]["prompt_ids"] if entries else None):
             out[cls] = "n/a"
             continue
-        out[cls] = {how: floor(model, cls, paths, nz, alpha, how == "rows") for how in ("ids", "rows")}
+        planted = {}  # strength: the planted model's rows per path, forced once for both judgements
+
+        def rows_at(strength):
+            if strength not in planted:
+                planted[strength] = [plants.forced_rows(model, cls, strength, *path) for path in paths]
+            return planted[strength]
+        out[cls] = {how: floor(cls, lambda s: flagged(rows_at(s), paths, nz, alpha, how == "rows"))
+                    for how in ("ids", "rows")}
     return out
 
 
-def floor(model, cls: str, paths, nz: dict, alpha: float, rows: bool) -> str:
+def floor(cls: str, is_flagged) -> str:
+    """The label of the weakest strength of cls's ladder that is_flagged(strength), by bisection."""
     ladder = STRENGTHS.get(cls, [1.0])
     lo, hi = 0, len(ladder)  # the weakest flagged is in ladder[lo:hi], or none (hi == len)
     while lo < hi:
         mid = (lo + hi) // 2
-        if flagged(model, cls, ladder[mid], paths, nz, alpha, rows):
+        if is_flagged(ladder[mid]):
             hi = mid
         else:
             lo = mid + 1

@@ -103,6 +103,18 @@ def score(ref_rows: torch.Tensor, tokens: list[int], engine: list[dict] | None =
            "gaps": (top2.values[:, 0] - top2.values[:, -1]).tolist(), "key": key}
     if engine:
         out["distances"] = distances(r, engine[:n])
+        out["movements"] = movements(top2.indices, top2.values, engine[:n])
+    return out
+
+
+def movements(ids: torch.Tensor, vals: torch.Tensor, engine: list[dict]) -> list[float]:
+    """How far the engine moved the reference's top-2 gap, at the positions where it lists both ids (a noise
+    model's movements, noise.py, when a run serves as another's noise)."""
+    out = []
+    for (a, c), (va, vc), e in zip(ids.tolist(), vals.tolist(), engine):
+        got = dict(zip(e["top_ids"], e["top_logits"]))
+        if a in got and c in got:
+            out.append(abs((va - vc) - (got[a] - got[c])))
     return out
 
 

@@ -64,6 +64,17 @@ def from_calibration(entries: list[dict], source: str) -> dict | None:
     return None if not kept or None in kept else merge(kept, source)
 
 
+def from_scores(scores: list[dict], source: str) -> dict:
+    """A run's scores (forced.score) as the noise another run is judged against: an engine's own plain run, for
+    its speculative run (what speculation adds to the engine's own distance from the reference is then tested,
+    and its quantization's cancels). Its movements are the rows' (none where the run gave ids only)."""
+    return {"source": source, "positions": sum(s["positions"] for s in scores), "prompts": len(scores),
+            "flips": sum(len(s["flips"]) for s in scores),
+            "flip_margins": sorted(m for s in scores for _, m in s["flips"]),
+            "movements": sorted(x for s in scores for x in s.get("movements", [])),
+            "distances": [{"key": s["key"], **s["distances"]} for s in scores if s.get("distances")]}
+
+
 def survival(noise: dict, m: float) -> float:
     """S(m): the probability that the noise moves a position's top-2 gap by at least m logits (docstring)."""
     mv = noise["movements"]

@@ -164,7 +164,7 @@ def test(scores: list[dict], noise: dict, alpha: float = ALPHA) -> dict:
     firsts = sum(bool(s["flips"]) for s in scores)
     early = log_binom_sf(firsts, firsts + f, trials / (trials + N)) if trials else 0.0
     gaps = [g for s in scores for g in s["gaps"]]
-    thresholds = sorted({m for _, m in flips})
+    thresholds = sorted({m for _, m in flips}) if noise["movements"] else []  # no movements known: untested
     margin, worst = 0.0, None
     for t in thresholds:
         k = sum(m >= t for _, m in flips)

@@ -162,3 +162,11 @@ class Whole:
             forced.score_run(self.reference(), agree, others)
         w = whole.test(scores, nz)
         return {"whole": {**w, **({"floors": nz["floors"]} if "floors" in nz else {})}}
+
+    def own(self, greedy: list[dict], others: list[dict]) -> dict:
+        """{"whole": the verdict} for an engine's speculative (or batched) run against its own plain run: both
+        scored against nanospec fp32, the plain run's scores as the noise (noise.from_scores); {} when off."""
+        if not self.on:
+            return {}
+        nz = noise.from_scores(forced.score_run(self.reference(), None, greedy), "the engine's own plain run")
+        return {"whole": whole.test(forced.score_run(self.reference(), None, others), nz)}

@@ -173,7 +173,7 @@ def run(args) -> list[dict]:
                 greedy = others
             elif greedy is not None:  # does turning speculation on change transformers' output?
                 runs.append({**common, "against": "greedy", **tol,
-                             "results": verdicts(greedy, others, tol, args.ulps)})
+                             "results": verdicts(greedy, others, tol, args.ulps), **judge.own(greedy, others)})
         if args.batch > 1:  # does batching change it? Judged like speculation, with the batch's own tolerance
             others = outputs(hf, prompts, "greedy", args.max_new_tokens, model.args.eos_id, batch=args.batch)
             save(args, f"transformers-batch{args.batch}-{name}", others)

@@ -242,9 +242,9 @@ def run(args) -> list[dict]:
 
     def judge(refs_, outs, tol, **kw):
         names = tol["calibrated"].split(" | ")
-        against = {} if kw["against"] != "reference" else whole.of(
-            refs_, outs, "float32", calibrated=[(calib or {"settings": measured})["settings"][n] for n in names],
-            source=tol["calibrated"])
+        against = whole.own(refs_, outs) if kw["against"] == "greedy" else {} if kw["against"] != "reference" \
+            else whole.of(refs_, outs, "float32", source=tol["calibrated"],
+                          calibrated=[(calib or {"settings": measured})["settings"][n] for n in names])
         return {**common, **kw, **tol, **against, "results": compare(refs_, outs, None, args.ulps or tol["ulps"],
                                                                      units=tol["units"])}
 

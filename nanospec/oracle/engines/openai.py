@@ -219,7 +219,8 @@ def run(args) -> list[dict]:
     runs = []
 
     def judge(ref, outs, **kw):
-        against = {} if kw["against"] != "reference" else whole.of(ref, outs, args.dtype or "float32", **calibrated)
+        against = whole.own(ref, outs) if kw["against"] == "greedy" else {} if kw["against"] != "reference" else \
+            whole.of(ref, outs, args.dtype or "float32", **calibrated)
         return {"engine": "openai", **kw, **tol, **against,
                 "results": compare(ref, outs, args.dtype, args.ulps or tol.get("ulps"), units=tol.get("units"))}
 
