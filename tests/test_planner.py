@@ -3,6 +3,7 @@
 not pay; planned trees stay exact."""
 import math
 import random
+import re
 from collections import Counter
 from dataclasses import replace
 from types import SimpleNamespace
@@ -746,3 +747,43 @@ def test_probes_at_a_size_where_drafting_loses_cost_at_most_their_share(B, monke
     loss = Tuned.loss
     monkeypatch.setattr(Tuned, "loss", lambda self, size, steps: loss(self, size, steps) / 3)
     assert not bound()[0]
+
+
+def test_the_ledger_keeps_what_the_planner_expected_and_got_per_live_size():
+    """Per live batch size and kind of step, the planner's ledger holds the tokens per second its plans expected and
+    those its steps got (--profile prints them): a batch of 4 that takes AR steps and whose tail, alone, drafts;
+    where a step's price is its own realized one, the expected speed is near the realized."""
+    rng, hits = random.Random(1), {}
+    p = Tuned(Measured(FORWARD), replan=16)
+    log = shrinking(p, [[0.6, 0.1, 0.1]] * 3, (100, 100, 100, 400), lambda i: hits.setdefault(i, rng.random() < 0.6),
+                    batched_machine())
+    for (B, drafting), (steps, tokens, secs, want, want_s) in p.ledger.items():
+        mine = [(n * b, t) for b, s, _, t, n in log if b == B and bool(s) == drafting]
+        assert steps == len(mine) and tokens == pytest.approx(sum(n for n, _ in mine))
+        assert secs == pytest.approx(sum(t for _, t in mine))
+    steps, tokens, secs, want, want_s = p.ledger[1, True]
+    assert {(4, False), (1, True)} <= set(p.ledger) and want / want_s == pytest.approx(tokens / secs, rel=0.15)
+    text = p.profile("stand-in")
+    assert "[profile] stand-in's planner, B = 4, AR: " in text and "B = 1, drafting" in text
+    assert f"realized {tokens / secs:.1f} tokens/s" in text
+
+
+def test_profile_and_show_name_the_planners_prices(capsys, monkeypatch):
+    """--bench --profile prints each planned method's ledger per live batch size; --show's header names the price
+    the step's plan used."""
+    from nanospec import bench
+    from nanospec.show import Show
+    model = random_model(ARGS, 1)
+    monkeypatch.setattr(bench, "host_profile", lambda *a: "")
+    d = medusa(model).plan(Tuned(Measured(FORWARD), replan=8))
+    bench.bench(model, [[3, 4, 5], [6, 7]], [d], max_new_tokens=12, eos_id=-1, profile=True, batch=2)
+    err = capsys.readouterr().err
+    assert "[profile] medusa's planner, B = 2, " in err and "realized" in err
+    heads = []
+    show = Show(str, d, out=None)
+    generate(model, [3, 4, 5], d, max_new_tokens=12, eos_id=-1,
+             on_step=lambda dec, step: heads.append(show.header(dec, step)))
+    assert all(re.search(r"budget \d+( \(an AR step\))?, (priced [\d.]+ ms a step for [\d.]+ tokens a sequence "
+                         r"\(its (steps' realized price|forward alone|forward and its kind's excess)\)|no price yet)",
+                         h) for h in heads), heads
+    assert any("priced" in h for h in heads)
