@@ -133,15 +133,14 @@ class Planner:
         """After a step, per sequence: the step's rows and time (rows 0: a batch's step is counted with
         its first sequence), the sequence's accepted path (node indices, root first), a nested drafter's
         whole draft, and the next candidates (host lists per depth)."""
-        B, planned, expect = self.planned or (self.batch, size, None)
-        row = self.ledger.setdefault((B, bool(size)), [0, 0, 0.0, 0.0, 0.0])
+        B, _, expect = self.planned or (self.batch, size, None)
+        row = self.ledger.setdefault((B, bool(size)), [0, 0, 0.0, 0.0, 0.0])  # the ledger: every sequence's tokens
         row[1] += len(path)
         if rows:  # a batch's step is timed with its first sequence: the clock counts one sequence's tokens
             self.steps.append((rows, seconds, self.batch, not size, size if self.P else None))
             self.clock += len(path)
-            row[0] += 1
-            row[2] += seconds
-            if expect is not None and planned == size:
+            row[0], row[2] = row[0] + 1, row[2] + seconds
+            if expect is not None:  # a planned step (not a first one, before the cost model has a price)
                 row[3:] = row[3] + B * expect[0], row[4] + expect[1]
         seq, n, out = id(dec), len(dec.out), dec.out  # its Decoding, not its cache row: a row takes the next prompt
         if size and self.last.get(seq) and size in self.raw:  # after a drafting step (an AR step leaves no drafts):

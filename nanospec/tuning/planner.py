@@ -41,7 +41,7 @@ class Tuned(Planner):
 
     def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         super().__init__(cost, sizes, replan, alpha)
-        self.known, self.kinds = 0, {}  # the clock at the last drafting step; steps of this run's (batch, drafting)
+        self.known, self.run = 0, (None, 0)  # the clock at the last drafting step; this run's (batch, drafting), steps
         self.gain, self.tries, self.nodes = {}, Counter(), {}  # unranked, per (context, size): accepted, nodes run
 
     def start(self, drafter, dec) -> None:
@@ -99,9 +99,8 @@ class Tuned(Planner):
         super().observe(dec, size, rows, seconds, path, drafted, cands)
         if rows:
             kind = self.batch, bool(size)
-            self.kinds[kind] = self.kinds[kind] + 1 if kind in self.kinds else 1
-            self.kinds = {kind: self.kinds[kind]}  # the run of this kind since the plan changed kind
-            if self.kinds[kind] == SETTLE:  # what it costs and gets now: replan
+            self.run = kind, self.run[1] + 1 if self.run[0] == kind else 1
+            if self.run[1] == SETTLE:  # what this kind of step costs and gets is now known: replan
                 self.at = None
             if size:
                 self.known = self.clock
