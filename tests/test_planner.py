@@ -52,6 +52,18 @@ def test_recent_sizes_weigh_more():
     assert abs(b0) < 1e-3 and b1 == pytest.approx(0.001, rel=0.05)
 
 
+def test_a_measured_size_is_priced_at_its_own_steps_and_the_line_prices_the_rest():
+    """ProPD's cost model: a (batch, rows) its steps ran is priced at what they took (pruning, a method's own rows
+    included), here 60 ms where the line through every size says 54; a size not run, by the line."""
+    cost = CostModel(alpha=1.0, lam=0.0)
+    for rows, seconds in ((4, 0.010), (8, 0.020), (12, 0.030), (16, 0.060)):
+        cost.update(rows, seconds)
+    b0, b1 = cost.fit()
+    assert cost.estimate(16) == 0.060 and b0 + b1 * 16 == pytest.approx(0.054)
+    assert cost.estimate(10) == pytest.approx(b0 + b1 * 10) and cost.estimate(16, batch=2) is None
+    assert cost.basis(16) == "its steps' realized price" and cost.basis(10) == "the fitted line"
+
+
 def test_expected_length_matches_figure_6():
     # Figure 6 of the paper (values read back from its text): head 1 ranks 1-2 are right with
     # probability 0.6 and 0.1 ('b', 'c'), head 2 with 0.3 and 0.1 ('d', 'e'); l('ab') = 0.6,
