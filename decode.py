@@ -77,7 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", default="ar", help="comma-separated methods for --bench")
     p.add_argument("--batch", default="1", help="sequences decoded together: --prompts B at a time; --bench: "
                    "comma-separated batch sizes, e.g. 1,2,4,8 (speedups against AR at the same size)")
-    p.add_argument("--profile", action="store_true", help="--bench: also print each method's top host-side costs")
+    p.add_argument("--profile", action="store_true", help="--bench: also print each method's top host-side costs, "
+                   "and per live batch size its planner's expected and realized tokens/s for AR steps and drafts")
     p.add_argument("--peers", choices=["transformers"], help="--bench: also time transformers' greedy, prompt lookup "
                    "and assisted generation on the same prompts, interleaved with the methods")
     p.add_argument("--kernels", choices=["tuned", "eager"], default="tuned",

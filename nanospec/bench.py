@@ -71,7 +71,7 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
     step_ms (wall time), forward_ms (the step's device program, synchronised on a GPU) and host_ms,
     the rest: drafting, tree building, read-back, commit; ar_step_ms, a method's median AR step (a budget of 0), and
     ar_step_vs_ar, against AR's own over as many sequences. profile: print each method's host time per step, split
-    by phase.
+    by phase, and per live batch size its planner's expected and realized tokens per second, AR steps' and drafts'.
     counts: per method, what its exact step costs a GPU (tuning.counts: ops_per_layer, step_mb, launches_per_step,
     syncs_per_step), reported beside. dev: the device's layout and speed every run gets (devices.py)."""
     sampling = sampling or {}
@@ -176,6 +176,8 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
             base = (devices.of(dev or model.embed.weight).programs if exact else None) or EAGER
             profiled = lambda d, p, programs: run(d, p, exact, rows=batch, programs=programs)
             print(host_profile(profiled, fresh, prompts[:batch], base), file=sys.stderr, flush=True)
+            if d.planner is not None:  # per live batch size: what its planner expected of its steps, and got
+                print(d.planner.profile(d.name), file=sys.stderr, flush=True)
         results.append(dict(method=d.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=steps,
                             mean_accepted=round(new / steps, 3), step_ms=round(step_ms, 3), forward_ms=round(fwd_ms, 3),
                             host_ms=round(step_ms - fwd_ms, 3), kernel_ms=None if kernel is None else round(kernel, 3),

@@ -14,6 +14,13 @@ drafts ride on one node (SDSAT's adaptive tokens) has none after a step that sto
 good run of acceptance meets the run's end. The estimates per depth stay the paper's; the ratio prices what they
 leave out, so a drafter the planner trusted goes to AR where its drafts do not pay.
 
+Prices are the live batch's: a step is priced at the number of sequences live, as the batch's tail runs
+too, and a cost model that learns prices each size and budget by what its steps really took (costs.CostModel's
+table, tuning/costs.Measured's realized price), so a method whose step is not the planner's tree (pruned rows,
+adaptive rows, masks) is priced at what it costs. Acceptance is the sequences': one estimate serves every size.
+A ledger keeps, per live size, what the planner expected of its AR and drafting steps and what they got
+(`profile`, decode.py --bench --profile); `priced` names a step's price (decode.py --show).
+
 A device layer may hand a drafter a planner that adds to this one (tuning/planner.py: probes,
 unranked drafters' gains, sizes that fill a CPU's row buckets), and sizes of its own.
 """
@@ -55,6 +62,8 @@ class Planner:
         self.batch = 1  # the sequences of the step planned (the cost model's key: a batch's rows share a forward)
         self.P, self.last = None, {}  # per depth and rank: acceptance (start); per sequence: its last step's size
         self.raw, self.got, self.want, self.seen = {}, 0.0, 0.0, 0  # calibration: model lengths; EMAs, steps
+        self.expect, self.planned = {}, None  # per size at the last plan: (tokens a sequence, seconds); this step's
+        self.ledger = {}  # (batch, drafting) -> [steps, tokens, seconds, expected tokens, expected seconds]
 
     def start(self, drafter, dec) -> None:
         self.drafter = drafter
@@ -84,9 +93,13 @@ class Planner:
         """Draft tokens accepted per draft token the model expected, over the drafting steps (1: none yet)."""
         return self.got / self.want if self.want > 0 else 1.0
 
+    def rows(self, s: int) -> int:
+        """A step's rows at a budget of s draft nodes for each sequence of the batch."""
+        return self.batch * (self.drafter.size(s + 1, s) if s else 1)
+
     def seconds(self, s: int, bare: bool = False) -> float:
         """A step's cost with a budget of s draft nodes for each sequence of the batch (bare: its forward's)."""
-        return self.cost.estimate(self.batch * (self.drafter.size(s + 1, s) if s else 1), self.batch, bare)
+        return self.cost.estimate(self.rows(s), self.batch, bare, budget=s)
 
     def budget(self, decs: list) -> tuple[int, Template | None]:
         """This step's draft nodes for every sequence of a batch (0: an AR step) and, for a ranked
@@ -95,6 +108,7 @@ class Planner:
             self.batch, self.at = len(decs), None
         size = self.choose()
         self.used[size] += 1
+        self.planned = self.batch, size, self.expect.get(size)
         if size and self.P and (self.tree is None or self.tree[0] != size):  # built once per plan
             self.tree = size, Template.of(tuple(choose_tree(self.p(), size, self.drafter.family)))
         return size, self.tree[1] if size and self.P else None
@@ -105,21 +119,29 @@ class Planner:
     def choose(self) -> int:
         if self.due():
             while self.steps:  # the cost model learns at each plan, from the steps since the last
-                self.cost.update(*self.steps.pop(0))
+                self.cost.update(*self.steps.pop(0))  # rows, seconds, batch, ar, budget (None: not the price's key)
             B = self.batch
             if self.cost.estimate(B, B) is None:  # an online cost model has no line yet: two sizes first
                 first = len(self.drafter.template) - 1 if getattr(self.drafter, "template", None) else self.sizes[-1]
                 return next((s for s in (first, 1) if (B, B * self.drafter.size(s + 1, s)) not in self.cost.perf), 1)
-            self.at, self.size = self.clock, best(self.lengths(), self.seconds)
+            lengths = self.lengths()
+            self.expect = {s: (n, self.seconds(s)) for s, n in lengths.items()}
+            self.at, self.size = self.clock, best(lengths, lambda s: self.expect[s][1])
         return self.size
 
     def observe(self, dec, size: int, rows: int, seconds: float, path=(0,), drafted=None, cands=None) -> None:
         """After a step, per sequence: the step's rows and time (rows 0: a batch's step is counted with
         its first sequence), the sequence's accepted path (node indices, root first), a nested drafter's
         whole draft, and the next candidates (host lists per depth)."""
+        B, _, expect = self.planned or (self.batch, size, None)
+        row = self.ledger.setdefault((B, bool(size)), [0, 0, 0.0, 0.0, 0.0])  # the ledger: every sequence's tokens
+        row[1] += len(path)
         if rows:  # a batch's step is timed with its first sequence: the clock counts one sequence's tokens
-            self.steps.append((rows, seconds, self.batch, not size))
+            self.steps.append((rows, seconds, self.batch, not size, size if self.P else None))
             self.clock += len(path)
+            row[0], row[2] = row[0] + 1, row[2] + seconds
+            if expect is not None:  # a planned step (not a first one, before the cost model has a price)
+                row[3:] = row[3] + B * expect[0], row[4] + expect[1]
         seq, n, out = id(dec), len(dec.out), dec.out  # its Decoding, not its cache row: a row takes the next prompt
         if size and self.last.get(seq) and size in self.raw:  # after a drafting step (an AR step leaves no drafts):
             want = self.raw[size] - 1  # the model's expectation at the last plan against what the step got
@@ -145,6 +167,23 @@ class Planner:
     def weight(self, depth: int, tag) -> float:
         """How much one outcome moves depth's estimate."""
         return self.alpha
+
+    def priced(self, size: int) -> str:
+        """The price this step's plan used, for a reader (decode.py --show)."""
+        if self.planned is None or self.planned[2] is None:
+            return "no price yet: its first steps measure one"
+        n, secs = self.planned[2]
+        basis = self.cost.basis(self.rows(size), self.batch, size if self.P else None)
+        return f"priced {1000 * secs:.1f} ms a step for {n:.2f} tokens a sequence ({basis})"
+
+    def profile(self, name: str) -> str:
+        """Per live batch size, the tokens per second the planner expected of its AR steps and drafts, and got."""
+        lines = []
+        for (B, drafting), (steps, tokens, secs, want, want_s) in sorted(self.ledger.items()):
+            expected = f"expected {want / want_s:.1f}" if want_s else "no expectation (exploring)"
+            lines.append(f"[profile] {name}'s planner, B = {B}, {'drafting' if drafting else 'AR'}: {steps} steps, "
+                         f"{expected}, realized {tokens / max(secs, 1e-9):.1f} tokens/s")
+        return "\n".join(lines)
 
     def report(self) -> str:
         return "budget " + ", ".join(f"{s} ({100 * c / self.used.total():.0f}%)" for s, c in self.used.most_common(4))

@@ -42,7 +42,8 @@ def draw(tree, path: list[int], tokens: list[int], text, colour: bool = False, p
 
 class Show:
     """An on_step for engine.generate that draws each sequence's first `steps` steps: on out (None: nowhere), a header
-    line (the step's rows, the planner's budget, the drafts accepted, where they came from), then the tree (draw),
+    line (the step's rows, the planner's budget and the price it used, the drafts accepted, where they came from), then
+    the tree (draw),
     colour only on a terminal; and for page(), each step kept as HTML. drafter: the method decoding, for the names of
     its rows and its pruning layer."""
 
@@ -65,6 +66,8 @@ class Show:
     def header(self, dec, step) -> str:
         own, b = step.rows - len(step.tree), step.budget
         plan = "no planner" if b is None else f"budget {b}" + (" (an AR step)" if b == 0 else "")
+        if b is not None and hasattr(self.drafter.planner, "priced"):  # the price the plan used (planner.py)
+            plan += f", {self.drafter.planner.priced(b)}"
         rows = f"{step.rows} rows" + (f" ({len(step.tree)} tree, {own} {self.drafter.own_rows})" if own else "")
         parts = [rows, plan, f"{len(step.path) - 1} of {len(step.tree) - 1} drafts accepted",
                  f"{len(step.tokens)} tokens emitted"]

@@ -127,8 +127,8 @@ class FixedCost(Measured):
     def __init__(self, b0: float, b1: float):
         super().__init__({1: b0 + b1, 2: b0 + 2 * b1})
 
-    def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False) -> None:
-        pass  # no excess learnt from the steps' times
+    def update(self, *step, **how) -> None:
+        pass  # no excess or price learnt from the steps' times
 
 
 class Budgets:

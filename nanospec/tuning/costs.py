@@ -1,6 +1,7 @@
 """What a step costs on this machine, for the planner (planner.py): a forward's seconds by rows,
 measured once per machine, model, dtype and mode and cached (what a row costs here, not what a GPU
-intuition expects), plus what a whole step costs beyond its forward, learnt online (Measured).
+intuition expects), plus what a whole step costs beyond its forward, and what steps of each live batch size and budget
+really took, learnt online (Measured).
 """
 import bisect
 import collections
@@ -20,27 +21,42 @@ from ..tree import Tree
 from .products import BUCKETS, to_json
 
 COST_ROWS = BUCKETS + (96, 128)  # every bucket of fast mode's products, and beyond them
-WINDOW = 16  # the steps of a kind whose median excess is taken
+WINDOW = 16  # the steps of a key (a size and kind, a size and budget) whose median is taken
+OWN = 3  # steps of a size and budget before they price it themselves
 COSTS_VERSION = 4  # bumped when the code changes what a forward costs, or how it is measured: cached ones are stale
 
 
 class Measured:
-    """A step's seconds: a forward's by rows (costs.measure) plus the step's excess over it, learnt
-    from the steps' own times. A count measured slower than a larger one takes its time (fast mode
-    then runs the product on more rows: products.py; else it is noise). Between measured counts a
-    forward is interpolated, or (padded: fast mode's tuned products, which run a row count at its
-    bucket's, products.BUCKETS) costs the next measured count, as 9 rows cost 12. The excess is
-    what a forward of the same rows leaves out (drafting, the draft heads' products, a method's own
-    rows, verification, the host's work) and what else the machine is doing. It is kept per batch
-    size and kind of step (AR's or a drafter's) as the median of the last WINDOW steps: a first
-    step's warm-up or a stall of several steps' length does not swing it. It grows with the batch
-    about as the sequences do (RESULTS.md, "Why the heuristics stay")."""
+    """A step's seconds at a live batch size: what steps of that size and budget took (its realized price), else a
+    forward's by rows (costs.measure) plus what steps of that size and kind took beyond their forwards.
+
+    A forward: a count measured slower than a larger one takes its time (fast mode then runs the product on more
+    rows: products.py; else it is noise). Between measured counts a forward is interpolated, or (padded: fast mode's
+    tuned products, which run a row count at its bucket's, products.BUCKETS) costs the next measured count, as 9 rows
+    cost 12.
+
+    A step: each live batch size is priced by its own steps, never another size's (a batch's tail, as its sequences
+    stop, runs sizes whose steps cost what they cost, not a share of a larger batch's: RESULTS.md, "Why the heuristics
+    stay"). A (size, budget) run OWN times is priced at its steps' median: what the method's step really cost,
+    whatever rows it ran beyond the tree or left out (SDSAT's adaptive rows, BiTA's masks, ProPD's pruning, a step 1
+    with no drafts). Before, at its forward plus its kind's excess (AR's or a drafter's) at that size: what a forward
+    of the same rows leaves out (drafting, the draft heads' products, verification, the host's work). A size with no
+    steps of the kind: its forward alone (the planner tries it, then knows). Each price is the median of the last
+    WINDOW steps of its key: a first step's warm-up or a stall of a few steps does not swing it.
+
+    Prices decay as the machine drifts: each step is kept at the machine's pace when it ran (its seconds over the
+    pace), and every price is read at the pace now. The pace is the median, over the last WINDOW steps with a
+    realized price, of a step's seconds over that price: a price not renewed lately (drafting's, while AR is
+    planned) moves with the steps that are, so a slow spell over AR steps does not make stale drafting look cheap
+    (tests/test_planner.py, the drifting machine)."""
 
     def __init__(self, points: dict[int, float], padded: bool = False):
         rows, secs = zip(*sorted((int(r), s) for r, s in points.items()))
         self.rows, self.secs = rows, tuple(itertools.accumulate(secs[::-1], min))[::-1]
         self.padded = padded
         self.seen, self.excess = {}, {}  # (batch, drafting) -> the last WINDOW steps' excesses; their median
+        self.took, self.realized = {}, {}  # (batch, budget) -> the last WINDOW steps' seconds; their median
+        self.paces, self.pace = collections.deque(maxlen=WINDOW), 1.0  # steps' seconds over their prices; median
 
     def forward(self, rows: int) -> float:
         if self.padded and rows <= min(BUCKETS[-1], self.rows[-1]):
@@ -49,21 +65,34 @@ class Measured:
         (r0, r1), (s0, s1) = self.rows[i - 1:i + 1], self.secs[i - 1:i + 1]
         return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
 
-    def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False) -> None:
-        """Learns from a whole step (ar: AR's; else a drafter's, even of one row per sequence)."""
+    def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False, budget: int | None = None) -> None:
+        """Learns from a whole step (ar: AR's; else a drafter's, even of one row per sequence), planned at budget
+        (None: a price that depends on more than the budget, a nested drafter's: its excess alone)."""
+        if (batch, budget) in self.realized:
+            self.paces.append(seconds / self.realized[batch, budget])
+            self.pace = statistics.median(self.paces)
+        seconds /= self.pace  # kept at the pace it ran at
         seen = self.seen.setdefault((batch, not ar), collections.deque(maxlen=WINDOW))
         seen.append(seconds - self.forward(rows))
         self.excess[batch, not ar] = statistics.median(seen)  # once per step, not per estimate
+        if budget is not None:
+            took = self.took.setdefault((batch, budget), collections.deque(maxlen=WINDOW))
+            took.append(seconds)
+            if len(took) >= OWN:
+                self.realized[batch, budget] = statistics.median(took)
 
-    def estimate(self, rows: int, batch: int = 1, bare: bool = False) -> float:
-        """A step of `rows` rows over `batch` sequences (bare: the forward alone). A batch size whose
-        steps of this kind are not seen yet takes the nearest seen size's excess per sequence (a batch
-        passes through new sizes as its prompts run out); none seen: 0."""
-        kind = rows > batch
-        seen = [b for b, k in self.excess if k == kind]
-        b = min(seen, key=lambda b: (abs(b - batch), -b), default=None)  # the nearest, the larger on a tie
-        excess = 0.0 if bare or b is None else self.excess[b, kind] * batch / b
-        return max(self.forward(rows) + excess, 1e-9)
+    def estimate(self, rows: int, batch: int = 1, bare: bool = False, budget: int | None = None) -> float:
+        """A step of `rows` rows over `batch` sequences at budget (the class docstring; bare: the forward alone)."""
+        if not bare and (batch, budget) in self.realized:
+            return self.realized[batch, budget] * self.pace
+        excess = 0.0 if bare else self.excess.get((batch, rows > batch), 0.0)
+        return max(self.forward(rows) + excess, 1e-9) * self.pace
+
+    def basis(self, rows: int, batch: int = 1, budget: int | None = None) -> str:
+        """What estimate's price is made of, for a reader (decode.py --show)."""
+        if (batch, budget) in self.realized:
+            return "its steps' realized price"
+        return "its forward" + (" and its kind's excess" if (batch, rows > batch) in self.excess else " alone")
 
 
 @torch.inference_mode()

@@ -3,11 +3,17 @@
 
 - Sizes one under fast mode's row buckets (products.BUCKETS): s + 1 rows a sequence, times a batch of
   1, 2, 4 or 8, fill one, where a padded costs.Measured prices a count at its bucket's.
-- Replans once a kind of step (batch size, AR or drafting) has run SETTLE times: its cost is then known.
+- Replans once a run of one kind of step (batch size, AR or drafting) reaches SETTLE steps: its price and
+  what it gets are then known, so a plan that a probe's lucky outcomes sent drafting is undone in SETTLE
+  steps, not a replan period.
 - Probes: while AR is planned, drafting steps of the cheapest tree renew the acceptance estimates (AR
   steps teach none): PROBE candidate lists per depth from the batch together (PROBE / B steps), their
   expected loss at most SHARE of the time at AR since the last drafting step, waiting at most LONGEST
-  replans; their outcomes weigh as PROBE steps of history.
+  replans; their outcomes weigh as PROBE steps of history. The bound: a probe waits for AR steps (the
+  clock's tokens since the last drafting step) numbering its expected loss (`loss`, in AR steps at its
+  size) over SHARE, and the waits do not overlap, so over a run the probes' loss is at most SHARE of the
+  time at AR, plus the first probe at each size (priced before its steps are), while one probe's loss
+  stays under SHARE * LONGEST * replan AR steps (past that, one probe every LONGEST replans).
 - Unranked (nested) drafters, Lookahead's: drafted whole on every step, AR's too, and scored at every
   budget, with the gains kept per context (Drafter.context: the trie's match length); alone, a budget
   is priced at the nodes its drafts ran (a batch pads every sequence to its longest tree: s + 1).
@@ -19,7 +25,7 @@ from ..planner import Planner, best
 SIZES = (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63)  # one under each of fast mode's row buckets
 PROBE = 8      # candidate lists per depth a probe gathers (its batch's together): enough to estimate from
 SHARE = 0.02   # a probe's expected loss against AR, as a share of the time at AR before it
-SETTLE = 3     # steps of a kind (batch size, AR or drafting) before its cost is taken as known: then replan
+SETTLE = 3     # steps of a run of one kind (batch size, AR or drafting) before its price is taken as known: replan
 LONGEST = 32   # replans: the longest wait for a probe, so a cost inflated by a stall cannot lock AR in
 
 
@@ -35,7 +41,7 @@ class Tuned(Planner):
 
     def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         super().__init__(cost, sizes, replan, alpha)
-        self.known, self.kinds = 0, Counter()  # the clock at the last drafting step; steps per (batch, drafting)
+        self.known, self.run = 0, (None, 0)  # the clock at the last drafting step; this run's (batch, drafting), steps
         self.gain, self.tries, self.nodes = {}, Counter(), {}  # unranked, per (context, size): accepted, nodes run
 
     def start(self, drafter, dec) -> None:
@@ -51,7 +57,10 @@ class Tuned(Planner):
         return {s: 1 + sum(s if sure else self.gain.get((c, s), s) for c in cs) / len(cs) for s in self.sizes}
 
     def seconds(self, s: int, bare: bool = False) -> float:
-        """Alone, a nested draft shorter than s runs whole; a batch's rows are padded to its longest tree."""
+        """Unranked: alone, a nested draft shorter than s runs whole; a batch's rows are padded to its longest
+        tree. Its price is its rows' (with its kind's excess), not the budget's: that depends on the context."""
+        if self.P:
+            return super().seconds(s, bare)
         n = self.nodes.get((*self.context.values(), s), s + 1) if self.batch == 1 else s + 1
         return self.cost.estimate(self.batch * (self.drafter.size(n, s) if s else 1), self.batch, bare)
 
@@ -76,17 +85,22 @@ class Tuned(Planner):
             # or for drafting's cost: a probe renews both. The cheapest tree teaches the first depth (all of
             # them, for heads that draft every depth; rows that follow the budget draft one: drafter.Ranked)
             probe, span = min(s for s in self.sizes if s), -(-PROBE // self.batch)  # PROBE outcomes, the batch's
-            extra = span * (self.seconds(probe) / self.seconds(0) - self.lengths()[probe])
-            if self.clock - self.known >= min(max(self.replan, extra / SHARE), LONGEST * self.replan):
+            if self.clock - self.known >= min(max(self.replan, self.loss(probe, span) / SHARE), LONGEST * self.replan):
                 self.probing, self.probe, self.fresh = span, probe, Counter()
                 return self.choose()
         return size
 
+    def loss(self, size: int, steps: int) -> float:
+        """The expected loss of `steps` drafting steps at size against AR, in AR steps: their price over AR's,
+        less the tokens a sequence is expected to get."""
+        return steps * (self.seconds(size) / self.seconds(0) - self.lengths()[size])
+
     def observe(self, dec, size: int, rows: int, seconds: float, path=(0,), drafted=None, cands=None) -> None:
         super().observe(dec, size, rows, seconds, path, drafted, cands)
         if rows:
-            self.kinds[self.batch, bool(size)] += 1
-            if self.kinds[self.batch, bool(size)] == SETTLE:  # what this kind of step costs is now known: replan
+            kind = self.batch, bool(size)
+            self.run = kind, self.run[1] + 1 if self.run[0] == kind else 1
+            if self.run[1] == SETTLE:  # what this kind of step costs and gets is now known: replan
                 self.at = None
             if size:
                 self.known = self.clock
