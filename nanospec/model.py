@@ -276,7 +276,7 @@ class Llama(nn.Module):
 
     def forward(self, block: Block, cache=None, exact: bool = False, tail: int = 1, dev=None):
         """Logits (B, T, V) for the block's rows. cache=None (training): row t's key is slot t, so the
-        block's slots must be 0..T-1 and visibility refers to rows (training.causal: a plain LM block)."""
+        block's slots must be 0..T-1 and visibility refers to rows (training.loop.causal: a plain LM block)."""
         f = Forward.on_cache(self, block, cache, exact, tail=tail, dev=dev) if cache else \
             Forward(self, block, self.context(block, len(block), exact, tail=tail, dev=dev), [None] * len(self.layers))
         return f.logits(f.norm(f.layers(f.embed())), len(block))

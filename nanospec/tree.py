@@ -6,10 +6,10 @@ alone. A tree of n nodes becomes n rows at cache slots cur..cur+n-1, node i at p
 cur + depth(i), each seeing the committed prefix 0..cur-1 and then its ancestors by depth and
 itself: the canonical key order.
 
-A tree's shape is laid out once (`layout`, cached) and its tokens may live on the device: a
-Template (Medusa's sparse tree of candidate ranks) fills a fixed shape from the candidates the
-last step drafted without leaving the device. Greedy verification runs on the device too
-(`accept`), so a step needs one read-back: the accepted path.
+A tree's shape is laid out once (`Layout.of`, cached). A Template (Medusa's sparse tree of
+candidate ranks) fills a fixed shape from the candidates the last step drafted, which that step's
+read-back brought to the host with its accepted path. Greedy verification runs on the device
+(`accept`), so a step needs that one read-back: the accepted path and the next candidates.
 """
 import functools
 import heapq
@@ -77,7 +77,7 @@ class Groups:
 
 @functools.lru_cache(maxsize=4096)
 def step_rows(parents: tuple, groups: Groups, reserved: tuple, capacity: int, device):
-    """A step's rows at position 0, built once per shape (Decoding.block moves them to the current
+    """A step's rows at position 0, built once per shape (Decoding.prepare moves them to the current
     position): the tree's rows, then its groups (group_rows), which also see the reserved slots if
     asked. seq marks the visible slots that move with the position (the sequence's; reserved slots
     stay where they are)."""
@@ -92,7 +92,7 @@ def step_rows(parents: tuple, groups: Groups, reserved: tuple, capacity: int, de
 class Nodes:
     """A step's trees as the forward sees them, on the device: one per sequence of the batch, padded to N nodes (Q in
     exact mode), then groups of M rows (Groups) from row n for every sequence (a smaller tree's rows up to n are
-    filler: Decoding.block)."""
+    filler: Decoding.prepare)."""
     tokens: torch.Tensor  # (B, N) -1 for padding (one sequence's alone: (N,))
     lay: "Layout"         # each field with the batch dim first
     real: torch.Tensor    # (B, N) bool
@@ -198,7 +198,7 @@ def choose_tree(acc: list[list[float]], size: int, allowed=None) -> list[tuple[i
 
 class Template:
     """A fixed tree shape over ranked candidates: path (r_1, ..., r_d) is the branch cands[0][r_1],
-    ..., cands[d-1][r_d]. Laid out once; each step only gathers the tokens, on the device."""
+    ..., cands[d-1][r_d]. Laid out once; each step only gathers the tokens."""
 
     def __init__(self, paths):
         self.paths = [tuple(p) for p in paths]

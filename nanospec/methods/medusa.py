@@ -27,16 +27,16 @@ Choices where the papers are silent, and why:
   (RESULTS.md, "Medusa").
 - A generation's first step has no hidden state yet for the prompt's last token, so it drafts nothing (one AR step).
 
-One option is not Medusa-1's. With --token-input (the SmolLM2 heads) head k reads h + T_k e, e the embedding of
+One option is not Medusa-1's. With --token-input head k reads h + T_k e, e the embedding of
 x_{t+1}, the token the lm_head picks from h, and T_k a zero-initialised linear map. Under greedy decoding x_{t+1} is
 known when the heads run: it is the next tree's root, the token the verifying forward just emitted. A head that reads
-h alone has to recover that token, an argmax over the vocabulary, with a few small blocks; handed over, it lifts
-SmolLM2's heads at every depth (RESULTS.md, "SmolLM2 drafters"). Hydra (Ankner et al., 2024) and EAGLE feed drafted
+h alone has to recover that token, an argmax over the vocabulary, with a few small blocks; handed the token, every
+head is more often right (RESULTS.md, "SmolLM2 drafters"). Hydra (Ankner et al., 2024) and EAGLE feed drafted
 tokens back in the same way; this reads only the token that is certain, so the tree and its verification stay
 Medusa's, and the heads cost one gather and one small map more. Under sampling the emitted root is drawn, not the
 argmax: the heads still read the argmax, which can cost acceptance, never exactness.
 
-Another option is not Medusa-1's. With --draft-vocab N (the SmolLM2 heads) shared heads draft only the N tokens their
+Another option is not Medusa-1's. With --draft-vocab N shared heads draft only the N tokens their
 training targets use most, as FR-Spec (Zhao et al., 2025) does for EAGLE's head: at a few rows the heads' product
 reads the whole lm_head, drafting's largest cost at a large vocabulary on a CPU, while a model's own continuations
 use a small part of its tokens. The rows of those tokens are copied out once (Heads.narrowed) and every other token's

@@ -9,7 +9,8 @@ k tokens in one forward. A loop of two forwards yields up to k+2 tokens (SDSAT.d
 - Draft step 2 (eqs. 2-3): the next token and the k drafts as a chain, verified as AR would. Unlike the paper, k
   adaptive tokens follow the chain's end too: when every draft is accepted they hold the next k drafts, and the
   next forward is a step 2 again, with no step 1 between; otherwise it is a step 1. A second group after the root would
-  spare that step 1 at a group of rows on every step; on a CPU, where a row is dear, it lost (RESULTS.md).
+  spare that step 1 at the price of a group of rows on every step: on a CPU, where a row is dear, more than it saves
+  (RESULTS.md).
 - Nucleus sampling (section 2.1.2): `width` > 1 makes step 2's chain a tree of each depth's top candidates.
 
 The paper fine-tunes every weight (sdsat_full.py: with the same data it drafts more per forward, RESULTS.md's "SDSAT
