@@ -82,13 +82,19 @@ def canonical(prefix, extra, gone, S: int, W: int, Hkv: int, G: int, ids, dtype)
     in_place = slot < start.clamp(max=prefix)  # the committed slots before the tail, in slot order
     if gone is not None:  # keys out of the window: committed ones by their slot, which is their position
         committed = ids[:W] < prefix - start  # the tail's committed part
-        tail = torch.where(committed & (tail <= gone), -1, tail)
-        in_place &= slot > gone
+        tail = torch.where(committed & left_window(tail, gone), -1, tail)
+        in_place &= ~left_window(slot, gone)
     # a row with more own keys than W (never a verified row: the engine refuses it) reads its first ones in place
     early = (ids[:E] < start - prefix) & (extra >= 0)
     in_place = in_place.scatter_(-1, torch.where(early, extra, ids[S]), True)[..., :S]
     heads, in_place, gathered = ids[:Hkv, None, None], mask(in_place, Hkv, G, dtype), mask(tail >= 0, Hkv, 1, dtype)
     return Canonical(tail.clamp(min=0)[:, None], heads, in_place.view(-1, T * G, S), gathered.view(-1, 1, W))
+
+
+def left_window(pos: torch.Tensor, gone: torch.Tensor) -> torch.Tensor:
+    """Which positions (committed slot j holds position j) a row whose last position out of the window is gone no
+    longer sees."""
+    return pos <= gone
 
 
 def mask(seen: torch.Tensor, Hkv: int, G: int, dtype) -> torch.Tensor:
