@@ -7,7 +7,7 @@
 - groups(tree, n, budget) says which rows the method adds after the tree (mask tokens, pseudo
   states, adaptive tokens), as a tree.Groups the engine lays out; size(n, budget) says how many
   rows an n-node tree's step runs. The engine lays the rows out: no hook calls back into it.
-- forward(f, nodes) is the verification forward on a model.Forward f (nodes: tree.Nodes, with
+- forward(f, nodes) is the verification forward on a forward.Forward f (nodes: tree.Nodes, with
   the groups' M); it returns an Out: the nodes' logits, and per node the drafts that node would
   make if it ended the accepted path.
 - propose(draft_inputs, linear) turns each sequence's last accepted node's drafts into logits per depth
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import Forward
+from .forward import Forward
 from .tree import Groups, Nodes, Tree
 
 

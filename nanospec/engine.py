@@ -29,7 +29,7 @@ from . import NanospecError, compiled, devices, sizes
 from .cache import Block, KVCache, packed, unpacked
 from .devices import Device
 from .drafter import AR, Drafter
-from .model import Forward
+from .forward import Forward
 from .programs import of as programs_of
 from .sizes import check_prompt, check_room, shapes
 from .tree import Layout, Nodes, Sampler, Step, Tree, accept, pack_results, sample_verify, step_rows, unpack_results

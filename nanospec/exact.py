@@ -35,8 +35,8 @@ kernels (SiLU, RoPE's cos and sin) act on each row alone, so a row gets AR's bit
 same bits wherever it sits: at any index of its block, beside any rows, in any batch. That is each device's
 guarantee, kept in devices.py and the core:
 - a product's row independent of its index: a CPU's BLAS takes paths by a row's alignment (devices.CPU.aligned pads
-  every row to 64 bytes, applied to each exact product) and MKL computes the last rows of a 5-11 row product on
-  another path (devices.MIN_BLOCK: Q is at least 16);
+  every row to 64 bytes; forward.Context.linear applies it to each exact product) and MKL computes the last rows of
+  a 5-11 row product on another path (devices.MIN_BLOCK: Q is at least 16);
 - a product's row independent of the total rows: cuBLAS picks its kernel by them (devices.CUDA.block_batch), so a
   forward always runs the same total, Q rows per sequence (Block.pad) for a fixed batch of sequences' blocks, idle
   ones padded (sizes.block_batch and engine.stack);
@@ -106,7 +106,7 @@ def mask(seen: torch.Tensor, Hkv: int, G: int, dtype) -> torch.Tensor:
 @torch.no_grad()  # inference only: the scores are written into one buffer (out=), which autograd does not follow
 def attend(q, kv, ctx):
     """q (B, T, Hkv, G, D), query head h * G + g using key head h; kv (2, B', Hkv, S, D') keys and values (D' >= D: a
-    cache's head width may be padded); ctx: the forward's (model.Context: its cache rows, and its Canonical). Each
+    cache's head width may be padded); ctx: the forward's (forward.Context: its cache rows, and its Canonical). Each
     row's scores: the S slots read in place, then its W gathered keys (module docstring)."""
     (B, T, Hkv, G, D), (S, Dc), c = q.shape, kv.shape[-2:], ctx.order
     W = c.tail_slots.shape[-1]

@@ -3,6 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import from_branches, keys_in_order, path_to
+from nanospec.forward import context
 from nanospec.model import Llama, ModelArgs
 from nanospec.tree import Layout, Sampler, Template, Tree, accept, product_paths, sample_verify
 
@@ -39,7 +40,7 @@ def test_block_rows_see_exactly_prefix_ancestors_and_self(branches, cur, tail):
     assert blk.slots.tolist() == list(range(cur, cur + len(t)))
     model = Llama(ModelArgs(dim=8, n_layers=1, n_heads=2, vocab_size=10, hidden_dim=8))
     S = cur + len(t) + 1
-    exact, fast = model.context(blk, S, True, tail=tail), model.context(blk, S, False)
+    exact, fast = context(model, blk, S, True, tail=tail), context(model, blk, S, False)
     for i in range(len(t)):
         path = path_to(t, i)
         assert blk.pos[0, i] == cur + len(path) - 1

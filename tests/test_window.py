@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from helpers import hf_family, peek
-from nanospec import devices, exact
-from nanospec import model as llama
+from nanospec import devices, exact, forward
 from nanospec.drafter import AR
 from nanospec.engine import Decoding, generate, shapes
 from nanospec.io.checkpoint import load
@@ -88,7 +87,7 @@ def test_the_windows_are_measured_against_the_tail_in_use(mistral, monkeypatch):
         order = canonical(*args, **kwargs)
         seen.add(order.tail_slots.shape[-1])
         return order
-    monkeypatch.setattr(llama, "canonical", spy)
+    monkeypatch.setattr(forward, "canonical", spy)
     model = load(mistral[TAIL][1])
     for d in [None, *methods(model).values()]:
         generate(model, PROMPT[:20], d, max_new_tokens=4, exact=True, eos_id=-1)

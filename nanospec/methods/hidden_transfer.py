@@ -50,9 +50,9 @@ import torch.nn.functional as F
 
 from .. import NanospecError
 from ..drafter import Out, Ranked
+from ..forward import Forward
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
-from ..model import Forward
 from ..training.data import distill_args
 from ..training.forced import start, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 from .. import NanospecError
 from ..drafter import Out, Ranked
+from ..forward import Forward
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
-from ..model import Forward
 from ..training.data import distill_args
 from ..training.forced import forced_items, targets
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
@@ -74,7 +74,7 @@ class Delta(nn.Module):
                  for role, keys in self.keys.items()} for i in range(self.n)]
 
     def on(self, rows, factors: list | None = None) -> list["Update"]:
-        """The update as a forward's per-layer `delta` (model.Context.delta) on rows (slice, index; None: all) of
+        """The update as a forward's per-layer `delta` (forward.Context.delta) on rows (slice, index; None: all) of
         every sequence; other rows keep the base products. factors: `factors()`, made once or now."""
         return [Update(rows, f) for f in (self.factors() if factors is None else factors)]
 
@@ -228,7 +228,7 @@ def adaptive_logits(model, delta: Delta, x: torch.Tensor, wins, diverse: bool, a
         for layer, kv in zip(model.layers, keys):
             h = layer(h, f.ctx, kv)
     which, pos, vis, lab = (t.to(dev) for t in adaptive_rows(x.cpu(), wins, diverse, ahead))
-    f = Forward.training(model, torch.zeros_like(pos), pos, vis, prefix=keys)
+    f = Forward.training(model, torch.zeros_like(pos), pos, vis, before=keys)
     h = f.norm(f.layers(delta.embed[which], delta=delta.on(None)))
     return model.lm_head(h), lab
 
