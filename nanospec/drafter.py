@@ -27,6 +27,19 @@ from .forward import Forward
 from .tree import Groups, Nodes, Tree
 
 
+class Borrowed(list):
+    """The model's modules a drafter uses (Medusa's shared lm_head, the model its token heads read): a list, so not
+    the drafter's own parameters (never trained or saved), and shared, not copied, when the drafter is deep-copied
+    for another run (a copy of the model would copy what a device's programs are bound to)."""
+    def __deepcopy__(self, memo):
+        return self
+
+
+def plain(layer, x):
+    """A layer's product as the layer runs it: propose's `linear` where the device gives no form of its own."""
+    return layer(x)
+
+
 @dataclass
 class Out:
     """What a method's verification forward computed, per sequence of the batch and tree node (tree
@@ -94,9 +107,10 @@ class Drafter:
     def forward(self, f: Forward, nodes: Nodes) -> Out:
         return Out(f.logits(f.norm(f.layers(f.embed())), nodes.N))
 
-    def propose(self, draft_inputs: torch.Tensor, linear=None) -> torch.Tensor:
+    def propose(self, draft_inputs: torch.Tensor, linear=plain) -> torch.Tensor:
         """Logits per draft depth (B, K, V) from each sequence's last accepted node's draft inputs (B, K', D);
-        linear(layer, x): the device's form of a product (devices.Device.kernels: a draft's need not be AR's)."""
+        linear(layer, x): the device's form of a product (devices.Device.kernels, else plain: a draft's need not be
+        AR's)."""
         return draft_inputs
 
     def accepted(self, dec, tree: Tree, path: list[int]) -> None:

@@ -28,11 +28,12 @@ import torch.nn.functional as F
 from . import NanospecError, compiled, devices, sizes
 from .cache import Block, KVCache, packed, unpacked
 from .devices import Device
-from .drafter import AR, Drafter
+from .drafter import AR, Drafter, plain
 from .forward import Forward
 from .programs import of as programs_of
 from .sizes import check_prompt, check_room, shapes
-from .tree import Layout, Nodes, Sampler, Step, Tree, accept, pack_results, sample_verify, step_rows, unpack_results
+from .tree import Layout, Nodes, Tree, step_rows
+from .verify import Sampler, Step, accept, pack_results, sample_verify, unpack_results
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 HOST = torch.device("cpu")  # where a step is drafted and laid out
@@ -94,7 +95,7 @@ def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nod
 
 
 def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, flat: torch.Tensor):
-    """A group's step on the device: the method's forward, then (greedy) each sequence's verification (tree.accept),
+    """A group's step on the device: the method's forward, then (greedy) each sequence's verification (verify.accept),
     the commit of its accepted keys (KVCache.commit) and its path end's drafts' top-k, as one tensor (pack_results)."""
     *blk, tokens, parent, depth, index, anc, real, cur, seqs = unpacked(flat, spec)
     f = Forward.on_cache(d.model, Block(*blk), d.cache, d.exact, seqs, d.tail, d.dev)
@@ -110,7 +111,7 @@ def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, fla
     if out.draft_inputs is None:
         return pack_results(path, emitted, alive=out.alive), out.logits
     last, b = path.max(-1).values, d.cache.ids[:len(path)]  # each path's deepest node (indices grow along a path)
-    cands = drafter.propose(out.draft_inputs[b, last], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices
+    cands = drafter.propose(out.draft_inputs[b, last], d.dev.kernels or plain).topk(max(drafter.topk), dim=-1).indices
     depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])  # cands (B, K, R)
     return pack_results(path, emitted, depth, cands, out.alive), out.logits
 
@@ -149,7 +150,7 @@ def sample_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], res, 
     depth = [0] * len(decs)  # the depths each path's end drafted
     if draft_inputs is not None:
         b, ends = keep(rows), keep([p[-1] for p, _ in paths])
-        top = drafter.propose(draft_inputs[b, ends], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices.cpu()
+        top = drafter.propose(draft_inputs[b, ends], d.dev.kernels or plain).topk(max(drafter.topk), -1).indices.cpu()
         depth = depths[b, ends].tolist() if depths is not None else [top.shape[1]] * len(decs)
     return [(p, e, top[i, :k], top[i, :k].tolist(), []) if k else (p, e, None, None, [])
             for i, ((p, e), k) in enumerate(zip(paths, depth))]

@@ -27,8 +27,9 @@ from nanospec.methods.medusa import Heads, Medusa
 from nanospec.methods.propd import EarlyHead, ProPD
 from nanospec.methods.sdsat import SDSAT, Delta
 from nanospec.model import Llama, ModelArgs
-from nanospec.tree import Groups, Sampler, Tree, choose_tree
+from nanospec.tree import Groups, Tree, choose_tree
 from nanospec.tuning.costs import Measured
+from nanospec.verify import Sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 PYLM = ROOT / "weights" / "pylm"  # the shipped default model and its drafters

@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 from helpers import from_branches, keys_in_order, path_to
 from nanospec.forward import context
 from nanospec.model import Llama, ModelArgs
-from nanospec.tree import Layout, Sampler, Template, Tree, accept, product_paths, sample_verify
+from nanospec.tree import Layout, Template, Tree, product_paths
+from nanospec.verify import Sampler, accept, sample_verify
 
 branches_st = st.lists(st.lists(st.integers(0, 4), max_size=5), max_size=8)
 

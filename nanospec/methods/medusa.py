@@ -56,24 +56,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..drafter import Out, Ranked
+from ..drafter import Borrowed, Out, Ranked, plain
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
 from ..training.forced import labelled, targets, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import Template, choose_tree
-
-
-class Borrowed(list):
-    """The model's modules a drafter uses: deepcopy shares them (a copy would copy the model with its CUDA graphs)."""
-    def __deepcopy__(self, memo):
-        return self
-
-
-def plain(layer, x):
-    """A layer's product as the layer runs it."""
-    return layer(x)
 
 
 class Heads(nn.Module):
@@ -116,10 +105,10 @@ class Heads(nn.Module):
             x.append(y)
         return torch.stack(x)
 
-    def forward(self, h, e=None, linear=None, narrow: nn.Linear | None = None):
-        """(..., D) -> (K, ..., V): every head's logits. linear(layer, x): the products' form (propose: the device's;
-        None: the layer's own). narrow (Heads.narrowed): only the draft vocabulary's tokens scored, the others -inf."""
-        x, linear = self.states(h, e), linear or plain
+    def forward(self, h, e=None, linear=plain, narrow: nn.Linear | None = None):
+        """(..., D) -> (K, ..., V): every head's logits. linear(layer, x): the products' form (propose: the device's).
+        narrow (Heads.narrowed): only the draft vocabulary's tokens scored, the others -inf."""
+        x = self.states(h, e)
         if narrow is not None:
             out = x.new_full((*x.shape[:-1], self.shared[0].weight.shape[0]), -math.inf)
             return out.index_copy_(-1, self.vocab, linear(narrow, x))
@@ -150,15 +139,15 @@ class Medusa(Ranked):
         """One forward verifies the tree and gives every node's final state h: the heads' input."""
         return self.out(f, f.norm(f.layers(f.embed())), nodes.N)
 
-    def out(self, f, h, N: int, alive=None) -> Out:
+    def out(self, f, h, N: int) -> Out:
         """The nodes' logits and drafts: each node's h and, for token heads, the embedding of the token
         the node emits next (its logits' argmax: the next tree's root, were the path to end there)."""
         logits = f.logits(h, N)
         if self.heads.tok is None:
-            return Out(logits, draft_inputs=h[:, :N, None], alive=alive)
-        return Out(logits, draft_inputs=torch.stack([h[:, :N], f.model.embed(logits.argmax(-1))], 2), alive=alive)
+            return Out(logits, draft_inputs=h[:, :N, None])
+        return Out(logits, draft_inputs=torch.stack([h[:, :N], f.model.embed(logits.argmax(-1))], 2))
 
-    def propose(self, drafts, linear=None):  # (B, K, V): head k guesses the token k+1 after the next
+    def propose(self, drafts, linear=plain):  # (B, K, V): head k guesses the token k+1 after the next
         return self.heads(*drafts.unbind(1), linear=linear, narrow=self.narrow).transpose(0, 1)
 
 
