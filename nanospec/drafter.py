@@ -62,6 +62,13 @@ class Drafter:
     nested = False      # unranked drafts only: the first s+1 nodes of a budget-B tree are its budget-s tree
     own_rows = "own rows"  # what the rows after the tree are, for a reader (show.py)
     prunes = False      # verification leaves some nodes out (ProPD): a greedy step reads back which
+    template = None     # a ranked drafter's tree shape over its candidates (tree.Template; None: none)
+    acc = None          # held-out accuracy per draft depth and rank, from its trainer (the planner's prior; None: none)
+
+    @property
+    def is_ar(self) -> bool:
+        """Plain AR, the base Drafter itself: a tree of the root alone, whose key a step writes in place."""
+        return type(self) is Drafter
 
     @property
     def max_depth(self) -> int:
@@ -73,8 +80,7 @@ class Drafter:
         """Size each step's tree with planner: ranked drafters may then use any of their top-R ranks."""
         self.planner = planner
         if self.topk and self.family is None:
-            acc = getattr(self, "acc", None)  # held-out accuracy per depth and rank
-            R = len(acc[0]) if acc else 10
+            R = len(self.acc[0]) if self.acc else 10
             self.topk = [max(R, *self.topk)] * len(self.topk)
         self.max_rows = max(self.max_rows, self.size(1 + max(planner.sizes), max(planner.sizes)))
         return self
@@ -139,7 +145,7 @@ class Ranked(Drafter):
     def max_depth(self) -> int:
         """A tree over ranked candidates is at most one node per depth deep; a planner's trees reach
         every depth its prior covers (planner.Planner.start: the trainer's accuracies, else topk's)."""
-        return max(len(self.topk), len(getattr(self, "acc", None) or [])) if self.planner else len(self.topk)
+        return max(len(self.topk), len(self.acc or [])) if self.planner else len(self.topk)
 
     def own(self, budget: int | None = None) -> int:
         """Depths drafted by a step's own rows at budget (None: no planner, all of them)."""

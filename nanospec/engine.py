@@ -66,7 +66,7 @@ def draft(live: list[Decoding], drafter: Drafter):
     groups = {}
     for d in live:
         whole = (drafter if wide else stepper).draft(
-            d, d.cands, template or getattr(drafter, "template", None), None if wide else budget)
+            d, d.cands, template or drafter.template, None if wide else budget)
         s, tree = d.fit(stepper, whole.prefix(min(len(whole), budget + 1)) if wide else whole, budget)
         key = (id(s), None if d.room >= s.max_rows else len(tree))  # near the cache's end: no filler
         groups.setdefault(key, (s, []))[1].append((d, tree, whole))
@@ -103,7 +103,7 @@ def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, fla
     out = drafter.forward(f, Nodes(tokens, lay, real.bool(), n, M))
     if not d.sampler.greedy:
         return out.logits, out.draft_inputs, out.depths, out.alive
-    if drafter.max_rows == 1:  # AR: its path is its root alone, accepted, its key already in place
+    if drafter.is_ar:  # its path is its root alone, accepted, its key already in place
         path, emitted = anc[:, 0], out.logits[:, :1].argmax(-1)
     else:
         path, emitted = accept(tokens, lay, out.logits, out.alive)  # (B, E) each
@@ -124,8 +124,8 @@ def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launche
     rows = [x.seq for x in decs] if d.block_batch else list(range(len(decs)))  # each sequence's index in the batch
     if d.sampler.greedy:
         (flat, logits), R = res, max(drafter.topk, default=1)
-        head = flat.tolist()  # the step's one read-back
-        found = [unpack_results(head[b], nodes.lay.anc.shape[-1], R, nodes.N if drafter.prunes else 0) for b in rows]
+        read = flat.tolist()  # the step's one read-back: a row per sequence
+        found = [unpack_results(read[b], nodes.lay.anc.shape[-1], R, nodes.N if drafter.prunes else 0) for b in rows]
     else:
         logits, found = res[0], sample_back(decs, drafter, trees, res, rows)
     took, results = time.perf_counter() - t0, []
@@ -360,7 +360,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
             logits[d].append(r.logits)  # None unless record_logits
             outs[d].steps += 1
             outs[d].accepted.append(len(toks))
-            if budget == 0 or drafter.max_rows == 1:  # an AR step: the planner's (a budget of 0), or AR's own
+            if budget == 0 or drafter.is_ar:  # an AR step: the planner's (a budget of 0), or AR's own
                 outs[d].ar_steps.append((len(live), secs))
             stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \
                 "cache_full" if d.room < 1 else None

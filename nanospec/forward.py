@@ -196,8 +196,8 @@ class Forward:
         ctx = Context(*angles(model, pos), torch.arange(K, K + R, device=tokens.device), False, mask=vis, L=K + R)
         blk = Block(tokens, pos, ctx.slots, torch.zeros_like(pos), torch.full((B, R, 1), -1, device=tokens.device))
         own = lambda i: w.new_zeros(2, B, a.kv_heads, R, a.hd)
-        ahead = lambda i: (before(i) if callable(before) else before[i]).expand(-1, B, -1, -1, -1)  # (2, B, Hkv, K, D)
-        kv = [own(i) if before is None else torch.cat([ahead(i), own(i)], 3) for i in range(a.n_layers)]
+        given = lambda i: (before(i) if callable(before) else before[i]).expand(-1, B, -1, -1, -1)  # (2, B, Hkv, K, D)
+        kv = [own(i) if before is None else torch.cat([given(i), own(i)], 3) for i in range(a.n_layers)]
         return cls(model, blk, ctx, kv)
 
     def embed(self) -> torch.Tensor:

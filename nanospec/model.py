@@ -57,15 +57,20 @@ class ModelArgs:
         return self.head_dim or self.dim // self.n_heads
 
 
+def rms_norm(x, weight, eps: float):
+    """x's last dim RMS-normed in fp32, rounded to x's dtype, then scaled by weight (HF's order)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x, weight=None):  # weight: in place of its own (Attention: q's and k's at once)
-        xf, w = x.float(), self.weight if weight is None else weight
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
 
 
 def apply_rope(x, cos, sin):
@@ -92,8 +97,8 @@ class Attention(nn.Module):
         G = self.n_heads // self.n_kv
         qkv = ctx.linear(self.qkv, x).view(B, T, self.n_kv, G + 2, self.hd)  # per key head: G queries, key, value
         qk, v = qkv[:, :, :, :G + 1], qkv[:, :, :, G + 1]
-        if self.q_norm is not None:  # each head of q and of k normed by its own weight, before RoPE
-            qk = self.q_norm(qk, torch.cat((self.q_norm.weight.expand(G, -1), self.k_norm.weight[None])))
+        if self.q_norm is not None:  # Qwen3: each head of q by q_norm's weight, k by k_norm's, before RoPE: one norm
+            qk = rms_norm(qk, torch.cat((self.q_norm.weight.expand(G, -1), self.k_norm.weight[None])), self.q_norm.eps)
         qk = apply_rope(qk, ctx.cos, ctx.sin)
         q, k = qk[:, :, :, :G], qk[:, :, :, G]
         return ctx.attend(q, ctx.write(kv, k, v))

@@ -36,17 +36,17 @@ def pack_results(path, emitted, depth=None, cands=None, alive=None) -> torch.Ten
     return torch.cat([path, emitted] + more + ([alive.long()] if alive is not None else []), -1)
 
 
-def unpack_results(head: list, E: int, R: int, N: int = 0):
-    """pack_results's for one sequence, read back (head: its row as a host list; N: nodes verified or not): (path,
+def unpack_results(row: list, E: int, R: int, N: int = 0):
+    """pack_results's for one sequence, read back (row: its row as a host list; N: nodes verified or not): (path,
     emitted tokens, the candidates of the depths drafted as a host tensor (D, R) and as lists, or None and None, the
     nodes left unverified)."""
-    path = [i for i in head[:E] if i >= 0]
-    emitted = head[E:E + len(path)]
-    depth = head[2 * E] if len(head) > 2 * E + N else 0
-    pruned = [i for i, a in enumerate(head[len(head) - N:]) if not a] if N else []
+    path = [i for i in row[:E] if i >= 0]
+    emitted = row[E:E + len(path)]
+    depth = row[2 * E] if len(row) > 2 * E + N else 0
+    pruned = [i for i, a in enumerate(row[len(row) - N:]) if not a] if N else []
     if not depth:
         return path, emitted, None, None, pruned
-    lists = [head[2 * E + 1 + d * R:2 * E + 1 + (d + 1) * R] for d in range(depth)]
+    lists = [row[2 * E + 1 + d * R:2 * E + 1 + (d + 1) * R] for d in range(depth)]
     return path, emitted, torch.tensor(lists), lists, pruned
 
 
