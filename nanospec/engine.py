@@ -320,8 +320,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     Q, S, W = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots, tail)
     eos = model.args.eos_id if eos_id is None else eos_id
     batch = min(batch or len(prompts), len(prompts))
-    N = sizes.block_batch(block_batch, batch, exact, dev)
-    w = model.embed.weight
+    N, w = sizes.block_batch(block_batch, batch, exact, dev), model.embed.weight
     make = lambda: KVCache.for_model(model, S, N or batch, dev)
     cache = programs.cache(model, (S, N or batch, w.dtype, w.device), make) if programs else make()
     reserved = cache.reserve(drafter.reserved_slots)
