@@ -52,7 +52,7 @@ class KVCache:
         self.n_reserved += n
         return torch.arange(self.capacity, self.capacity + n)  # host tensor, like the blocks that use it
 
-    def keep(self, seq: int, slots: torch.Tensor, keys, values) -> None:
+    def write_reserved(self, seq: int, slots: torch.Tensor, keys, values) -> None:
         """Per-layer keys and values (P of them a head) written to sequence seq's slots (a method's reserved ones)."""
         for i, kv in enumerate(zip(keys, values)):
             for j, x in enumerate(kv):  # a cache's head width may be padded

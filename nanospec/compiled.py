@@ -1,6 +1,6 @@
 """compile=True (`decode.py --compile`): exact mode's layer as one torch.compile'd callable.
 
-Every exact program runs its layers through it (model.Context.layer: the device's `call`): AR's step, every
+Every exact program runs its layers through it (forward.Context.layer: the device's `call`): AR's step, every
 method's, the prefill, and Hidden Transfer's and ProPD's layer loops. One callable compiled at exact mode's fixed
 shapes gives AR and the methods the same fused kernels for the same shapes, and so the same bits: the exactness
 contract holds between compiled runs (a compiled run's bits are not an eager run's). On CUDA it runs inside the
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .model import Layer
+from .forward import exact_layer
 
 _layer = None
 compiles = []  # the seconds of each call that compiled a new graph: what --compile reports
@@ -32,12 +32,12 @@ def options() -> dict:
 
 
 def compiled_layer():
-    """The one compiled callable, Layer.forward's: parameters are its inputs, so every layer shares it."""
+    """The one compiled callable, forward.exact_layer: parameters are its inputs, so every layer shares it."""
     global _layer
     if _layer is None:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         torch._dynamo.config.fail_on_cache_limit_hit = True  # never an eager fallback: its bits differ
-        _layer = torch.compile(Layer.forward, dynamic=False, options=options())
+        _layer = torch.compile(exact_layer, dynamic=False, options=options())
     return _layer
 
 

@@ -7,7 +7,7 @@
 - groups(tree, n, budget) says which rows the method adds after the tree (mask tokens, pseudo
   states, adaptive tokens), as a tree.Groups the engine lays out; size(n, budget) says how many
   rows an n-node tree's step runs. The engine lays the rows out: no hook calls back into it.
-- forward(f, nodes) is the verification forward on a model.Forward f (nodes: tree.Nodes, with
+- forward(f, nodes) is the verification forward on a forward.Forward f (nodes: tree.Nodes, with
   the groups' M); it returns an Out: the nodes' logits, and per node the drafts that node would
   make if it ended the accepted path.
 - propose(draft_inputs, linear) turns each sequence's last accepted node's drafts into logits per depth
@@ -23,8 +23,21 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import Forward
+from .forward import Forward
 from .tree import Groups, Nodes, Tree
+
+
+class Borrowed(list):
+    """The model's modules a drafter uses (Medusa's shared lm_head, the model its token heads read): a list, so not
+    the drafter's own parameters (never trained or saved), and shared, not copied, when the drafter is deep-copied
+    for another run (a copy of the model would copy what a device's programs are bound to)."""
+    def __deepcopy__(self, memo):
+        return self
+
+
+def plain(layer, x):
+    """A layer's product as the layer runs it: propose's `linear` where the device gives no form of its own."""
+    return layer(x)
 
 
 @dataclass
@@ -49,6 +62,13 @@ class Drafter:
     nested = False      # unranked drafts only: the first s+1 nodes of a budget-B tree are its budget-s tree
     own_rows = "own rows"  # what the rows after the tree are, for a reader (show.py)
     prunes = False      # verification leaves some nodes out (ProPD): a greedy step reads back which
+    template = None     # a ranked drafter's tree shape over its candidates (tree.Template; None: none)
+    acc = None          # held-out accuracy per draft depth and rank, from its trainer (the planner's prior; None: none)
+
+    @property
+    def is_ar(self) -> bool:
+        """Plain AR, the base Drafter itself: a tree of the root alone, whose key a step writes in place."""
+        return type(self) is Drafter
 
     @property
     def max_depth(self) -> int:
@@ -60,8 +80,7 @@ class Drafter:
         """Size each step's tree with planner: ranked drafters may then use any of their top-R ranks."""
         self.planner = planner
         if self.topk and self.family is None:
-            acc = getattr(self, "acc", None)  # held-out accuracy per depth and rank
-            R = len(acc[0]) if acc else 10
+            R = len(self.acc[0]) if self.acc else 10
             self.topk = [max(R, *self.topk)] * len(self.topk)
         self.max_rows = max(self.max_rows, self.size(1 + max(planner.sizes), max(planner.sizes)))
         return self
@@ -94,9 +113,10 @@ class Drafter:
     def forward(self, f: Forward, nodes: Nodes) -> Out:
         return Out(f.logits(f.norm(f.layers(f.embed())), nodes.N))
 
-    def propose(self, draft_inputs: torch.Tensor, linear=None) -> torch.Tensor:
+    def propose(self, draft_inputs: torch.Tensor, linear=plain) -> torch.Tensor:
         """Logits per draft depth (B, K, V) from each sequence's last accepted node's draft inputs (B, K', D);
-        linear(layer, x): the device's form of a product (devices.Device.kernels: a draft's need not be AR's)."""
+        linear(layer, x): the device's form of a product (devices.Device.kernels, else plain: a draft's need not be
+        AR's)."""
         return draft_inputs
 
     def accepted(self, dec, tree: Tree, path: list[int]) -> None:
@@ -125,7 +145,7 @@ class Ranked(Drafter):
     def max_depth(self) -> int:
         """A tree over ranked candidates is at most one node per depth deep; a planner's trees reach
         every depth its prior covers (planner.Planner.start: the trainer's accuracies, else topk's)."""
-        return max(len(self.topk), len(getattr(self, "acc", None) or [])) if self.planner else len(self.topk)
+        return max(len(self.topk), len(self.acc or [])) if self.planner else len(self.topk)
 
     def own(self, budget: int | None = None) -> int:
         """Depths drafted by a step's own rows at budget (None: no planner, all of them)."""

@@ -28,11 +28,12 @@ import torch.nn.functional as F
 from . import NanospecError, compiled, devices, sizes
 from .cache import Block, KVCache, packed, unpacked
 from .devices import Device
-from .drafter import AR, Drafter
-from .model import Forward
+from .drafter import AR, Drafter, plain
+from .forward import Forward
 from .programs import of as programs_of
 from .sizes import check_prompt, check_room, shapes
-from .tree import Layout, Nodes, Sampler, Step, Tree, accept, pack_results, sample_verify, step_rows, unpack_results
+from .tree import Layout, Nodes, Tree, step_rows
+from .verify import Sampler, Step, accept, pack_results, sample_verify, unpack_results
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 HOST = torch.device("cpu")  # where a step is drafted and laid out
@@ -65,7 +66,7 @@ def draft(live: list[Decoding], drafter: Drafter):
     groups = {}
     for d in live:
         whole = (drafter if wide else stepper).draft(
-            d, d.cands, template or getattr(drafter, "template", None), None if wide else budget)
+            d, d.cands, template or drafter.template, None if wide else budget)
         s, tree = d.fit(stepper, whole.prefix(min(len(whole), budget + 1)) if wide else whole, budget)
         key = (id(s), None if d.room >= s.max_rows else len(tree))  # near the cache's end: no filler
         groups.setdefault(key, (s, []))[1].append((d, tree, whole))
@@ -94,7 +95,7 @@ def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nod
 
 
 def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, flat: torch.Tensor):
-    """A group's step on the device: the method's forward, then (greedy) each sequence's verification (tree.accept),
+    """A group's step on the device: the method's forward, then (greedy) each sequence's verification (verify.accept),
     the commit of its accepted keys (KVCache.commit) and its path end's drafts' top-k, as one tensor (pack_results)."""
     *blk, tokens, parent, depth, index, anc, real, cur, seqs = unpacked(flat, spec)
     f = Forward.on_cache(d.model, Block(*blk), d.cache, d.exact, seqs, d.tail, d.dev)
@@ -102,7 +103,7 @@ def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, fla
     out = drafter.forward(f, Nodes(tokens, lay, real.bool(), n, M))
     if not d.sampler.greedy:
         return out.logits, out.draft_inputs, out.depths, out.alive
-    if drafter.max_rows == 1:  # AR: its path is its root alone, accepted, its key already in place
+    if drafter.is_ar:  # its path is its root alone, accepted, its key already in place
         path, emitted = anc[:, 0], out.logits[:, :1].argmax(-1)
     else:
         path, emitted = accept(tokens, lay, out.logits, out.alive)  # (B, E) each
@@ -110,7 +111,7 @@ def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, fla
     if out.draft_inputs is None:
         return pack_results(path, emitted, alive=out.alive), out.logits
     last, b = path.max(-1).values, d.cache.ids[:len(path)]  # each path's deepest node (indices grow along a path)
-    cands = drafter.propose(out.draft_inputs[b, last], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices
+    cands = drafter.propose(out.draft_inputs[b, last], d.dev.kernels or plain).topk(max(drafter.topk), dim=-1).indices
     depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])  # cands (B, K, R)
     return pack_results(path, emitted, depth, cands, out.alive), out.logits
 
@@ -123,8 +124,8 @@ def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launche
     rows = [x.seq for x in decs] if d.block_batch else list(range(len(decs)))  # each sequence's index in the batch
     if d.sampler.greedy:
         (flat, logits), R = res, max(drafter.topk, default=1)
-        head = flat.tolist()  # the step's one read-back
-        found = [unpack_results(head[b], nodes.lay.anc.shape[-1], R, nodes.N if drafter.prunes else 0) for b in rows]
+        read = flat.tolist()  # the step's one read-back: a row per sequence
+        found = [unpack_results(read[b], nodes.lay.anc.shape[-1], R, nodes.N if drafter.prunes else 0) for b in rows]
     else:
         logits, found = res[0], sample_back(decs, drafter, trees, res, rows)
     took, results = time.perf_counter() - t0, []
@@ -149,7 +150,7 @@ def sample_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], res, 
     depth = [0] * len(decs)  # the depths each path's end drafted
     if draft_inputs is not None:
         b, ends = keep(rows), keep([p[-1] for p, _ in paths])
-        top = drafter.propose(draft_inputs[b, ends], d.dev.kernels).topk(max(drafter.topk), dim=-1).indices.cpu()
+        top = drafter.propose(draft_inputs[b, ends], d.dev.kernels or plain).topk(max(drafter.topk), -1).indices.cpu()
         depth = depths[b, ends].tolist() if depths is not None else [top.shape[1]] * len(decs)
     return [(p, e, top[i, :k], top[i, :k].tolist(), []) if k else (p, e, None, None, [])
             for i, ((p, e), k) in enumerate(zip(paths, depth))]
@@ -319,8 +320,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     Q, S, W = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots, tail)
     eos = model.args.eos_id if eos_id is None else eos_id
     batch = min(batch or len(prompts), len(prompts))
-    N = sizes.block_batch(block_batch, batch, exact, dev)
-    w = model.embed.weight
+    N, w = sizes.block_batch(block_batch, batch, exact, dev), model.embed.weight
     make = lambda: KVCache.for_model(model, S, N or batch, dev)
     cache = programs.cache(model, (S, N or batch, w.dtype, w.device), make) if programs else make()
     reserved = cache.reserve(drafter.reserved_slots)
@@ -359,7 +359,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
             logits[d].append(r.logits)  # None unless record_logits
             outs[d].steps += 1
             outs[d].accepted.append(len(toks))
-            if budget == 0 or drafter.max_rows == 1:  # an AR step: the planner's (a budget of 0), or AR's own
+            if budget == 0 or drafter.is_ar:  # an AR step: the planner's (a budget of 0), or AR's own
                 outs[d].ar_steps.append((len(live), secs))
             stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \
                 "cache_full" if d.room < 1 else None

@@ -21,12 +21,36 @@ Both rows read the slots below p - W + 1 in place, as S columns of scores in slo
 keys into W more columns. The columns hold the same keys (a tree's ancestors hold AR's keys, by induction over
 depth), masked keys sit at the same columns for both, and a masked score is -inf, whose weight exp(-inf) is exactly
 0: adding zeros leaves a sum's bits alone. The scores, the softmax over S + W columns and the weighted sums are then
-one kernel over the same shapes and the same numbers, so AR's row and the tree's agree bit for bit; the rows beside
-a row (its block of Q rows, the block batch of sequences) change no shape (engine.py pads both).
+one kernel over the same shapes and the same numbers, so AR's row and the tree's agree bit for bit.
+
+The output is two partial sums: the S columns' (`bmm`), then the W columns' added to it (`baddbmm`). A float sum
+rounds as it goes, so its bits depend on where it is split: both rows split at p - W + 1, which the position alone
+fixes, so the first sum adds the same terms (the same keys, zeros elsewhere) and the second adds the same W terms
+to the same value. Zeros are only zeros if every masked slot holds a finite key and value: a weight of 0 times an
+inf or a NaN is NaN, and -inf plus an infinite score is NaN. The cache is allocated zeroed and only rows' keys and
+values are written to it (padding rows into the trash slot, padding columns left zero), so every slot is finite.
+
+The rest of the layer: the products (q, k, v, o; gate, up, down; the lm_head), the norms and the elementwise
+kernels (SiLU, RoPE's cos and sin) act on each row alone, so a row gets AR's bits if each kernel gives a row the
+same bits wherever it sits: at any index of its block, beside any rows, in any batch. That is each device's
+guarantee, kept in devices.py and the core:
+- a product's row independent of its index: a CPU's BLAS takes paths by a row's alignment (devices.CPU.aligned pads
+  every row to 64 bytes; forward.Context.linear applies it to each exact product) and MKL computes the last rows of
+  a 5-11 row product on another path (devices.MIN_BLOCK: Q is at least 16);
+- a product's row independent of the total rows: cuBLAS picks its kernel by them (devices.CUDA.block_batch), so a
+  forward always runs the same total, Q rows per sequence (Block.pad) for a fixed batch of sequences' blocks, idle
+  ones padded (sizes.block_batch and engine.stack);
+- an elementwise kernel the same code path for every element: a CPU's vectorised kernels end a thread's run with a
+  scalar loop (devices.CPU.elementwise pads rows to 64 elements and calls one thread's worth at a time);
+- attention's kernels over the same shapes: Q rows, S + W columns, the slots and head width laid out at the
+  device's grain (devices.Device.grain: every score and value row aligned alike on a CPU).
+A GPU's kernels (the base devices.Device) apply the same code to every row and element of a fixed shape: it needs
+the fixed total alone. Norms reduce within a row in one kernel over the block's fixed shape on every device.
 
 What breaks it: a W shorter than a row's path (its ancestors would be read in place, in slot order, not by depth:
-the engine refuses such a tree), a key in another column (an off-by-one at the window's or the tail's edge), and a
-kernel whose reduction depends on the total rows (a device's: devices.py keeps each product's rows fixed).
+the engine refuses such a tree), a key in another column (an off-by-one at the window's or the tail's edge), a
+split of the output's sum at another key, a non-finite value in a masked slot, and a kernel whose bits depend on a
+row's index or the total rows (the device's guarantee above).
 """
 from dataclasses import dataclass
 
@@ -58,13 +82,19 @@ def canonical(prefix, extra, gone, S: int, W: int, Hkv: int, G: int, ids, dtype)
     in_place = slot < start.clamp(max=prefix)  # the committed slots before the tail, in slot order
     if gone is not None:  # keys out of the window: committed ones by their slot, which is their position
         committed = ids[:W] < prefix - start  # the tail's committed part
-        tail = torch.where(committed & (tail <= gone), -1, tail)
-        in_place &= slot > gone
+        tail = torch.where(committed & left_window(tail, gone), -1, tail)
+        in_place &= ~left_window(slot, gone)
     # a row with more own keys than W (never a verified row: the engine refuses it) reads its first ones in place
     early = (ids[:E] < start - prefix) & (extra >= 0)
     in_place = in_place.scatter_(-1, torch.where(early, extra, ids[S]), True)[..., :S]
     heads, in_place, gathered = ids[:Hkv, None, None], mask(in_place, Hkv, G, dtype), mask(tail >= 0, Hkv, 1, dtype)
     return Canonical(tail.clamp(min=0)[:, None], heads, in_place.view(-1, T * G, S), gathered.view(-1, 1, W))
+
+
+def left_window(pos: torch.Tensor, gone: torch.Tensor) -> torch.Tensor:
+    """Which positions (committed slot j holds position j) a row whose last position out of the window is gone no
+    longer sees."""
+    return pos <= gone
 
 
 def mask(seen: torch.Tensor, Hkv: int, G: int, dtype) -> torch.Tensor:
@@ -76,7 +106,7 @@ def mask(seen: torch.Tensor, Hkv: int, G: int, dtype) -> torch.Tensor:
 @torch.no_grad()  # inference only: the scores are written into one buffer (out=), which autograd does not follow
 def attend(q, kv, ctx):
     """q (B, T, Hkv, G, D), query head h * G + g using key head h; kv (2, B', Hkv, S, D') keys and values (D' >= D: a
-    cache's head width may be padded); ctx: the forward's (model.Context: its cache rows, and its Canonical). Each
+    cache's head width may be padded); ctx: the forward's (forward.Context: its cache rows, and its Canonical). Each
     row's scores: the S slots read in place, then its W gathered keys (module docstring)."""
     (B, T, Hkv, G, D), (S, Dc), c = q.shape, kv.shape[-2:], ctx.order
     W = c.tail_slots.shape[-1]

@@ -1,5 +1,6 @@
 """RoPE's inverse frequencies: unscaled, or scaled linearly or as Llama 3.1 does. The model keeps the constants
-(Llama.init_rope), turns a block's positions into angles (Llama.rope) and rotates queries and keys (apply_rope).
+(model.Llama.init_rope), forward.angles turns a block's positions into angles, and model.apply_rope rotates queries
+and keys.
 """
 import math
 

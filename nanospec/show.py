@@ -2,7 +2,7 @@
 drafted token under its parent, the accepted path marked, the model's own next token after it (the bonus), and where
 the drafts came from (Lookahead: the context's suffix the trie matched; ProPD: the nodes pruned before verification).
 
-It draws what the step already holds on the host (engine.generate's on_step gets a tree.Step): drawing reads nothing
+It draws what the step already holds on the host (engine.generate's on_step gets a verify.Step): drawing reads nothing
 back from the device and runs no forward, so a run with it emits what a run without it does.
 """
 import html

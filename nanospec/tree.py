@@ -1,4 +1,4 @@
-"""Draft trees: build, lay out as rows, choose a shape, verify.
+"""Draft trees: build, lay out as rows, choose a shape (verify.py verifies them).
 
 A tree's node 0 is the root: the last emitted token, whose key/value is not in the cache yet.
 Every other node is a draft token; parents[i] < i. Plain AR decoding is the tree with the root
@@ -6,15 +6,13 @@ alone. A tree of n nodes becomes n rows at cache slots cur..cur+n-1, node i at p
 cur + depth(i), each seeing the committed prefix 0..cur-1 and then its ancestors by depth and
 itself: the canonical key order.
 
-A tree's shape is laid out once (`layout`, cached) and its tokens may live on the device: a
-Template (Medusa's sparse tree of candidate ranks) fills a fixed shape from the candidates the
-last step drafted without leaving the device. Greedy verification runs on the device too
-(`accept`), so a step needs one read-back: the accepted path.
+A tree's shape is laid out once (`Layout.of`, cached). A Template (Medusa's sparse tree of
+candidate ranks) fills a fixed shape from the candidates the last step drafted, which that step's
+read-back brought to the host with its accepted path.
 """
 import functools
 import heapq
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +75,7 @@ class Groups:
 
 @functools.lru_cache(maxsize=4096)
 def step_rows(parents: tuple, groups: Groups, reserved: tuple, capacity: int, device):
-    """A step's rows at position 0, built once per shape (Decoding.block moves them to the current
+    """A step's rows at position 0, built once per shape (Decoding.prepare moves them to the current
     position): the tree's rows, then its groups (group_rows), which also see the reserved slots if
     asked. seq marks the visible slots that move with the position (the sequence's; reserved slots
     stay where they are)."""
@@ -92,7 +90,7 @@ def step_rows(parents: tuple, groups: Groups, reserved: tuple, capacity: int, de
 class Nodes:
     """A step's trees as the forward sees them, on the device: one per sequence of the batch, padded to N nodes (Q in
     exact mode), then groups of M rows (Groups) from row n for every sequence (a smaller tree's rows up to n are
-    filler: Decoding.block)."""
+    filler: Decoding.prepare)."""
     tokens: torch.Tensor  # (B, N) -1 for padding (one sequence's alone: (N,))
     lay: "Layout"         # each field with the batch dim first
     real: torch.Tensor    # (B, N) bool
@@ -198,7 +196,7 @@ def choose_tree(acc: list[list[float]], size: int, allowed=None) -> list[tuple[i
 
 class Template:
     """A fixed tree shape over ranked candidates: path (r_1, ..., r_d) is the branch cands[0][r_1],
-    ..., cands[d-1][r_d]. Laid out once; each step only gathers the tokens, on the device."""
+    ..., cands[d-1][r_d]. Laid out once; each step only gathers the tokens."""
 
     def __init__(self, paths):
         self.paths = [tuple(p) for p in paths]
@@ -258,115 +256,10 @@ def chain_end(parents: tuple) -> int:
     return h
 
 
-# --- verification ----------------------------------------------------------------------------------
-
-def accept(tokens, lay: Layout, logits, alive=None):
-    """Greedy verification on the device, every tree of a batch (B, N) at once: the longest path AR agrees with.
-    A node is accepted when its token is its parent's argmax and its parent is accepted; the deepest accepted
-    node wins (the first, among unmerged duplicate branches). Returns (path (B, E) node indices, root first,
-    -1 padded; emitted (B, E) the tokens that path emits: its drafts, then the target at its end)."""
-    target = logits.argmax(-1)  # (B, N)
-    ok = (tokens == target.gather(1, lay.parent.clamp(min=0))) | (lay.parent < 0)  # the root is accepted
-    if alive is not None:
-        ok = ok & alive
-    anc = lay.anc  # (B, N, E)
-    good = (ok.gather(1, anc.clamp(min=0).flatten(1)).view(anc.shape) | (anc < 0)).all(-1) & (tokens >= 0)
-    last = torch.argmax(good * (lay.depth + 1), -1)  # (B,) padding nodes hold token -1; no host sync
-    path = anc.gather(1, last[:, None, None].expand(-1, 1, anc.shape[-1]))[:, 0]
-    return path, torch.where(path >= 0, target.gather(1, path.clamp(min=0)), -1)
-
-
-def pack_results(path, emitted, depth=None, cands=None, alive=None) -> torch.Tensor:
-    """A greedy step's results as one tensor (B, X), for its one read-back: per sequence, the accepted path (E,)
-    and its tokens (E,), both -1 padded, then, for a method that drafts, the depths drafted (1,) and the next
-    candidates (K, R), then, for one that prunes (ProPD), which nodes it verified (N,)."""
-    more = [depth[:, None], cands.flatten(1)] if cands is not None else []
-    return torch.cat([path, emitted] + more + ([alive.long()] if alive is not None else []), -1)
-
-
-def unpack_results(head: list, E: int, R: int, N: int = 0):
-    """pack_results's for one sequence, read back (head: its row as a host list; N: nodes verified or not): (path,
-    emitted tokens, the candidates of the depths drafted as a host tensor (D, R) and as lists, or None and None, the
-    nodes left unverified)."""
-    path = [i for i in head[:E] if i >= 0]
-    emitted = head[E:E + len(path)]
-    depth = head[2 * E] if len(head) > 2 * E + N else 0
-    pruned = [i for i, a in enumerate(head[len(head) - N:]) if not a] if N else []
-    if not depth:
-        return path, emitted, None, None, pruned
-    lists = [head[2 * E + 1 + d * R:2 * E + 1 + (d + 1) * R] for d in range(depth)]
-    return path, emitted, torch.tensor(lists), lists, pruned
-
-
-class Step(NamedTuple):
-    """One sequence's step as the host holds it (what engine.generate's on_step gets)."""
-    tree: Tree                     # the tree verified
-    path: list[int]                # the accepted path's nodes, root first
-    tokens: list[int]              # the tokens emitted: the path's drafts, then the bonus
-    budget: int | None             # the planner's (None: no planner)
-    rows: int                      # the sequence's rows: the tree's nodes, then the method's own
-    pruned: list[int]              # the tree's nodes left unverified (ProPD)
-    logits: torch.Tensor | None    # the emitted tokens' logits, if recorded
-    whole: Tree                    # the whole draft, before trimming to the budget (the planner scores it)
-
-
-class Sampler:
-    """Greedy (temperature 0) or seeded sampling with one uniform per output position.
-
-    Output position i always uses uniform u[i] of the seeded stream, whatever the method,
-    so sampling at an accepted tree node is exactly what AR does at that position.
-    """
-
-    def __init__(self, temperature=0.0, top_k=0, top_p=1.0, seed=0, n=4096):
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        g = torch.Generator().manual_seed(seed)
-        self.u = torch.rand(n, generator=g, dtype=torch.float64).tolist()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def pick(self, logits: torch.Tensor, i: int) -> int:
-        if self.greedy:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.double() / self.temperature, -1)
-        probs, ids = probs.sort(descending=True, stable=True)
-        if self.top_k:
-            probs[self.top_k:] = 0
-        if self.top_p < 1.0:  # keep the smallest head of the ranking whose mass reaches top_p
-            probs[probs.cumsum(0) - probs >= self.top_p] = 0
-        cdf = probs.cumsum(0)
-        j = torch.searchsorted(cdf, self.u[i] * cdf[-1], right=True)
-        return int(ids[min(int(j), int((probs > 0).sum()) - 1)])
-
-
-def sample_verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int, alive=None):
-    """Verification on the host, walking the tree (sampling; `accept` is the greedy device version).
-
-    logits (n, V) are the tree rows' logits; n_out is the number of tokens emitted so far. At
-    each node on the path the target is what AR would emit there (sampled with that position's
-    uniform); descend while a child carries it, trying each where unmerged branches put several.
-    Returns (path of node indices from the root, emitted tokens: the path's drafts, then the target).
-    """
-    tokens, n = tree.token_list(), len(tree)
-    alive = [True] * n if alive is None else alive.tolist()
-    kids = [[] for _ in range(n)]
-    for i in range(1, n):
-        if alive[i]:
-            kids[tree.parents[i]].append(i)
-    logits = logits.cpu()
-
-    def walk(node, pos):  # the longest accepted path below node, whose target is output position pos
-        t = sampler.pick(logits[node], pos)
-        best = ([node], [t])
-        for child in kids[node]:
-            if tokens[child] == t:
-                path, out = walk(child, pos + 1)
-                if len(path) + 1 > len(best[0]):
-                    best = ([node, *path], [t, *out])
-        return best
-
-    return walk(0, n_out)
+def group_row_index(n: int, H: int, M: int, device=None) -> torch.Tensor:
+    """(M, H): the row of host h's group row i in a step's block (group_rows' layout: after the n tree rows, host by
+    host)."""
+    return n + torch.arange(H * M, device=device).view(H, M).t()
 
 
 def group_rows(blk: Block, hosts: list[int], M: int, reserved=None, chained: bool = True) -> Block:
@@ -379,7 +272,7 @@ def group_rows(blk: Block, hosts: list[int], M: int, reserved=None, chained: boo
     h = torch.tensor(hosts, device=dev)
     i = torch.arange(M, device=dev)
     pos = (blk.pos[0, h][:, None] + 1 + i).reshape(1, H * M)
-    slots = blk.slots[-1:] + 1 + torch.arange(H * M, device=dev)  # on the device: no host read
+    slots = blk.slots[-1:] + 1 + torch.arange(H * M, device=dev)  # on the device: no host read (group_row_index's)
     group = slots.view(H, 1, M).expand(H, M, M)
     sees = i[None, None] <= i[None, :, None] if chained else i[None, None] == i[None, :, None]
     group = torch.where(sees, group, -1)

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nanospec import cli, devices
 from nanospec.cache import Block, KVCache
 from nanospec.engine import AR, Decoding, Drafter, generate, launch_step, lay_out, shapes
+from nanospec.forward import context, run
 from nanospec.methods.bita import BiTA, Tuning
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
 from nanospec.methods.lookahead import Lookahead
@@ -26,8 +27,9 @@ from nanospec.methods.medusa import Heads, Medusa
 from nanospec.methods.propd import EarlyHead, ProPD
 from nanospec.methods.sdsat import SDSAT, Delta
 from nanospec.model import Llama, ModelArgs
-from nanospec.tree import Groups, Sampler, Tree, choose_tree
+from nanospec.tree import Groups, Tree, choose_tree
 from nanospec.tuning.costs import Measured
+from nanospec.verify import Sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 PYLM = ROOT / "weights" / "pylm"  # the shipped default model and its drafters
@@ -208,7 +210,7 @@ def use_programs(monkeypatch, kind: str, programs) -> None:
 def full_logits(model, ids, exact, dev=None):
     """Logits for every position of ids, as one chain block (dev: the device's layout and speed, devices.py)."""
     cache = KVCache.for_model(model, len(ids) + 1, dev=dev)
-    return model(Tree.chain(ids[0], ids[1:]).block(0, model.embed.weight.device), cache, exact, dev=dev)[0]
+    return run(model, Tree.chain(ids[0], ids[1:]).block(0, model.embed.weight.device), cache, exact, dev=dev)[0]
 
 
 def rows_by_index(model, seed: int, T: int, device="cpu"):
@@ -223,8 +225,8 @@ def rows_by_index(model, seed: int, T: int, device="cpu"):
 
     def rows(tok, p):
         blk = Block(tok, p, slots, torch.zeros_like(p), slots.view(1, T, 1)).to(device)
-        ctx = model.context(blk, T, exact=True)
-        return model(blk, None, exact=True)[0], ctx.cos[0], ctx.sin[0]
+        ctx = context(model, blk, T, exact=True)
+        return run(model, blk, None, exact=True)[0], ctx.cos[0], ctx.sin[0]
     for name, a, b in zip(("logits", "cos", "sin"), rows(tokens, pos), rows(tokens[:, perm], pos[:, perm])):
         assert torch.equal(a[perm], b), f"a row's {name} depend on its index"
 

@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 import helpers
 from helpers import ARGS, EOS, FAMILIES, METHODS, batch_drafter, check_batch, drafter, family_args, random_model
-from nanospec import engine
-from nanospec import model as model_mod
+from nanospec import engine, forward
 from nanospec.engine import Decoding, generate
 
 prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1, max_size=14), min_size=1, max_size=5)
@@ -56,14 +55,14 @@ def test_a_sequence_reading_its_neighbours_slot_is_caught(monkeypatch, device):
     model = random_model(ARGS, seed=1, device=device)
     prompts = [[3, 9, 4, 1], [8, 2, 6, 10, 11]]
     check_batch(model, prompts, drafter("medusa", model), 12)
-    attend = model_mod.attend_exact
+    attend = forward.attend_exact
 
     def leaky(q, kv, ctx):
         if q.shape[0] > 1:  # sequence 0 sees sequence 1's key at slot 0
             kv = kv.clone()
             kv[0, 0, :, 0] = kv[0, 1, :, 0]
         return attend(q, kv, ctx)
-    monkeypatch.setattr(model_mod, "attend_exact", leaky)
+    monkeypatch.setattr(forward, "attend_exact", leaky)
     with pytest.raises(AssertionError, match="sequence 0"):
         check_batch(model, prompts, drafter("medusa", model), 12)
 

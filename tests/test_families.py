@@ -83,14 +83,14 @@ def test_planted_faults_are_caught(checkpoints, monkeypatch):
         ours.args.sliding_window += off
         assert logits_gap(hf, ours, exact=True) > 1e-2 and logits_gap(hf, ours, exact=False) > 1e-2
     hf, path = checkpoints["qwen3"]
-    norm, rope, pending = llama.RMSNorm.forward, llama.apply_rope, []
+    norm, rope, pending = llama.rms_norm, llama.apply_rope, []
 
-    def unweighted(self, x, weight=None):  # q's and k's norm without its weight, which then follows RoPE
-        if weight is None:
-            return norm(self, x)
+    def unweighted(x, weight, eps):  # q's and k's norm (B, T, Hkv, G + 1, D) without its weight, which follows RoPE
+        if x.dim() == 3:  # a layer's norm
+            return norm(x, weight, eps)
         pending.append(weight)
-        return norm(self, x, torch.ones_like(weight))
-    monkeypatch.setattr(llama.RMSNorm, "forward", unweighted)
+        return norm(x, torch.ones_like(weight), eps)
+    monkeypatch.setattr(llama, "rms_norm", unweighted)
     monkeypatch.setattr(llama, "apply_rope", lambda x, cos, sin: pending.pop() * rope(x, cos, sin))
     assert logits_gap(hf, load(path), exact=True) > 1e-2
 

@@ -223,7 +223,7 @@ def test_a_host_constant_planted_in_any_step_program_is_refused(name, simulate):
 
 
 def root_written(accept):
-    """tree.accept with its root flag written by index, as it was: a Python scalar put into a device mask. The
+    """verify.accept with its root flag written by index, as it was: a Python scalar put into a device mask. The
     mask it writes is accept's own (the root, row 0, accepted), passed on as `alive`, so the result is unchanged."""
     def planted(tokens, lay, logits, alive=None):
         ok = tokens == logits.argmax(-1).gather(1, lay.parent.clamp(min=0))
@@ -245,7 +245,7 @@ def rows_written(transfer):
 @pytest.mark.parametrize("module, name, plant", [(engine, "accept", root_written),
                                                  (hidden_transfer, "transfer", rows_written)])
 def test_the_host_writes_an_h100_found_are_caught_when_planted_back(simulate, monkeypatch, module, name, plant):
-    """The two host writes that crashed every method's CUDA default at capture (tree.accept's root flag, Hidden
+    """The two host writes that crashed every method's CUDA default at capture (verify.accept's root flag, Hidden
     Transfer's active rows), planted back where the step looks its function up: the stand-in refuses them, and
     passes the step without them."""
     def decode():  # a fresh model each time: no program traced before
@@ -261,7 +261,7 @@ def test_the_host_writes_an_h100_found_are_caught_when_planted_back(simulate, mo
 
 def test_the_bench_copies_drafters_without_their_graphs(simulate, monkeypatch):
     """The bench copies each drafter after graphs exist (warm-up, a batch's second pass, the kernel timing): the runs
-    still match AR. A copy shares the model's modules it borrows (medusa.Borrowed), never copies them: a copy
+    still match AR. A copy shares the model's modules it borrows (drafter.Borrowed), never copies them: a copy
     of the model would double its memory; planted (a plain list), the copy holds a model of its own."""
     import copy
 

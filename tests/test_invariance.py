@@ -89,14 +89,14 @@ def test_a_block_batch_is_what_cuda_runs_by_default():
 
 def test_a_lone_sequence_runs_the_whole_block(monkeypatch):
     """Every exact forward, prefill included, of a lone sequence with block_batch=3 runs 3 x Q rows."""
-    from nanospec import model as model_mod
+    from nanospec import forward
     model = random_model(ARGS, seed=1)
-    shapes_seen, on_cache = set(), model_mod.Forward.on_cache.__func__
+    shapes_seen, on_cache = set(), forward.Forward.on_cache.__func__
 
     def spy(cls, model, block, *a, **k):
         shapes_seen.add(tuple(block.tokens.shape))
         return on_cache(cls, model, block, *a, **k)
-    monkeypatch.setattr(model_mod.Forward, "on_cache", classmethod(spy))
+    monkeypatch.setattr(forward.Forward, "on_cache", classmethod(spy))
     Q, S, W = shapes([batch_drafter("medusa", model)], 20, 8)
     generate(model, list(range(1, 21)), batch_drafter("medusa", model), max_new_tokens=8, exact=True, Q=Q,
              n_slots=S, block_batch=3)

@@ -11,6 +11,7 @@ from helpers import full_logits, keys_in_order, model_args, random_model, rows_b
 from nanospec import NanospecError, devices
 from nanospec.cache import Block, KVCache
 from nanospec.engine import generate
+from nanospec.forward import angles, context, run
 from nanospec.io.checkpoint import from_hf_config, load, load_args, save, to_hf_config
 from nanospec.model import Llama, ModelArgs
 from nanospec.tree import Tree
@@ -111,8 +112,8 @@ def test_a_bf16_model_rotates_with_fp32_rope_constants(tmp_path, cast):
         model = load(tmp_path, torch.bfloat16)
     pos = torch.arange(0, 8000, 7).view(1, -1)
     for dev in (None, devices.of("cpu")):  # fast mode's, and exact mode's on this device
-        fresh = Llama(args).rope(pos, dev)  # made at construction, in fp32
-        assert all(torch.equal(a, b.bfloat16()) for a, b in zip(model.rope(pos, dev), fresh))
+        fresh = angles(Llama(args), pos, dev)  # made at construction, in fp32
+        assert all(torch.equal(a, b.bfloat16()) for a, b in zip(angles(model, pos, dev), fresh))
     ids = torch.randint(0, 61, (300,), generator=torch.Generator().manual_seed(0)).tolist()  # fast mode: bf16's
     assert (full_logits(model, ids, False).float() - full_logits(ref, ids, False)).abs().max() < 0.3  # exact is slow
 
@@ -156,7 +157,7 @@ def test_batch_rows_are_independent():
     blk = Tree.chain(a[0], a[1:]).block(0)
     blk.tokens = torch.tensor([a, b])
     blk.pos, blk.prefix, blk.extra = (t.expand(2, *t.shape[1:]) for t in (blk.pos, blk.prefix, blk.extra))
-    both = model(blk, KVCache.for_model(model, 13, batch=2), False)
+    both = run(model, blk, KVCache.for_model(model, 13, batch=2), False)
     torch.testing.assert_close(both[0], one[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both[1], one[1], rtol=1e-5, atol=1e-5)
 
@@ -172,7 +173,7 @@ def test_exact_rows_read_their_keys_in_canonical_order():
     extra = torch.stack([F.pad(tree.extra[0], (0, 1), value=-1), F.pad(tree.extra[0], (1, 0), value=9)])
     block = Block(tree.tokens.expand(2, 3), tree.pos.expand(2, 3), tree.slots, torch.tensor([[5] * 3, [2] * 3]), extra)
     for tail in (1, 2, 16):  # all but itself read in place; a root's and its child's keys gathered; all gathered
-        ctx = model.context(block, 10, True, tail=tail)
+        ctx = context(model, block, 10, True, tail=tail)
         for b, keys in enumerate([[list(range(5)) + p for p in paths], [[0, 1, 9] + p for p in paths]]):
             for t, canonical in enumerate(keys):
                 assert keys_in_order(ctx, b, t) == canonical

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from helpers import ARGS, METHODS, AlignedProducts, batch_drafter, family_args, full_logits, random_model
-from nanospec import devices, engine
-from nanospec import model as llama
+from nanospec import devices, engine, forward
 from nanospec.engine import Decoding
 from nanospec.model import ModelArgs
 from nanospec.sizes import shapes
@@ -39,8 +38,8 @@ def test_ar_ops_per_layer_are_pinned(dtype):
 
 
 def test_an_op_added_to_every_layer_is_counted(monkeypatch):
-    forward = llama.Layer.forward
-    monkeypatch.setattr(llama.Layer, "forward", lambda self, x, *a: forward(self, x * 1.0, *a))  # a planted op
+    layer = forward.exact_layer
+    monkeypatch.setattr(forward, "exact_layer", lambda lay, x, *a: layer(lay, x * 1.0, *a))  # a planted op
     assert per_layer("ar") == AR_PER_LAYER[torch.float32] + 1
 
 
@@ -62,7 +61,8 @@ def test_counting_leaves_exact_mode_as_it_found_it():
     def exact_mode():
         with AlignedProducts():
             logits = full_logits(model, [3, 9, 4, 1, 7, 12, 5, 8], True)
-        return dict(devices.DEVICES), model.context(Tree.chain(3).block(0), 40, True).order.tail_slots.shape, logits
+        keys = forward.context(model, Tree.chain(3).block(0), 40, True).order.tail_slots.shape
+        return dict(devices.DEVICES), keys, logits
     programs, keys, logits = exact_mode()
     step_ops(model)
     after = exact_mode()
@@ -94,12 +94,12 @@ def test_a_step_writes_no_copy_of_the_cache_per_row(name):
 
 
 def test_a_copy_of_the_cache_per_row_is_counted(monkeypatch):
-    attend = llama.attend_exact
+    attend = forward.attend_exact
 
     def copying(q, kv, ctx):  # planted: every row's own copy of its sequence's keys and values
         kv.unsqueeze(2).expand(-1, -1, q.shape[1], -1, -1, -1).contiguous()
         return attend(q, kv, ctx)
-    monkeypatch.setattr(llama, "attend_exact", copying)
+    monkeypatch.setattr(forward, "attend_exact", copying)
     assert written_per_row_and_slot("ar") > 1
 
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from nanospec.tree import Sampler
+from nanospec.verify import Sampler
 
 LOGITS = torch.tensor([2.0, 1.0, 0.0, -0.5, -1.5, -3.0])  # already in rank order: token i is rank i
 N, SEED = 20000, 0

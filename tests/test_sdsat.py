@@ -10,8 +10,9 @@ from helpers import check_exact, descend, model_args, noisy, peek, random_model
 from nanospec import NanospecError
 from nanospec.cache import Block, KVCache
 from nanospec.engine import Decoding, generate, lay_out
+from nanospec.forward import Forward
 from nanospec.methods.sdsat import SDSAT, Delta, adaptive_logits, adaptive_rows, starts
-from nanospec.model import Forward, ModelArgs
+from nanospec.model import ModelArgs
 from nanospec.training.forced import targets
 from nanospec.tree import Tree
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from helpers import check_exact, descend, model_args, random_model
 from nanospec import NanospecError
+from nanospec.forward import run
 from nanospec.methods import model_dir
 from nanospec.methods.sdsat import SDSAT
 from nanospec.methods.sdsat_full import mask, sdsat_loss
@@ -68,7 +69,7 @@ def test_improved_loss_trains_plain_halves_fully_and_mixed_halves_on_adaptive_ro
     loss, _ = sdsat_loss(model, x[:2], x[2:], args, [4], torch.Generator().manual_seed(1))
     mixed, rep = mask(x[2:, :-1], 4, 0.2, [4], torch.Generator().manual_seed(1))
     from nanospec.training.loop import causal
-    logits = model(causal(torch.cat([x[:2, :-1], mixed])))
+    logits = run(model, causal(torch.cat([x[:2, :-1], mixed])))
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="none").view(4, 32)
     assert rep.any() and torch.allclose(loss, 0.5 * (ce[:2].mean() + ce[2:][rep].mean()))
     basic, _ = sdsat_loss(model, x[:2], x[2:], argparse.Namespace(loss="basic", window=4, mask_rate=0.2), [4],

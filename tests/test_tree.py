@@ -3,8 +3,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import from_branches, keys_in_order, path_to
+from nanospec.forward import context
 from nanospec.model import Llama, ModelArgs
-from nanospec.tree import Layout, Sampler, Template, Tree, accept, product_paths, sample_verify
+from nanospec.tree import Layout, Template, Tree, product_paths
+from nanospec.verify import Sampler, accept, sample_verify
 
 branches_st = st.lists(st.lists(st.integers(0, 4), max_size=5), max_size=8)
 
@@ -39,7 +41,7 @@ def test_block_rows_see_exactly_prefix_ancestors_and_self(branches, cur, tail):
     assert blk.slots.tolist() == list(range(cur, cur + len(t)))
     model = Llama(ModelArgs(dim=8, n_layers=1, n_heads=2, vocab_size=10, hidden_dim=8))
     S = cur + len(t) + 1
-    exact, fast = model.context(blk, S, True, tail=tail), model.context(blk, S, False)
+    exact, fast = context(model, blk, S, True, tail=tail), context(model, blk, S, False)
     for i in range(len(t)):
         path = path_to(t, i)
         assert blk.pos[0, i] == cur + len(path) - 1

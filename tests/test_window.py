@@ -6,16 +6,14 @@ Against transformers' own Mistral checkpoints with windows shorter than the tail
 several times longer, on prompts that outrun the window: logits at every position (the prefill's chunks and each
 decoded token) and greedy ids, in exact and fast mode; a Lookahead and a Medusa step past the window bitwise AR's in
 exact mode (fp32 and bf16). Each planted off-by-one, at the edge of the keys read in place and at the tail's, is
-caught: the plant rewrites one comparison of `exact.canonical`'s source in a copy, never the file."""
-import inspect
+caught: the plant moves `exact.left_window`'s comparison by one, for the keys read in place or for the tail alone."""
 from unittest import mock
 
 import pytest
 import torch
 
 from helpers import hf_family, peek
-from nanospec import devices, exact
-from nanospec import model as llama
+from nanospec import devices, exact, forward
 from nanospec.drafter import AR
 from nanospec.engine import Decoding, generate, shapes
 from nanospec.io.checkpoint import load
@@ -40,13 +38,17 @@ def mistral(tmp_path_factory):
     return out
 
 
-def planted(monkeypatch, old: str, new: str) -> None:
-    """exact.canonical with one comparison rewritten (old -> new), from a copy of its source, as the model calls it."""
-    src = inspect.getsource(exact.canonical)
-    assert src.count(old) == 1, f"{old!r} is not in exact.canonical: plant the fault in the code that replaced it"
-    scope = {}
-    exec(compile(src.replace(old, new), exact.__file__, "exec"), vars(exact), scope)
-    monkeypatch.setattr(llama, "canonical", scope["canonical"])
+def planted(monkeypatch, where: str) -> list:
+    """exact.left_window one key late (`<` for `<=`: a row keeps the key that just left its window) where `where`
+    says: "in place", the slots read in place (canonical asks of them as one row, (S + 1,)), or "tail", the gathered
+    keys (B, T, W)."""
+    left, calls = exact.left_window, []
+
+    def late(pos, gone):
+        calls.append(pos.dim())
+        return (pos < gone) if (pos.dim() == 1) == (where == "in place") else left(pos, gone)
+    monkeypatch.setattr(exact, "left_window", late)
+    return calls
 
 
 def our_logits(model, exact: bool) -> tuple[torch.Tensor, list[int]]:
@@ -85,7 +87,7 @@ def test_the_windows_are_measured_against_the_tail_in_use(mistral, monkeypatch):
         order = canonical(*args, **kwargs)
         seen.add(order.tail_slots.shape[-1])
         return order
-    monkeypatch.setattr(llama, "canonical", spy)
+    monkeypatch.setattr(forward, "canonical", spy)
     model = load(mistral[TAIL][1])
     for d in [None, *methods(model).values()]:
         generate(model, PROMPT[:20], d, max_new_tokens=4, exact=True, eos_id=-1)
@@ -122,15 +124,15 @@ def test_tree_steps_past_the_window_are_ar_bitwise(mistral, method, window, dtyp
 
 @pytest.mark.parametrize("name", ["tail", "tail+1", "3tail+5"])
 def test_a_key_kept_at_the_edge_read_in_place_is_caught(mistral, name, monkeypatch):
-    """`> gone` -> `>= gone`: a row reads in place one key that left its window."""
+    """A row reads in place one key that left its window."""
     hf, path = mistral[WINDOWS[name]]
-    planted(monkeypatch, "in_place &= slot > gone", "in_place &= slot >= gone")
-    assert not agrees(hf, load(path), exact=True)
+    calls = planted(monkeypatch, "in place")
+    assert not agrees(hf, load(path), exact=True) and 1 in calls
 
 
 def test_a_key_kept_at_the_edge_of_the_tail_is_caught(mistral, monkeypatch):
-    """`tail <= gone` -> `tail < gone`: a row gathers into its tail one key that left its window (a window shorter than
-    the tail, where the edge falls in the tail)."""
+    """A row gathers into its tail one key that left its window (a window shorter than the tail, where the edge falls
+    in the tail)."""
     hf, path = mistral[WINDOWS["shorter"]]
-    planted(monkeypatch, "(tail <= gone)", "(tail < gone)")
-    assert not agrees(hf, load(path), exact=True)
+    calls = planted(monkeypatch, "tail")
+    assert not agrees(hf, load(path), exact=True) and 3 in calls

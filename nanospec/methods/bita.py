@@ -54,9 +54,9 @@ import torch.nn.functional as F
 from .. import NanospecError
 from ..cache import Block
 from ..drafter import Out, Ranked
+from ..forward import Forward
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
-from ..model import Forward
 from ..training.data import distill_args
 from ..training.forced import labelled, start, targets, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
@@ -120,7 +120,7 @@ class BiTA(Ranked):
         its P rows compute, causal among themselves from position 0."""
         slots, P = dec.reserved, len(dec.reserved_slots)
         if self.tune.prompting == "deep":
-            dec.cache.keep(dec.seq, slots, self.tune.key, self.tune.value)
+            dec.cache.write_reserved(dec.seq, slots, self.tune.key, self.tune.value)
         elif self.tune.prompting == "shallow":
             extra = torch.where(torch.arange(P)[None] <= torch.arange(P)[:, None], slots[None], -1)
             z = torch.zeros(1, P, dtype=torch.long)

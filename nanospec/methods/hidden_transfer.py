@@ -50,13 +50,13 @@ import torch.nn.functional as F
 
 from .. import NanospecError
 from ..drafter import Out, Ranked
+from ..forward import Forward
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
-from ..model import Forward
 from ..training.data import distill_args
 from ..training.forced import start, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
-from ..tree import Groups, Template, choose_tree
+from ..tree import Groups, Template, choose_tree, group_row_index
 
 ATTENTION = ("paper", "chain", "masked")
 
@@ -129,9 +129,8 @@ class HiddenTransfer(Ranked):
     def forward(self, f, nodes):
         n, k = nodes.n, nodes.M
         dev = f.block.tokens.device
-        rows = [n + torch.arange(n, device=dev) * k + i for i in range(k)]
-        x = f.embed()
-        h = transfer(f, self.tr, x, torch.arange(n, device=dev).expand(len(x), n), rows)
+        x = f.embed()  # every node hosts a group: pseudo row i of each is tree.group_row_index's row i
+        h = transfer(f, self.tr, x, torch.arange(n, device=dev).expand(len(x), n), list(group_row_index(n, n, k, dev)))
         logits = f.logits(h, max(nodes.N, n * (1 + k)))  # the tree's and the pseudo rows' in one product: one pass
         pseudo = logits[:, n:n * (1 + k)].view(len(h), n, k, -1)  # pseudo row i of a node drafts its depth i
         return Out(logits[:, :nodes.N], draft_inputs=pseudo)

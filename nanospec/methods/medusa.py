@@ -27,16 +27,16 @@ Choices where the papers are silent, and why:
   (RESULTS.md, "Medusa").
 - A generation's first step has no hidden state yet for the prompt's last token, so it drafts nothing (one AR step).
 
-One option is not Medusa-1's. With --token-input (the SmolLM2 heads) head k reads h + T_k e, e the embedding of
+One option is not Medusa-1's. With --token-input head k reads h + T_k e, e the embedding of
 x_{t+1}, the token the lm_head picks from h, and T_k a zero-initialised linear map. Under greedy decoding x_{t+1} is
 known when the heads run: it is the next tree's root, the token the verifying forward just emitted. A head that reads
-h alone has to recover that token, an argmax over the vocabulary, with a few small blocks; handed over, it lifts
-SmolLM2's heads at every depth (RESULTS.md, "SmolLM2 drafters"). Hydra (Ankner et al., 2024) and EAGLE feed drafted
+h alone has to recover that token, an argmax over the vocabulary, with a few small blocks; handed the token, every
+head is more often right (RESULTS.md, "SmolLM2 drafters"). Hydra (Ankner et al., 2024) and EAGLE feed drafted
 tokens back in the same way; this reads only the token that is certain, so the tree and its verification stay
 Medusa's, and the heads cost one gather and one small map more. Under sampling the emitted root is drawn, not the
 argmax: the heads still read the argmax, which can cost acceptance, never exactness.
 
-Another option is not Medusa-1's. With --draft-vocab N (the SmolLM2 heads) shared heads draft only the N tokens their
+Another option is not Medusa-1's. With --draft-vocab N shared heads draft only the N tokens their
 training targets use most, as FR-Spec (Zhao et al., 2025) does for EAGLE's head: at a few rows the heads' product
 reads the whole lm_head, drafting's largest cost at a large vocabulary on a CPU, while a model's own continuations
 use a small part of its tokens. The rows of those tokens are copied out once (Heads.narrowed) and every other token's
@@ -56,24 +56,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..drafter import Out, Ranked
+from ..drafter import Borrowed, Out, Ranked, plain
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
 from ..training.forced import labelled, targets, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import Template, choose_tree
-
-
-class Borrowed(list):
-    """The model's modules a drafter uses: deepcopy shares them (a copy would copy the model with its CUDA graphs)."""
-    def __deepcopy__(self, memo):
-        return self
-
-
-def plain(layer, x):
-    """A layer's product as the layer runs it."""
-    return layer(x)
 
 
 class Heads(nn.Module):
@@ -116,10 +105,10 @@ class Heads(nn.Module):
             x.append(y)
         return torch.stack(x)
 
-    def forward(self, h, e=None, linear=None, narrow: nn.Linear | None = None):
-        """(..., D) -> (K, ..., V): every head's logits. linear(layer, x): the products' form (propose: the device's;
-        None: the layer's own). narrow (Heads.narrowed): only the draft vocabulary's tokens scored, the others -inf."""
-        x, linear = self.states(h, e), linear or plain
+    def forward(self, h, e=None, linear=plain, narrow: nn.Linear | None = None):
+        """(..., D) -> (K, ..., V): every head's logits. linear(layer, x): the products' form (propose: the device's).
+        narrow (Heads.narrowed): only the draft vocabulary's tokens scored, the others -inf."""
+        x = self.states(h, e)
         if narrow is not None:
             out = x.new_full((*x.shape[:-1], self.shared[0].weight.shape[0]), -math.inf)
             return out.index_copy_(-1, self.vocab, linear(narrow, x))
@@ -150,15 +139,15 @@ class Medusa(Ranked):
         """One forward verifies the tree and gives every node's final state h: the heads' input."""
         return self.out(f, f.norm(f.layers(f.embed())), nodes.N)
 
-    def out(self, f, h, N: int, alive=None) -> Out:
+    def out(self, f, h, N: int) -> Out:
         """The nodes' logits and drafts: each node's h and, for token heads, the embedding of the token
         the node emits next (its logits' argmax: the next tree's root, were the path to end there)."""
         logits = f.logits(h, N)
         if self.heads.tok is None:
-            return Out(logits, draft_inputs=h[:, :N, None], alive=alive)
-        return Out(logits, draft_inputs=torch.stack([h[:, :N], f.model.embed(logits.argmax(-1))], 2), alive=alive)
+            return Out(logits, draft_inputs=h[:, :N, None])
+        return Out(logits, draft_inputs=torch.stack([h[:, :N], f.model.embed(logits.argmax(-1))], 2))
 
-    def propose(self, drafts, linear=None):  # (B, K, V): head k guesses the token k+1 after the next
+    def propose(self, drafts, linear=plain):  # (B, K, V): head k guesses the token k+1 after the next
         return self.heads(*drafts.unbind(1), linear=linear, narrow=self.narrow).transpose(0, 1)
 
 

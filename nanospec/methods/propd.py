@@ -52,6 +52,7 @@ What runs where: the forward with its pruning, verification and the heads' candi
 device program (a CUDA graph in exact mode on a GPU); planning and the acceptance statistics
 run on the host between steps, from the candidates the step reads back.
 """
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -146,7 +147,7 @@ class ProPD(Medusa):
         h = f.norm(f.layers(x, self.layer, None, active=alive))
         drafts = nodes.real & (nodes.lay.parent >= 0)  # the root is no draft
         self.pruning.add_(torch.stack([drafts.sum(), (drafts & ~alive).sum()]))
-        return self.out(f, h, N, alive)
+        return replace(self.out(f, h, N), alive=alive)
 
     def report(self) -> str:
         parts = [self.off] if self.off else []

@@ -9,7 +9,8 @@ k tokens in one forward. A loop of two forwards yields up to k+2 tokens (SDSAT.d
 - Draft step 2 (eqs. 2-3): the next token and the k drafts as a chain, verified as AR would. Unlike the paper, k
   adaptive tokens follow the chain's end too: when every draft is accepted they hold the next k drafts, and the
   next forward is a step 2 again, with no step 1 between; otherwise it is a step 1. A second group after the root would
-  spare that step 1 at a group of rows on every step; on a CPU, where a row is dear, it lost (RESULTS.md).
+  spare that step 1 at the price of a group of rows on every step: on a CPU, where a row is dear, more than it saves
+  (RESULTS.md).
 - Nucleus sampling (section 2.1.2): `width` > 1 makes step 2's chain a tree of each depth's top candidates.
 
 The paper fine-tunes every weight (sdsat_full.py: with the same data it drafts more per forward, RESULTS.md's "SDSAT
@@ -32,9 +33,9 @@ import torch.nn.functional as F
 
 from .. import NanospecError
 from ..drafter import Out, Ranked
+from ..forward import Forward
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
-from ..model import Forward
 from ..training.data import distill_args
 from ..training.forced import forced_items, targets
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, update
@@ -73,7 +74,7 @@ class Delta(nn.Module):
                  for role, keys in self.keys.items()} for i in range(self.n)]
 
     def on(self, rows, factors: list | None = None) -> list["Update"]:
-        """The update as a forward's per-layer `delta` (model.Context.delta) on rows (slice, index; None: all) of
+        """The update as a forward's per-layer `delta` (forward.Context.delta) on rows (slice, index; None: all) of
         every sequence; other rows keep the base products. factors: `factors()`, made once or now."""
         return [Update(rows, f) for f in (self.factors() if factors is None else factors)]
 
@@ -227,7 +228,7 @@ def adaptive_logits(model, delta: Delta, x: torch.Tensor, wins, diverse: bool, a
         for layer, kv in zip(model.layers, keys):
             h = layer(h, f.ctx, kv)
     which, pos, vis, lab = (t.to(dev) for t in adaptive_rows(x.cpu(), wins, diverse, ahead))
-    f = Forward.training(model, torch.zeros_like(pos), pos, vis, prefix=keys)
+    f = Forward.training(model, torch.zeros_like(pos), pos, vis, before=keys)
     h = f.norm(f.layers(delta.embed[which], delta=delta.on(None)))
     return model.lm_head(h), lab
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import NanospecError
+from ..forward import run
 from ..io.checkpoint import load as load_model
 from ..io.checkpoint import save
 from ..io.files import atomic_write, fingerprint, hardware
@@ -109,7 +110,7 @@ def sdsat_loss(model, plain: torch.Tensor, mix: torch.Tensor, args, ids: list[in
     inp, tgt = x[:, :-1], x[:, 1:]
     h = len(plain)
     mixed, replaced = mask(inp[h:], args.window, args.mask_rate, ids, gen)
-    logits = model(causal(torch.cat([inp[:h], mixed]))).float()
+    logits = run(model, causal(torch.cat([inp[:h], mixed]))).float()
     ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none").view(tgt.shape)
     mixed_ce = ce[h:]
     standard = mixed_ce[~replaced].mean()

@@ -17,6 +17,7 @@ import json
 
 import torch
 
+from ..forward import run
 from ..training.loop import causal
 
 TOP_N = 5
@@ -43,7 +44,7 @@ def rows(model, prompt: list[int], tokens: list[int], stale: dict[int, int] | No
     dev = model.embed.weight.device
     block = causal(torch.tensor([seq], device=dev))  # row r sees rows 0..r; positions may repeat
     block.pos = torch.tensor([pos], device=dev)
-    out = model(block)[0].float()  # (R, V)
+    out = run(model, block)[0].float()  # (R, V)
     at = torch.tensor(real[len(prompt) - 1:len(prompt) - 1 + len(tokens)], device=dev)
     return out.index_select(0, at).cpu()
 

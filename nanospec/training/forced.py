@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .. import ArgumentParser, check_device, cli
+from ..forward import run
 from ..io.files import atomic_write, fingerprint
 from ..io.sources import base_of
 from ..io.tokenizer import load_tokenizer
@@ -68,7 +69,7 @@ def label(model, windows: list[list[int]]) -> list[tuple[list[int], list[int]]]:
     """(window, labels) for each window: labels[t], the model's argmax after window[:t+1], one fast-mode forward."""
     T = max(map(len, windows))
     x = torch.tensor([w + [0] * (T - len(w)) for w in windows], device=model.embed.weight.device)
-    labels = model(causal(x)).argmax(-1).tolist()  # right padding is harmless: causal
+    labels = run(model, causal(x)).argmax(-1).tolist()  # right padding is harmless: causal
     return [(w, lab[:len(w)]) for w, lab in zip(windows, labels)]
 
 

@@ -7,6 +7,7 @@ import torch
 
 from .. import NanospecError
 from ..cache import Block
+from ..forward import context
 from ..io.checkpoint import load
 from ..io.files import atomic_write, hardware
 from ..io.sources import base_of
@@ -62,7 +63,7 @@ def hidden_states(model: Llama, seqs: list[list[int]], layer: int | None = None,
     for part in (seqs[i:i + batch] for i in range(0, len(seqs), batch)):
         T = max(map(len, part))
         blk = causal(torch.tensor([s + [0] * (T - len(s)) for s in part], device=model.embed.weight.device))
-        ctx = model.context(blk, T, False)
+        ctx = context(model, blk, T, False)
         x = model.embed(blk.tokens)
         for L in model.layers[:layer]:
             x = L(x, ctx, None)

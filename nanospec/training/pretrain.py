@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..forward import run
 from ..io.checkpoint import load, save
 from ..io.files import atomic_write, hardware
 from ..io.tokenizer import Tokenizer, train_tokenizer
@@ -82,7 +83,7 @@ def eval_loss(model, wins: torch.Tensor, batch: int = 16) -> float:
     dev = model.embed.weight.device
     for i in range(0, len(wins), batch):
         x = wins[i:i + batch].to(dev)
-        logits = model(causal(x[:, :-1]))
+        logits = run(model, causal(x[:, :-1]))
         total += F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
         count += x[:, 1:].numel()
     model.train()
@@ -138,7 +139,7 @@ def train_base(args):
     for step in ckpt.steps():
         lr = cosine_lr(step, ckpt.total, args.lr, args.warmup)
         x = windows(train_ids, B, T, torch.Generator().manual_seed(args.seed * 1_000_003 + step)).to(dev)
-        logits = model(causal(x[:, :-1]))
+        logits = run(model, causal(x[:, :-1]))
         loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
         update(opt, loss, lr)
         prog.step(step, loss.item(), lr, B * T)

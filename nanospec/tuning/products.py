@@ -1,6 +1,6 @@
 """Fast mode's matrix products by row count (`--kernels tuned`, the default on a CPU): each product's
 fastest form on this machine, tuned once and cached, handed to the model as the device's `kernels`
-(devices.Device.kernels: model.Context.linear calls it for each product of a fast forward).
+(devices.Device.kernels: forward.Context.linear calls it for each product of a fast forward).
 
 A forward of a few rows on a CPU is bound by reading the weights, yet eager `F.linear` handles
 a small row count almost row by row. The same product written weight-first, `(W @ x.T).T`, or
@@ -19,7 +19,7 @@ A fourth form, where PyTorch has oneDNN, runs against a copy of the weight packe
 blocked layout: eager products repack the weight on every call, which at 8-64 rows costs as much as
 the arithmetic (RESULTS.md, "Packed weights").
 
-Fast mode's products run them (model.Context.linear), and so do a drafter's heads in any mode (Medusa's propose:
+Fast mode's products run them (forward.Context.linear), and so do a drafter's heads in any mode (Medusa's propose:
 a draft's product need not be AR's). Exact mode's model products never do: they call F.linear themselves, so AR
 and every method share one kernel. Fast mode promises AR's tokens, not its bits (the benchmark counts
 mismatches), and AR runs the same table.
