@@ -174,8 +174,8 @@ def smollm2(tmp_path_factory):
 @pytest.mark.parametrize("more, verdict", [((), "pass"), (("--rope_freq_base", "10000"), "divergence")])
 def test_a_real_server_with_a_wrong_rope_base_is_a_divergence(smollm2, more, verdict):
     """llama-cpp-python's server on SmolLM2's Q4_1 GGUF, uncalibrated, judged against nanospec's bf16 noise
-    (--dtype bfloat16, as a quantized server must be without a calibration): correct, it passes; started with
-    --rope_freq_base 10000 (the checkpoint's is 100000), it is a divergence, exit 1."""
+    (--dtype bfloat16, as a quantized server must be without a calibration), with the rows it lists: correct, it
+    passes; started with --rope_freq_base 10000 (the checkpoint's is 100000), it is a divergence, exit 1."""
     gguf, root, ref = smollm2
     proc, url = serve(gguf, *more, n_ctx=1024)
     try:
@@ -188,3 +188,4 @@ def test_a_real_server_with_a_wrong_rope_base_is_a_divergence(smollm2, more, ver
     (run,) = json.loads(out.splitlines()[-1])["runs"]
     assert run["whole"]["verdict"] == verdict and run["whole"]["positions"] == 32, out
     assert "whole output: 32 positions scored by nanospec fp32" in out
+    assert run["whole"]["distance"] is not None, out  # the server was asked for its rows (logprobs), and gave them
