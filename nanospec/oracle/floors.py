@@ -79,3 +79,57 @@ def describe(found: dict, source: str) -> str:
              for v in found.values() if v != "n/a"]
     return (f"  detection floor ({source}), from ids: " + ", ".join(shown)
             + (f" (not in this model or its prompts: {', '.join(absent)})" if absent else ""))
+
+
+AT = {"rope_base": 1.5, "norm_eps": 1e3, "rejected_key": 16, "final_norm_eps": 1e7, "logit_scale": 1.1,
+      "softcap": 100.0, "rope_scaling": 1.0, "qk_norm": 1.0, "window": 1.0, "bos": 1.0}  # main()'s strengths
+
+
+def main(argv=None) -> None:
+    """Each class on a model: its fp32 flips and mean KL (top 20) over the fp32 greedy sequences of the prompts at the
+    strength AT names, against the noise of a dtype, and its floors from ids and with rows, planted in fp32.
+
+        python -m nanospec.oracle.floors --weights weights/smollm2 --prompts FILE.jsonl --limit 8 --max-new-tokens 64
+    """
+    from .. import DEFAULT_WEIGHTS, ArgumentParser
+    from ..bench import load_prompts
+    from ..engine import generate
+    from ..io.checkpoint import DTYPES, load
+    from ..io.sources import base_of, resolve
+    from .engines import tokenizer
+    p = ArgumentParser(description=main.__doc__)
+    p.add_argument("--weights", default=str(DEFAULT_WEIGHTS))
+    p.add_argument("--prompts", help="JSONL of {\"prompt\": ...} (default: the weights' prompts.jsonl)")
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="the noise's dtype")
+    args = p.parse_args(argv)
+    weights = resolve(args.weights)
+    fp32, model = load(base_of(weights)), load(base_of(weights), DTYPES[args.dtype])
+    texts = load_prompts(args.prompts or weights / "prompts.jsonl")[:args.limit]
+    prompts = [tokenizer(weights).encode(t) for t in texts]
+    entries = [{"prompt_ids": q, "output_ids": generate(fp32, q, max_new_tokens=args.max_new_tokens).tokens}
+               for q in prompts]
+    nz = noise.measure(fp32, model, entries, False, f"nanospec {args.dtype} vs float32")
+    ref = [forced.rows(fp32, e["prompt_ids"], e["output_ids"]) for e in entries]
+
+    def flips_kl(rows: list) -> tuple[int, float]:
+        kls = [x for r, g in zip(ref, rows) for x in forced.distances(r, noise.positions_of(g, 20))["20"]["kl"]]
+        return sum(int((g.argmax(-1) != r.argmax(-1)).sum()) for r, g in zip(ref, rows)), sum(kls) / len(kls)
+    n, (f0, kl0) = sum(len(r) for r in ref), flips_kl([forced.rows(model, e["prompt_ids"], e["output_ids"]).float()
+                                                       for e in entries])
+    print(f"{args.dtype} rounding: {f0} flips in {n} positions, mean KL {kl0:.3g}")
+    found = floors(fp32, fp32, entries, nz)
+    for cls in plants.CLASSES:
+        if found[cls] == "n/a":
+            print(f"{cls}: not in this model or its prompts")
+            continue
+        f, kl = flips_kl([plants.forced_rows(fp32, cls, AT[cls], e["prompt_ids"], e["output_ids"], r)
+                          for e, r in zip(entries, ref)])
+        print(f"{cls} at {AT[cls]:g}: {f} flips, mean KL {kl:.3g} (x{kl / kl0:.3g} {args.dtype}'s); floor against "
+              f"{args.dtype} noise, planted in fp32: {found[cls]['ids']} from ids, {found[cls]['rows']} with rows")
+
+
+if __name__ == "__main__":
+    from .. import cli
+    cli(main)
