@@ -259,3 +259,13 @@ def test_false_alarms_by_resampling_the_noise(paired):
         ps.append(10 ** w["log10_p_tests"]["distance"])
         assert w["verdict"] == "pass", whole.describe(w)
     assert sum(p < 0.01 for p in ps) <= 30
+
+
+def test_the_classes_table_command(capsys):
+    """`python -m nanospec.oracle.floors` on the shipped model: the rounding line, then one line per class, each
+    with its flips, KL and floors from ids and with rows (or why it has none)."""
+    floors.main(["--limit", "2", "--max-new-tokens", "8"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("bfloat16 rounding: ") and len(lines) == 1 + len(plants.CLASSES)
+    assert all(("from ids" in line and "with rows" in line) or line.endswith("not in this model or its prompts")
+               for line in lines[1:])
