@@ -12,6 +12,7 @@ import torch
 import decode
 from helpers import call, random_model, run_cli
 from nanospec.io.checkpoint import save
+from nanospec.methods import METHODS
 from nanospec.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,7 +198,8 @@ def test_a_fixed_budget_drafts_that_many_nodes_every_step():
 
 def test_bench_times_the_peers_in_the_same_run(weights, tmp_path):
     """--peers transformers: transformers' greedy, prompt lookup and assisted generation beside the
-    methods, judged the same way (tok/s, speedup against the run's fastest AR, mismatches)."""
+    methods, judged the same way (tok/s, tokens per step, speedup against the run's fastest AR, mismatches). A
+    step is a forward of the model: greedy's make a token each."""
     pytest.importorskip("transformers")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]) + "\n")
@@ -210,6 +212,8 @@ def test_bench_times_the_peers_in_the_same_run(weights, tmp_path):
         r = rows[name]
         assert r["prompts"] == 2 and 0 < r["new_tokens"] <= 16 and r["tokens_per_s"] > 0 and r["speedup"] > 0
         assert r["mismatches"] == 0 and r["baseline"] == rows["ar"]["baseline"]
+        assert 0 < r["steps"] <= r["new_tokens"]
+    assert rows["transformers greedy"]["steps"] == rows["transformers greedy"]["new_tokens"]
 
 
 def test_prompts_file_decodes_each_with_one_drafter(weights, tmp_path):
@@ -229,8 +233,7 @@ def test_the_script_itself_reports_bad_input_in_one_line(weights):
     res = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--weights", str(weights), "--method", "nope"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
-        "error: unknown method 'nope'; choose from: ar, lookahead, medusa, propd, bita, hidden_transfer, sdsat, "
-        "sdsat_full"]
+        f"error: unknown method 'nope'; choose from: {', '.join(METHODS)}"]
 
 
 # --- bad input: one `error:` line on stderr, exit code 2, for each case ---------------------------------
