@@ -11,8 +11,9 @@ import torch
 
 import decode
 from helpers import call, random_model, run_cli
+from nanospec import NanospecError
 from nanospec.io.checkpoint import save
-from nanospec.methods import METHODS
+from nanospec.methods import METHODS, model_dir, split_specs
 from nanospec.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,6 +195,19 @@ def test_a_fixed_budget_drafts_that_many_nodes_every_step():
                                   "--max-new-tokens", 8, "--budget", n, "--kernels", "eager", "--show", "--check")
             budgets = re.findall(r"step \d+: .*, budget (\d+)[ ,]", err)
             assert code == 0 and "identical" in out + err and budgets and set(budgets) == {str(n)}, (method, n, err)
+
+
+def test_methods_all_is_every_method_on_the_base_model():
+    """--methods all: the registry's methods, in its order, but those that decode a fine-tuned model of their own
+    (model_dir: another directory than the weights given), which a run beside the others cannot share."""
+    names = split_specs("all")
+    assert names == [n for n in METHODS if n in names] and "ar" in names
+    for n in METHODS:
+        try:
+            own = model_dir([n], PYLM) != PYLM
+        except NanospecError:  # its own model is not there
+            own = True
+        assert (n in names) != own, n
 
 
 def test_bench_times_the_peers_in_the_same_run(weights, tmp_path):

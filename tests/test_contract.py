@@ -45,8 +45,7 @@ def test_a_drafting_hook_changing_the_decoding_state_is_caught(name, monkeypatch
     def into_context(dec, tree):
         dec.prompt = dec.prompt + tree.token_list()[1:]  # its drafts, unverified, in the context it reads
         return tree
-    model = random_model(ARGS, seed=2)
-    check_exact(model, PROMPT, drafter(name, model), 12, peeking=0.9)
+    model = random_model(ARGS, seed=2)  # unplanted, the same check passes: test_edges.py, test_batch.py
     planted(monkeypatch, name, into_context)
     with pytest.raises(AssertionError, match="draft hook changed the decoding state"):
         check_exact(model, PROMPT, drafter(name, model), 12, peeking=0.9)
@@ -57,8 +56,7 @@ def test_a_drafting_hook_writing_the_cache_outside_its_slots_is_caught(name, mon
     def writes(dec, tree):
         dec.cache.kv[:, :, dec.seq, :, 0] += 1.0  # slot 0: the prompt's first key, which every later row reads
         return tree
-    model = random_model(ARGS, seed=2)
-    check_exact(model, PROMPT, drafter(name, model), 12, fast=False, peeking=0.9)
+    model = random_model(ARGS, seed=2)  # unplanted, the same check passes: test_edges.py, test_batch.py
     planted(monkeypatch, name, writes)
     with pytest.raises(AssertionError, match="not AR's tokens and bits"):
         check_exact(model, PROMPT, drafter(name, model), 12, fast=False, peeking=0.9)
