@@ -74,7 +74,10 @@ def parse_args(argv=None):
     p.add_argument("--prompts", help="JSONL file of {\"prompt\": ...}: decode each, or --bench them "
                    "(--bench default: the weights' prompts.jsonl)")
     p.add_argument("--limit", type=int, help="only the first N of --prompts")
-    p.add_argument("--methods", default="ar", help="comma-separated methods for --bench")
+    p.add_argument("--methods", default="ar", help="comma-separated methods for --bench (all: every one that decodes "
+                   "the base model)")
+    p.add_argument("--costs", action="store_true", help="--bench: also count what each method's exact step costs a "
+                   "GPU (ops per layer, MB written, launches, syncs: minutes on a CPU; always on --device cuda)")
     p.add_argument("--batch", default="1", help="sequences decoded together: --prompts B at a time; --bench: "
                    "comma-separated batch sizes, e.g. 1,2,4,8 (speedups against AR at the same size)")
     p.add_argument("--profile", action="store_true", help="--bench: also print each method's top host-side costs, "
@@ -231,10 +234,12 @@ def main(argv=None):
         drafters = [load_drafter(m, model, weights) for m in methods]
         if own_model:
             note_own_model(weights)
-        print("[bench] counting what each method's exact step costs a GPU (a small cache, before any tuning)",
-              file=sys.stderr, flush=True)
-        counts = {B: {m: step_counts(model, lambda there, m=m: load_drafter(m, there, weights), d, B, args.compile)
-                      for m, d in zip(methods, drafters)} for B in batches}
+        counts = {B: {} for B in batches}
+        if args.costs or args.device == "cuda":
+            print("[bench] counting what each method's exact step costs a GPU (a small cache, before any tuning)",
+                  file=sys.stderr, flush=True)
+            counts = {B: {m: step_counts(model, lambda there, m=m: load_drafter(m, there, weights), d, B, args.compile)
+                          for m, d in zip(methods, drafters)} for B in batches}
         dev = tune(args, model, exact, drafters)
         peers = transformers_peers(weights, dtype, args.device) if args.peers else ()
         results = []
@@ -243,7 +248,7 @@ def main(argv=None):
             results += bench(model, prompts, fresh, exact=exact, max_new_tokens=args.max_new_tokens, eos_id=args.eos_id,
                              sampling=sampling, profile=args.profile, peers=peers, batch=B,
                              block_batch=args.block_batch, dev=dev,
-                             counts={d.name: counts[B][m] for m, d in zip(methods, fresh)})
+                             counts={d.name: counts[B].get(m, {}) for m, d in zip(methods, fresh)})
             print(table([r for r in results if r["batch"] == B]), flush=True)
         if args.plot:
             title = f"{Path(args.weights or DEFAULT_WEIGHTS).name}, {args.mode} mode, {info['dtype']}, {args.device}"

@@ -150,7 +150,7 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
             ts = time.perf_counter()
             tokens = peer.generate(p, max_new_tokens, eos)
             tokens = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
-            o.append(Output(tokens, "", decode_s=time.perf_counter() - ts))
+            o.append(Output(tokens, "", steps=peer.steps, decode_s=time.perf_counter() - ts))
         done = time.perf_counter() - t0
         print(f"[bench] prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{d.name} {o[-1].mean_accepted:.2f}" for d, o in zip(drafters, outs)) + " tokens/step, "
@@ -190,9 +190,9 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
                             mismatches=sum(not same_as_ar(o, r, exact) for o, r in zip(runs, against)),
                             notes=d.report()))
     for peer, runs in zip(peers, peer_outs):
-        new = sum(len(o.tokens) for o in runs)
-        results.append(dict(method=peer.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=None,
-                            mean_accepted=None,
+        new, steps = sum(len(o.tokens) for o in runs), sum(o.steps for o in runs)
+        results.append(dict(method=peer.name, batch=batch, prompts=len(prompts), new_tokens=new, steps=steps,
+                            mean_accepted=round(new / max(steps, 1), 3),
                             step_ms=None, forward_ms=None, host_ms=None, kernel_ms=None, block=None,
                             **{k: None for k in COUNTS},
                             tokens_per_s=round(tps(runs), 2),

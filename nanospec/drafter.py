@@ -17,7 +17,14 @@
   weights again, and at a few rows that read is the product's cost.
 - accepted(dec, tree, path) is told what was accepted (Lookahead's trie, SDSAT's statistics).
 Plain AR is the base Drafter: a tree of the root alone. A hook returns what a later one needs; none
-sets state that another reads later in the step.
+sets state that another reads later in the step, and none writes the Decoding or the cache outside the
+method's reserved slots: the engine owns them.
+
+What a method knows it declares, so the command line, the planner and the tests need no list of methods:
+load (decode.py's loader: its options are a spec's), random (trained parts for a tiny random model: the
+tests'), warm_up (text to draft from before any prompt: how a context drafter is fed), floor (the tokens
+per step it reaches when fed AR's continuation: the tests' check of its draft quality), max_draft (the
+largest draft it ever makes: no planner offers more), drafts_from (--show's words), model_dir.
 """
 from dataclasses import dataclass
 
@@ -64,6 +71,36 @@ class Drafter:
     prunes = False      # verification leaves some nodes out (ProPD): a greedy step reads back which
     template = None     # a ranked drafter's tree shape over its candidates (tree.Template; None: none)
     acc = None          # held-out accuracy per draft depth and rank, from its trainer (the planner's prior; None: none)
+    max_draft: int | None = None  # the most draft nodes a step proposes (None: any a planner offers)
+    drafts_from = "from the context after"  # where drafts came from, before the context's matched tokens (show.py)
+    floor: float | None = 1.0  # tokens per step, at least, when a test feeds it AR's continuation (None: undeclared)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.floor = cls.__dict__.get("floor")  # each method declares its own: a subclass's is not its parent's
+
+    @classmethod
+    def load(cls, model, weights) -> "Drafter":
+        """decode.py's loader (methods.load_drafter): the drafter for model, its trained parts read from the
+        directory weights; the options of a spec (name:key=value,...) are keyword arguments after these two."""
+        return AR if cls is Drafter else cls()
+
+    @classmethod
+    def random(cls, model, seed: int = 0) -> "Drafter":
+        """The drafter with random trained parts for a tiny random model, seeded (the tests'): a method with
+        trained parts overrides it; a training-free one is what its loader makes, reading no file (AR: a Drafter
+        of its own, so a test may change it)."""
+        return cls() if cls is Drafter else cls.load(model, None)
+
+    @staticmethod
+    def model_dir(weights):
+        """The model directory it decodes (and AR with it): the given weights, unless a method fine-tunes its own."""
+        return weights
+
+    def warm_up(self, texts: list[list[int]]) -> None:
+        """Token sequences to draft from before any prompt (Lookahead's trie, PLD's earlier context): how a
+        context drafter is fed text, a test's AR continuations among them. A method drafting from trained
+        parts reads none."""
 
     @property
     def is_ar(self) -> bool:
@@ -77,7 +114,10 @@ class Drafter:
         return self.max_rows - 1
 
     def plan(self, planner) -> "Drafter":
-        """Size each step's tree with planner: ranked drafters may then use any of their top-R ranks."""
+        """Size each step's tree with planner, whose budgets go no higher than max_draft: ranked drafters may then
+        use any of their top-R ranks."""
+        if self.max_draft is not None:
+            planner.sizes = sorted({min(s, self.max_draft) for s in planner.sizes})
         self.planner = planner
         if self.topk and self.family is None:
             R = len(self.acc[0]) if self.acc else 10
@@ -155,5 +195,16 @@ class Ranked(Drafter):
         return Tree.chain(dec.last) if cands is None else template.tree(dec.last, cands)
 
 
+def noisy(module: torch.nn.Module, seed: int, scale: float) -> torch.nn.Module:
+    """module with Gaussian noise of std `scale` added to every parameter, seeded: random trained parts (random)
+    that draft something, sometimes right."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p) * scale)
+    return module
+
+
+RANDOM_ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]  # a random drafter's accuracy per depth and rank
 AR = Drafter()  # the one AR drafter: every AR step (budget 0, no room to draft) reuses its step program
 

@@ -1,6 +1,7 @@
 """A decoding step drawn for a reader (decode.py --show, --show-html): the tree the step verified under its root, each
 drafted token under its parent, the accepted path marked, the model's own next token after it (the bonus), and where
-the drafts came from (Lookahead: the context's suffix the trie matched; ProPD: the nodes pruned before verification).
+the drafts came from (a context drafter's matched suffix, in its own words: Drafter.drafts_from; ProPD: the nodes
+pruned before verification).
 
 It draws what the step already holds on the host (engine.generate's on_step gets a verify.Step): drawing reads nothing
 back from the device and runs no forward, so a run with it emits what a run without it does.
@@ -71,9 +72,9 @@ class Show:
         rows = f"{step.rows} rows" + (f" ({len(step.tree)} tree, {own} {self.drafter.own_rows})" if own else "")
         parts = [rows, plan, f"{len(step.path) - 1} of {len(step.tree) - 1} drafts accepted",
                  f"{len(step.tokens)} tokens emitted"]
-        if step.tree.matched and len(step.tree) > 1:  # the context before the step: what the trie's match read
+        if step.tree.matched and len(step.tree) > 1:  # the context before the step: what the method's match read
             before = dec.prompt + dec.out[:len(dec.out) - len(step.tokens)]
-            parts.append("drafts from the trie after " + " ".join(map(self.text, before[-step.tree.matched:])))
+            parts.append(f"drafts {self.drafter.drafts_from} " + " ".join(map(self.text, before[-step.tree.matched:])))
         if step.pruned:
             parts.append(f"{len(step.pruned)} pruned after layer {self.drafter.layer}")
         return ", ".join(parts)

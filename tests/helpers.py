@@ -1,7 +1,9 @@
-"""Shared test helpers: random tiny models, an adversarial drafter, truth-peeking trained
-drafters, planted faults, in-process command lines, and the methods with random trained parts and
-the batch check that the method, batch and device tests share."""
+"""Shared test helpers: random tiny models, an adversarial drafter, feeding a method AR's continuation (its own
+warm_up, and a method-neutral peek), planted faults, in-process command lines, and the methods by name (the
+registry's, with random trained parts) and the checks that the method, batch and device tests share. Nothing here
+names a method: the registry does (nanospec.methods.METHODS)."""
 import contextlib
+import copy
 import io
 import itertools
 import json
@@ -12,27 +14,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanospec import cli, devices
 from nanospec.cache import Block, KVCache
+from nanospec.drafter import noisy  # noqa: F401 (the tests' random trained parts, as the methods' own)
 from nanospec.engine import AR, Decoding, Drafter, generate, launch_step, lay_out, shapes
 from nanospec.forward import context, run
-from nanospec.methods.bita import BiTA, Tuning
-from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer
-from nanospec.methods.lookahead import Lookahead
-from nanospec.methods.medusa import Heads, Medusa
-from nanospec.methods.propd import EarlyHead, ProPD
-from nanospec.methods.sdsat import SDSAT, Delta
+from nanospec.methods import METHODS as REGISTRY
+from nanospec.methods import split_specs
 from nanospec.model import Llama, ModelArgs
-from nanospec.tree import Groups, Tree, choose_tree
+from nanospec.tree import Groups, Tree
 from nanospec.tuning.costs import Measured
 from nanospec.verify import Sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 PYLM = ROOT / "weights" / "pylm"  # the shipped default model and its drafters
+# Tokens per step of shipped drafters (by spec) on the default model's first 4 held-out prompts, 64 new tokens each,
+# exact fp32, static trees, measured when their weights were trained (python tests/test_default_model.py prints them)
+FIGURES = json.loads((PYLM / "tokens_per_step.json").read_text())
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 
 
@@ -176,11 +179,6 @@ def path_to(tree: Tree, i: int) -> list[int]:
     return path[::-1]
 
 
-def pruned_rows(propd) -> int:
-    """Rows ProPD's early head removed so far."""
-    return int(propd.pruning[1])
-
-
 def descend(loss, params, lr: float, steps: int) -> tuple[float, float]:
     """loss() (a closure over fixed data) before and after `steps` AdamW steps on params."""
     opt = torch.optim.AdamW(params, lr=lr)
@@ -190,16 +188,6 @@ def descend(loss, params, lr: float, steps: int) -> tuple[float, float]:
         loss().backward()
         opt.step()
     return before, loss().item()
-
-
-def noisy(module, seed: int, scale: float):
-    """module with Gaussian noise of std `scale` added to every parameter: trained parts that draft
-    something, sometimes right."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return module
 
 
 def use_programs(monkeypatch, kind: str, programs) -> None:
@@ -256,45 +244,67 @@ def one_forward(model, drafter, tree, prompt, exact, plain=False):
 
 
 def check_exact(model, prompt, drafter, n: int, sampling=None, fast: bool = True, peeking: float = 0.0,
-                seed: int = 0, tight: bool = False):
+                seed: int = 0, tight: bool = False, on_step=None):
     """Decode with the drafter and with AR at shared shapes: the same tokens and bitwise the same
-    logits in exact mode, and (fast=True) the same tokens in fast mode. Returns the exact output.
+    logits in exact mode, and (fast=True) the same tokens in fast mode, the drafting hooks leaving the
+    decoding state as they found it (guarded). Returns the exact output.
 
-    peeking > 0: the drafter's own candidates carry AR's tokens (see `peek`), so its forward
-    runs on accepted drafts. tight: a cache just large enough for the prompt and the n new
-    tokens, so the last steps run with almost no room (the engine must trim the trees)."""
+    peeking > 0: the drafter is fed AR's continuation (feed: its own warm_up, and a peek with probability
+    peeking), so its forward runs on accepted drafts. tight: a cache just large enough for the prompt and
+    the n new tokens, so the last steps run with almost no room (the engine must trim the trees). on_step:
+    the exact run's engine.generate on_step."""
     Q, S, W = shapes([drafter], len(prompt), n)
     if tight:
         S = len(prompt) + n + drafter.reserved_slots + 1
     kw = dict(max_new_tokens=n, Q=Q, n_slots=S, tail=W, eos_id=-1, record_logits=True, **(sampling or {}))
     ar = generate(model, prompt, exact=True, **kw)
     if peeking:
-        peek(drafter, ar.tokens, peeking, seed)
-    out = generate(model, prompt, drafter, exact=True, **kw)
-    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
+        feed(drafter, [prompt], [ar], peeking, seed)
+    guarded(drafter)
+    out = generate(model, prompt, drafter, exact=True, on_step=on_step, **kw)
+    assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits), f"{drafter.name}: not AR's tokens and bits"
     assert len(out.tokens) == n
     if fast:
         assert generate(model, prompt, drafter, **kw).tokens == generate(model, prompt, **kw).tokens
     return out
 
 
+def decoding_state(dec) -> tuple:
+    """What a Decoding holds that the engine alone may change: its text, cursor, row and next candidates."""
+    return (list(dec.prompt), list(dec.out), dec.last, dec.cur, dec.seq, dec.room,
+            None if dec.cands is None else dec.cands.tolist(), copy.deepcopy(dec.lists))
+
+
+def guarded(drafter):
+    """The drafter with its drafting hooks (draft, context) checked to leave the decoding state as they found
+    it: the contract's (drafter.py) "none writes the Decoding"; its AssertionError names the hook."""
+    for hook in ("draft", "context"):
+        real = getattr(drafter, hook)
+
+        def checked(dec, *a, real=real, hook=hook):
+            before = decoding_state(dec)
+            out = real(dec, *a)
+            assert decoding_state(dec) == before, f"{drafter.name}'s {hook} hook changed the decoding state"
+            return out
+        setattr(drafter, hook, checked)
+    return drafter
+
+
 def peek(drafter, truths, p: float = 0.9, seed: int = 0):
-    """A truth-peeking variant of a trained drafter: before it drafts, the candidates its last
+    """A truth-peeking variant of a drafter, method-neutral: before it drafts, the candidates its last
     accepted node proposed (cands[d]: ranked tokens for output position len(out) + d) get the
     true token (truths: AR's output, or per prompt in a batch: {tuple(prompt): output}) at rank 0
     of the first depth, and of each deeper depth with probability p (there
     mostly rank 0, sometimes another rank). The rest stays the method's own, so its own forward
     (heads, mask rows, pseudo states, adaptive tokens, pruning, layer loops) runs on trees that do
-    get accepted, in part: every drafting step accepts at least one draft.
+    get accepted, in part. A drafter without candidates (a context drafter) drafts as it would:
+    feed gives it the truth through its own warm_up.
 
     Peeking tests are exactness tests: they show the bitwise checks run on accepted drafts (not
-    vacuously on rejected ones), and say nothing of how good a method's own drafts are. Draft
-    quality is pinned on the shipped weights (test_default_model.py, TOKENS_PER_STEP)."""
+    vacuously on rejected ones). How good a method's own drafts are, fed this way, is its floor's
+    test (test_edges.py)."""
     rng = random.Random(seed)
-    draft = type(drafter).draft
-    early = getattr(drafter, "early", None)
-    if early is not None:  # ProPD: an early head that prunes at random but keeps the true path
-        drafter.early = KeepTruth(early.up.out_features, early.up.weight, rng)
+    draft = drafter.draft
 
     def drafting(dec, cands, template, budget):
         n, truth = len(dec.out), truths[tuple(dec.prompt)] if isinstance(truths, dict) else truths
@@ -303,46 +313,18 @@ def peek(drafter, truths, p: float = 0.9, seed: int = 0):
             for d in range(len(cands)):
                 if n + d < len(truth) and (d == 0 or rng.random() < p):
                     cands[d, 0 if d == 0 or rng.random() < 0.8 else rng.randrange(cands.shape[1])] = truth[n + d]
-        tree = draft(drafter, dec, cands, template, budget)
-        if early is not None:
-            drafter.early.aim(tree, truth[n:])
-        return tree
+        return draft(dec, cands, template, budget)
     drafter.draft = drafting
     return drafter
 
 
-def prime(drafter, prompts, alone, p: float = 0.9, seed: int = 0):
-    """Drafts that carry AR's own tokens (alone: each prompt's AR output), so they get accepted: Lookahead's pool
-    warmed up with them, any other drafter peeking at them with probability p (peek)."""
-    if isinstance(drafter, Lookahead):
-        drafter.warm_up([q[-1:] + a.tokens for q, a in zip(prompts, alone) if a.tokens])
-    else:
-        peek(drafter, {tuple(q): a.tokens for q, a in zip(prompts, alone)}, p, seed)
-
-
-class KeepTruth(torch.nn.Module):
-    """ProPD's early head, aimed at each step's tree: random logits per row (so pruning removes
-    random branches), except that a node on the true path ranks its true child first. One table,
-    updated in place, so a CUDA graph captured with it reads each step's values."""
-
-    def __init__(self, V: int, like: torch.Tensor, rng, rows: int = 256):
-        super().__init__()
-        self.rng = rng
-        self.table = torch.zeros(rows, V, dtype=like.dtype, device=like.device)
-
-    def aim(self, tree: Tree, truth: list[int]):
-        g = torch.Generator().manual_seed(self.rng.randrange(2**31))
-        table = torch.randn(self.table.shape, generator=g)
-        tokens = tree.token_list()
-        for node in range(len(tree)):
-            path = path_to(tree, node)
-            d = len(path) - 1
-            if d < len(truth) and [tokens[i] for i in path[1:]] == truth[:d]:
-                table[node, truth[d]] = 1e4
-        self.table.copy_(table)
-
-    def forward(self, x):  # x (B, N, D): one aimed tree, so a batch of one
-        return self.table[:x.shape[-2]].expand(*x.shape[:-1], -1)
+def feed(drafter, prompts, alone, p: float = 0.9, seed: int = 0):
+    """Drafts that carry AR's own tokens (alone: each prompt's AR Output), so they get accepted, the same way for
+    every method: each prompt's last token and its AR output as text to draft from (Drafter.warm_up: a context
+    drafter's, placed earlier in its context), and a peek with probability p at the candidates of a drafter
+    that has them."""
+    drafter.warm_up([list(q[-1:]) + a.tokens for q, a in zip(prompts, alone)])
+    return peek(drafter, {tuple(q): a.tokens for q, a in zip(prompts, alone)}, p, seed)
 
 
 class Corrupt(Drafter):
@@ -354,6 +336,10 @@ class Corrupt(Drafter):
 
     def __init__(self, at: int = 3, ulp: bool = False):
         self.at, self.ulp = at, ulp
+
+    @classmethod
+    def load(cls, model, weights, at=3, ulp=False):  # --method corrupt:at=N,ulp=true, registered by a test
+        return cls(at, ulp)
 
     def start(self, dec):
         self.step = 0
@@ -592,67 +578,47 @@ def mixed_lines(n_unicode: int = 600) -> list[str]:
     return lines
 
 
-# --- the methods, with random trained parts ----------------------------------------------------
+# --- the methods, by name ----------------------------------------------------------------------
 
-SHIPPED = ["lookahead", "medusa", "propd:layer=2,k=10,replan=8", "bita", "bita:prompting=shallow",
-           "bita:prompting=none", "hidden_transfer", "sdsat"]  # the drafters shipped with the default model (PYLM)
-
+METHODS = list(REGISTRY)  # every registered method, AR first: each generic test runs each (pytest -k NAME)
+DRAFTING = [n for n in METHODS if n != "ar"]  # the methods that draft (AR, the baseline, does not)
+# the specs run on the default model: those with a figure, and every other method decoding it, by its name alone
+SHIPPED = list(FIGURES) + [n for n in split_specs("all") if n != "ar" and all(s.split(":")[0] != n for s in FIGURES)]
 ARGS = ModelArgs(dim=30, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=6, vocab_size=53, hidden_dim=37)
-ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
-METHODS = ["medusa", "propd", "propd-dynamic", "bita-deep", "bita-shallow-full", "bita-straight",
-           "hidden_transfer", "sdsat", "lookahead"]
 EOS = 5  # check_batch's end of sequence
 
 
-def narrowed(model):
-    """Medusa's heads here: token heads sharing the lm_head, drafting from a random draft vocabulary of most of its
-    tokens (--token-input, --draft-vocab)."""
-    a = model.args
-    heads = Heads(a.dim, a.vocab_size, 3, model.lm_head, token=model, draft_vocab=a.vocab_size - 13)
-    heads.vocab.copy_(torch.randperm(a.vocab_size, generator=torch.Generator().manual_seed(1))[:len(heads.vocab)].sort()
-                      .values)
-    return noisy(heads.init_from(model.lm_head), 1, 0.1).to(model.embed.weight)
+def drafter(name, model, seed: int = 0):
+    """The registered method of that name with random trained parts (Drafter.random), on the model's device and
+    dtype (AR: a Drafter of its own, which a test may change)."""
+    return REGISTRY[name].random(model, seed)
 
 
-def drafter(name, model):
-    """A method with random (noisy) trained parts, on the model's device and dtype."""
-    a = model.args
-
-    placed = lambda module, seed, scale: noisy(module, seed, scale).to(model.embed.weight)
-    heads = lambda: placed(Heads(a.dim, a.vocab_size, 3).init_from(model.lm_head), 1, 0.1)  # ProPD's: h alone
-    return {
-        "medusa": lambda: Medusa(narrowed(model), choose_tree(ACC, 12)),
-        "propd": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC,
-                               placed(EarlyHead(a.dim, a.vocab_size, 4, 1e-5), 2, 1.0), layer=1, k=3, dynamic=False),
-        "propd-dynamic": lambda: ProPD(heads(), choose_tree(ACC, 12), ACC, None, dynamic=True, sizes=(1, 4, 12),
-                                       replan=4, cost=FixedCost(1e-2, 1e-5)),
-        "bita-deep": lambda: BiTA(placed(Tuning(a, 3, 4, "deep"), 3, 1.0), "efficient", 2),
-        "bita-shallow-full": lambda: BiTA(placed(Tuning(a, 2, 3, "shallow"), 3, 1.0), "full", 2),
-        "bita-straight": lambda: BiTA(placed(Tuning(a, 3, 4, "none"), 3, 1.0), "straight", 1),
-        "hidden_transfer": lambda: HiddenTransfer(placed(Transfer(a.dim, [1, 2]), 4, 0.3), choose_tree(ACC[:2], 8)),
-        "sdsat": lambda: SDSAT(placed(Delta(model, 4), 5, 0.3), k=4, width=2),
-    }[name]()
+def each_method(examples: int):
+    """Hypothesis settings for a property that runs once per method (parametrized by METHODS): the profile's
+    share of `examples` (of the default profile's 25), split among the methods, at least 2 each, so that running
+    every method costs what one drawing among them did."""
+    share = examples * settings.default.max_examples / 25
+    return settings(max_examples=max(2, round(share / len(METHODS))), deadline=None)
 
 
-def batch_drafter(name, model):
-    """AR (None), a small Lookahead, or drafter's method of that name."""
-    return None if name == "ar" else Lookahead(decoding_length=8, branch_length=4) if name == "lookahead" \
-        else drafter(name, model)
-
-
-def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=None, rows=None, block_batch=None):
+def check_batch(model, prompts, d, n, exact=True, peeking: float = 0.0, seed=0, sampling=None, rows=None,
+                block_batch=None):
     """The batch against each prompt decoded alone by AR at the same shapes (Q, S): the same tokens
     and stop, and in exact mode bitwise the same logits (fast mode: fp32 only; in bf16 a near-tie
-    may flip with a block's shape). peeking: per prompt, how often the
-    drafts carry AR's tokens (their acceptance). rows: the sequences decoded at once (None: all).
-    block_batch: every exact forward runs that many sequences' blocks, alone and in the batch."""
+    may flip with a block's shape); the drafting hooks leave each decoding's state as they found it.
+    peeking: how often the drafts carry AR's tokens (feed; 0: not fed). rows: the sequences decoded at
+    once (None: all). block_batch: every exact forward runs that many sequences' blocks, alone and in
+    the batch."""
     d = d or AR
     Q, S, W = shapes([d], max(map(len, prompts)), n)
     kw = dict(max_new_tokens=n, exact=exact, Q=Q, n_slots=S, tail=W, eos_id=EOS, record_logits=True,
               block_batch=block_batch, **(sampling or {}))
     alone = [generate(model, p, **kw) for p in prompts]
-    if isinstance(d, Lookahead) or peeking and d is not AR:
-        prime(d, prompts, alone, max(peeking, default=0.0), seed)
+    if d is not AR:
+        if peeking:
+            feed(d, prompts, alone, peeking, seed)
+        guarded(d)
     batch = generate(model, prompts, d, batch=rows, **kw)
     assert len(batch) == len(prompts)
     for i, (a, b) in enumerate(zip(alone, batch)):
@@ -660,3 +626,24 @@ def check_batch(model, prompts, d, n, exact=True, peeking=(), seed=0, sampling=N
         if exact:
             assert torch.equal(b.logits, a.logits), f"sequence {i}: logits differ"
     return batch
+
+
+def reaches_floor(name, device="cpu", seed: int = 0, checked: bool = True) -> float:
+    """The method's tokens per step (returned), fed AR's continuation (feed) in a cache with room for the prompt
+    and 96 new tokens only, of Drafter.random(model, seed): at least its declared floor (Drafter.floor), which a
+    method that drafts worse falls under. checked: in exact mode, checked against AR (check_exact); else the same
+    decoding in fast mode alone (the same tokens, so the same drafts: a planted fault's cheaper run)."""
+    floor = REGISTRY[name].floor
+    model, prompt, n = random_model(ARGS, seed=11, device=device), [3, 9, 4, 1, 7, 12, 5], 96
+    d = drafter(name, model, seed)
+    if checked:
+        out = check_exact(model, prompt, d, n, peeking=0.9, seed=5, tight=True)
+    else:
+        S = len(prompt) + n + d.reserved_slots + 1
+        feed(d, [prompt], [generate(model, prompt, max_new_tokens=n, eos_id=-1)], 0.9, 5)
+        out = generate(model, prompt, d, max_new_tokens=n, n_slots=S, eos_id=-1)
+    assert out.stop == "max_new_tokens"
+    assert floor is not None, f"{name} declares no floor: set its Drafter.floor (it reached {out.mean_accepted:.2f})"
+    assert out.mean_accepted >= floor, \
+        f"{name} reached {out.mean_accepted:.2f} tokens per step fed AR's continuation, under its floor {floor}"
+    return out.mean_accepted

@@ -13,17 +13,16 @@ from nanospec import NanospecError
 from nanospec.io import sources
 from nanospec.io.checkpoint import load
 from nanospec.io.files import fingerprint
-from nanospec.methods import drafters_for, load_drafter
+from nanospec.methods import drafters_for, load_drafter, split_specs
 
 SMOL = Path(__file__).resolve().parents[1] / "weights" / "smollm2"
-TRAINED = [s for s in SHIPPED if s != "lookahead"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_shipped_drafters_load_in_every_dtype(dtype):
     model = load(W, dtype)
     assert fingerprint(model) == fingerprint(load(W))
-    for spec in TRAINED:
+    for spec in SHIPPED:
         load_drafter(spec, model, W)
 
 
@@ -34,8 +33,8 @@ def test_smollm2_drafters_load_in_every_dtype(dtype):
         pytest.skip("SmolLM2 is not fetched: python -m nanospec.io.fetch smollm2")
     model = load(base, dtype)
     assert drafters_for(model, base) == SMOL
-    for spec in ("medusa", "propd", "bita", "hidden_transfer", "sdsat"):
-        load_drafter(spec, model, SMOL)
+    for name in split_specs("all"):  # every method that decodes the base model
+        load_drafter(name, model, SMOL)
 
 
 def test_drafters_are_found_for_a_copy_and_a_gguf(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from helpers import check_exact, model_args, one_forward, random_model
 from nanospec import NanospecError
 from nanospec.io.checkpoint import load
-from nanospec.methods.bita import BiTA, Tuning, batches, load_bita, pack, sar_logits, sar_loss
+from nanospec.methods.bita import BiTA, Tuning, batches, pack, sar_logits, sar_loss
 from nanospec.model import ModelArgs
 from nanospec.training.forced import labelled, targets
 from nanospec.tree import Template, Tree
@@ -142,4 +142,4 @@ def test_bad_options_are_refused():
     model = load(W)
     for kw in (dict(decoding="fast"), dict(prompting="wide"), dict(k=0)):  # one error line each
         with pytest.raises(NanospecError):
-            load_bita(model, W, **kw)
+            BiTA.load(model, W, **kw)

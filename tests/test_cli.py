@@ -11,7 +11,9 @@ import torch
 
 import decode
 from helpers import call, random_model, run_cli
+from nanospec import NanospecError
 from nanospec.io.checkpoint import save
+from nanospec.methods import METHODS, model_dir, split_specs
 from nanospec.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,9 +197,23 @@ def test_a_fixed_budget_drafts_that_many_nodes_every_step():
             assert code == 0 and "identical" in out + err and budgets and set(budgets) == {str(n)}, (method, n, err)
 
 
+def test_methods_all_is_every_method_on_the_base_model():
+    """--methods all: the registry's methods, in its order, but those that decode a fine-tuned model of their own
+    (model_dir: another directory than the weights given), which a run beside the others cannot share."""
+    names = split_specs("all")
+    assert names == [n for n in METHODS if n in names] and "ar" in names
+    for n in METHODS:
+        try:
+            own = model_dir([n], PYLM) != PYLM
+        except NanospecError:  # its own model is not there
+            own = True
+        assert (n in names) != own, n
+
+
 def test_bench_times_the_peers_in_the_same_run(weights, tmp_path):
     """--peers transformers: transformers' greedy, prompt lookup and assisted generation beside the
-    methods, judged the same way (tok/s, speedup against the run's fastest AR, mismatches)."""
+    methods, judged the same way (tok/s, tokens per step, speedup against the run's fastest AR, mismatches). A
+    step is a forward of the model: greedy's make a token each."""
     pytest.importorskip("transformers")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]) + "\n")
@@ -210,6 +226,8 @@ def test_bench_times_the_peers_in_the_same_run(weights, tmp_path):
         r = rows[name]
         assert r["prompts"] == 2 and 0 < r["new_tokens"] <= 16 and r["tokens_per_s"] > 0 and r["speedup"] > 0
         assert r["mismatches"] == 0 and r["baseline"] == rows["ar"]["baseline"]
+        assert 0 < r["steps"] <= r["new_tokens"]
+    assert rows["transformers greedy"]["steps"] == rows["transformers greedy"]["new_tokens"]
 
 
 def test_prompts_file_decodes_each_with_one_drafter(weights, tmp_path):
@@ -229,8 +247,7 @@ def test_the_script_itself_reports_bad_input_in_one_line(weights):
     res = subprocess.run([sys.executable, str(ROOT / "decode.py"), "--weights", str(weights), "--method", "nope"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
-        "error: unknown method 'nope'; choose from: ar, lookahead, medusa, propd, bita, hidden_transfer, sdsat, "
-        "sdsat_full"]
+        f"error: unknown method 'nope'; choose from: {', '.join(METHODS)}"]
 
 
 # --- bad input: one `error:` line on stderr, exit code 2, for each case ---------------------------------

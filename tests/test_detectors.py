@@ -19,7 +19,7 @@ ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, hid
 @pytest.fixture
 def corrupt(monkeypatch):
     """--method corrupt[:at=N,ulp=true] on the command line: AR with a planted fault."""
-    monkeypatch.setitem(METHODS, "corrupt", lambda model, weights, at=3, ulp=False: Corrupt(at, ulp))
+    monkeypatch.setitem(METHODS, "corrupt", Corrupt)
 
 
 def test_same_as_ar_sees_a_changed_token_and_a_flipped_bit():

@@ -1,38 +1,43 @@
 """Every method at the engine's edges: a cache just large enough for the prompt and the new
 tokens, so the last steps have room for a few rows only and every "no room" path runs, in exact
-mode (bitwise AR) and fast mode (AR's tokens), with drafts that do get accepted; and caches too
-small for the new tokens, where every method must stop where AR stops, with AR's bits."""
+mode (bitwise AR) and fast mode (AR's tokens), with drafts that do get accepted, at least the
+method's declared floor of tokens per step; and caches too small for the new tokens, where every
+method must stop where AR stops, with AR's bits."""
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import ARGS, METHODS, Budgets, ProductsOf, check_exact, drafter, peek, random_model
+from helpers import ARGS, METHODS, Budgets, ProductsOf, drafter, each_method, feed, random_model, reaches_floor
+from nanospec.drafter import Drafter
 from nanospec.engine import generate, shapes
-from nanospec.methods.lookahead import Lookahead
+from nanospec.methods import METHODS as REGISTRY
+
+OWN_ROWS = [n for n in METHODS if REGISTRY[n].groups is not Drafter.groups]  # rows after the tree: masks, pseudo...
+HEAD_ROWS = [n for n in OWN_ROWS if REGISTRY[n].propose is Drafter.propose]  # ...whose drafts are the head's rows
 
 
-@pytest.mark.parametrize("name", ["medusa", "propd", "propd-dynamic", "bita-deep", "bita-shallow-full",
-                                  "bita-straight", "hidden_transfer", "sdsat"])
-def test_trained_methods_in_a_near_full_cache(name, device):
-    model = random_model(ARGS, seed=11, device=device)
-    d = drafter(name, model)
-    prompt = [3, 9, 4, 1, 7, 12, 5]
-    out = check_exact(model, prompt, d, 96, fast=True, peeking=0.9, seed=5, tight=True)
-    assert out.mean_accepted >= 1.5 and out.stop == "max_new_tokens"
+@pytest.mark.parametrize("name", METHODS)
+def test_every_method_in_a_near_full_cache_reaches_its_floor(name, device):
+    """Bitwise AR with drafts accepted to the cache's last slots, and the drafts as good as the method says
+    (Drafter.floor): a method that drafts worse (an off-by-one in its proposal: test_contract.py) fails here,
+    though it is still exact."""
+    reaches_floor(name, device)
 
 
-@pytest.mark.parametrize("exact, dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
-@pytest.mark.parametrize("name", ["bita-deep", "bita-shallow-full", "bita-straight", "hidden_transfer", "sdsat"])
-def test_own_rows_follow_the_budget(name, exact, dtype):
+@pytest.mark.parametrize("seed, exact, dtype", [(0, False, torch.float32), (1, True, torch.float32),
+                                               (2, True, torch.bfloat16)])
+@pytest.mark.parametrize("name", OWN_ROWS)
+def test_own_rows_follow_the_budget(name, seed, exact, dtype):
     """Under a planner a step runs min(ahead, budget) of a method's own draft rows per group (masks, pseudo rows,
     adaptive tokens; straightforward BiTA's root group keeps its M), lays out the rows it prices, and decodes AR's
-    output (exact mode: the logits of every emitted token bitwise AR's)."""
+    output (exact mode: the logits of every emitted token bitwise AR's). Each mode a seed of its own: a method's
+    random variants (Drafter.random) take turns."""
     model = random_model(ARGS, seed=11, dtype=dtype)
     prompt = [3, 9, 4, 1, 7, 12, 5]
     kw = dict(max_new_tokens=40, eos_id=-1, exact=exact, record_logits=exact)
     ar = generate(model, prompt, **kw)
-    d = peek(drafter(name, model), ar.tokens, p=0.8, seed=2)
+    d = feed(drafter(name, model, seed), [prompt], [ar], p=0.8, seed=2)
     d.planner, seen, groups = Budgets([2, 0, 1, 5, 3, 1, 4, 2, 2]), [], d.groups
 
     def spy(tree, n, budget=None):
@@ -46,52 +51,36 @@ def test_own_rows_follow_the_budget(name, exact, dtype):
     assert {own for _, _, own, *_ in seen} == set(range(1, d.ahead + 1))
 
 
-@pytest.mark.parametrize("name", ["bita-deep", "bita-straight", "hidden_transfer", "sdsat"])
+@pytest.mark.parametrize("name", HEAD_ROWS)
 def test_a_step_reads_the_head_once(name):
     """A drafter whose drafts are the head's own rows (masks, pseudo states, adaptive tokens) takes their logits
     from the step's one head product: fast mode calls the lm_head once a step and once for the prefill, never
     again for the drafts (at a few rows a second product costs what the first does: it reads the weights)."""
     model = random_model(ARGS, seed=11)
     d, spy = drafter(name, model), ProductsOf(model.lm_head.weight)
+    start = d.start
+    d.start = lambda dec: (start(dec), spy.calls.clear())  # from the first step on (BiTA's shallow prompt runs rows)
     with spy:
         out = generate(model, [3, 9, 4, 1, 7, 12, 5], d, max_new_tokens=24, eos_id=-1)
-    assert out.steps > 2 and len(spy.calls) == out.steps + 1
+    assert out.steps > 2 and len(spy.calls) == out.steps
 
 
-@pytest.mark.parametrize("exact", [True, False])
-def test_lookahead_in_a_near_full_cache(exact, device):
-    model = random_model(ARGS, seed=11, device=device)
-    prompt = [3, 9, 4, 1, 7, 12, 5] * 3
-    d = Lookahead(decoding_length=12, branch_length=6)
-    Q, _, W = shapes([d], len(prompt), 40)
-    kw = dict(max_new_tokens=40, exact=exact, Q=Q, n_slots=len(prompt) + 40 + 1, tail=W, eos_id=-1,
-              record_logits=True)
-    ar = generate(model, prompt, **kw)
-    d.warm_up([prompt[-1:] + ar.tokens])  # the trie knows the continuation: long drafts to the very end
-    out = generate(model, prompt, d, **kw)
-    assert out.tokens == ar.tokens and out.stop == "max_new_tokens" and out.mean_accepted > 3
-    if exact:
-        assert torch.equal(out.logits, ar.logits)
-
-
-@given(name=st.sampled_from(METHODS), seed=st.integers(0, 2**16), plen=st.integers(1, 12),
-       room=st.integers(1, 40), exact=st.booleans())
+@pytest.mark.parametrize("name", METHODS)
+@each_method(25)
+@given(seed=st.integers(0, 2**16), plen=st.integers(1, 12), room=st.integers(1, 40), exact=st.booleans())
 def test_a_full_cache_stops_every_method_where_ar_stops(device, name, seed, plen, room, exact):
     """A cache with room for fewer tokens than asked: the method stops on "cache_full" after as
     many tokens as AR at the same capacity, with AR's tokens (and, in exact mode, AR's bits).
-    The drafts peek at the truth, so long accepted trees run into the cache's end."""
+    The drafts are fed the truth, so long accepted trees run into the cache's end."""
     model = random_model(ARGS, seed=seed % 7, device=device)
     prompt = torch.randint(0, ARGS.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     n = room + 16
-    d = Lookahead(decoding_length=12, branch_length=6) if name == "lookahead" else drafter(name, model)
+    d = drafter(name, model, seed)
     Q, _, W = shapes([d], plen, n)
     kw = dict(max_new_tokens=n, exact=exact, Q=Q, tail=W, eos_id=-1, record_logits=True)
     capacity = plen - 1 + room  # the prompt but its last token, then `room` new tokens
     ar = generate(model, prompt, n_slots=capacity + 1, **kw)
-    if name == "lookahead":
-        d.warm_up([prompt[-1:] + ar.tokens])
-    else:
-        peek(d, ar.tokens, 0.9, seed)
+    feed(d, [prompt], [ar], 0.9, seed)
     out = generate(model, prompt, d, n_slots=capacity + d.reserved_slots + 1, **kw)
     assert ar.stop == out.stop == "cache_full" and len(ar.tokens) == room
     assert out.tokens == ar.tokens

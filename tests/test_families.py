@@ -11,10 +11,24 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import HF_FAMILIES, call, decode_main, family_args, full_logits, hf_family, random_model, run_cli
+from helpers import (
+    ARGS,
+    DRAFTING,
+    HF_FAMILIES,
+    ROOT,
+    call,
+    decode_main,
+    family_args,
+    full_logits,
+    hf_family,
+    random_model,
+    run_cli,
+)
+from nanospec import NanospecError
 from nanospec import model as llama
 from nanospec.engine import generate
 from nanospec.io.checkpoint import from_hf_config, load, load_args, load_tensors, save, to_hf_config
+from nanospec.methods import load_drafter
 from nanospec.model import ModelArgs
 from nanospec.oracle import compare
 
@@ -22,6 +36,18 @@ transformers = pytest.importorskip("transformers")
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 IDS = torch.randint(0, 400, (1, 40), generator=torch.Generator().manual_seed(1))  # 5 windows of Mistral's 8
 PROMPTS = ["def fibonacci(n):\n    if n < 2:", "class Cache:\n    def get(self, key):"]
+
+
+def training_free(name) -> bool:
+    """Whether the method decodes a checkpoint that has no drafter files (tests/ holds none)."""
+    try:
+        load_drafter(name, random_model(ARGS), ROOT / "tests")
+    except NanospecError:
+        return False
+    return True
+
+
+FREE = [n for n in DRAFTING if training_free(n)]  # the methods a random family checkpoint decodes with
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +138,10 @@ def test_our_checkpoints_of_each_family_load_in_transformers(tmp_path, name, win
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_decode_lookahead_check_is_identical(checkpoints, name, dtype):
+@pytest.mark.parametrize("method", FREE)
+def test_decode_check_is_identical(checkpoints, method, name, dtype):
     _, path = checkpoints[name]
-    code, out, err = call(decode_main, "--weights", path, "--method", "lookahead", "--mode", "exact", "--check",
+    code, out, err = call(decode_main, "--weights", path, "--method", method, "--mode", "exact", "--check",
                           "--dtype", dtype, "--prompt", PROMPTS[0], "--max-new-tokens", 16, "--json")
     assert code == 0 and "identical" in err, err
     assert json.loads(out.splitlines()[-1])["identical_to_ar"] is True

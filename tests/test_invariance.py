@@ -7,7 +7,7 @@ the CUDA default) keeps them AR's alone, for every method, in fp32 and bf16, whe
 sits in the block."""
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import (
@@ -16,10 +16,11 @@ from helpers import (
     METHODS,
     PRODUCT_FORMS,
     RowCountProducts,
-    batch_drafter,
     call,
     check_batch,
     decode_main,
+    drafter,
+    each_method,
     family_args,
     random_model,
 )
@@ -54,16 +55,16 @@ def test_live_blocks_alone_move_with_the_batch_under_such_products(name, dtype):
     model = random_model(ARGS, seed=2, dtype=dtype)
     prompts = [[3, 9, 4, 1], [8, 2, 6, 10, 11], [4, 4], [7, 1, 7]]
     with RowCountProducts(), pytest.raises(AssertionError, match=r"sequence \d"):
-        check_batch(model, prompts, batch_drafter(name, model), 12, peeking=(0.9,))
+        check_batch(model, prompts, drafter(name, model), 12, peeking=0.9)
 
 
 prompt_lists = st.lists(st.lists(st.integers(0, ARGS.vocab_size - 1), min_size=1, max_size=12), min_size=2, max_size=6)
 
 
-@settings(max_examples=20, deadline=None)
-@given(name=st.sampled_from(["ar"] + METHODS), prompts=prompt_lists, n=st.integers(1, 16), seed=st.integers(0, 6),
-       dtype=st.sampled_from(DTYPES), rows=st.none() | st.integers(1, 4), sampled=st.booleans(),
-       family=st.sampled_from(FAMILIES))
+@pytest.mark.parametrize("name", METHODS)
+@each_method(20)
+@given(prompts=prompt_lists, n=st.integers(1, 16), seed=st.integers(0, 6), dtype=st.sampled_from(DTYPES),
+       rows=st.none() | st.integers(1, 4), sampled=st.booleans(), family=st.sampled_from(FAMILIES))
 def test_a_block_batch_keeps_each_sequence_as_alone_under_such_products(name, prompts, n, seed, dtype, rows, sampled,
                                                                         family):
     """Up to 4 sequences at once (refills when there are more prompts than rows), every forward 4
@@ -71,8 +72,8 @@ def test_a_block_batch_keeps_each_sequence_as_alone_under_such_products(name, pr
     model = random_model(family_args(ARGS, family), seed=seed, dtype=dtype)
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else None
     with RowCountProducts():
-        check_batch(model, prompts[:4] if rows is None else prompts, batch_drafter(name, model), n,
-                    peeking=(0.9,), seed=seed, sampling=sampling, rows=rows, block_batch=4)
+        check_batch(model, prompts[:4] if rows is None else prompts, drafter(name, model, seed), n,
+                    peeking=0.9, seed=seed, sampling=sampling, rows=rows, block_batch=4)
 
 
 def test_a_block_batch_is_what_cuda_runs_by_default():
@@ -97,8 +98,8 @@ def test_a_lone_sequence_runs_the_whole_block(monkeypatch):
         shapes_seen.add(tuple(block.tokens.shape))
         return on_cache(cls, model, block, *a, **k)
     monkeypatch.setattr(forward.Forward, "on_cache", classmethod(spy))
-    Q, S, W = shapes([batch_drafter("medusa", model)], 20, 8)
-    generate(model, list(range(1, 21)), batch_drafter("medusa", model), max_new_tokens=8, exact=True, Q=Q,
+    Q, S, W = shapes([drafter("medusa", model)], 20, 8)
+    generate(model, list(range(1, 21)), drafter("medusa", model), max_new_tokens=8, exact=True, Q=Q,
              n_slots=S, block_batch=3)
     assert shapes_seen == {(3, Q)}
 

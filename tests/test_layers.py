@@ -17,13 +17,15 @@ LAYERS = [
     {"drafter", "sizes", "engine"},                                             # the contract and the loop
     {"costs", "tuning.costs", "tuning.planner", "tuning.counts", "training.data",
      "training.loop", "training.pretrain", "training.forced",
-     "methods", "methods.lookahead", "methods.medusa", "methods.propd", "methods.bita", "methods.hidden_transfer",
-     "methods.sdsat", "methods.sdsat_full"},                                    # drafters and their trainers
+     "methods"},                                    # drafters and their trainers (METHOD: each methods/*.py file)
     {"bench", "oracle.peers", "methods.analysis", "oracle.engines", "oracle.engines.hf", "oracle.engines.llamacpp",
      "oracle.engines.openai", "oracle.compare", "oracle.forced", "oracle.noise", "oracle.whole", "oracle.plants",
      "oracle.floors"},                                                         # command lines and the oracle
 ]
-LEVEL = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+METHOD = next(i for i, layer in enumerate(LAYERS) if "methods" in layer)  # a method's file, whatever its name (but
+# methods/analysis.py, a command line)
+LEVEL = {m: i for i, layer in enumerate(LAYERS) for m in layer} | {
+    f"methods.{p.stem}": METHOD for p in (PKG / "methods").glob("*.py") if p.stem not in ("__init__", "analysis")}
 
 
 def name_of(path: Path) -> str:

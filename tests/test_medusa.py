@@ -11,7 +11,7 @@ from nanospec import NanospecError
 from nanospec.engine import generate
 from nanospec.io.checkpoint import save, save_drafter
 from nanospec.io.files import fingerprint
-from nanospec.methods.medusa import Heads, Medusa, accuracy, draft_vocab, load_medusa, loss_fn, samples
+from nanospec.methods.medusa import Heads, Medusa, accuracy, draft_vocab, loss_fn, samples
 from nanospec.model import ModelArgs
 from nanospec.training.forced import labelled
 from nanospec.tree import choose_tree
@@ -125,14 +125,14 @@ def test_weights_for_another_base_model_are_refused(tmp_path):
     save(model, tmp_path)
     heads = Heads(32, 50, 2).init_from(model.lm_head)
     with pytest.raises(NanospecError, match="no medusa.safetensors"):
-        load_medusa(model, tmp_path)
+        Medusa.load(model, tmp_path)
     save_drafter(tmp_path / "medusa.safetensors", heads, {"base_fingerprint": fingerprint(other), "heads": 2,
                                                           "acc": [[0.5], [0.5]], "tree": [[0], [0, 0]]})
     with pytest.raises(NanospecError, match="trained for another base model"):
-        load_medusa(model, tmp_path)
+        Medusa.load(model, tmp_path)
     save_drafter(tmp_path / "medusa.safetensors", heads, {"base_fingerprint": fingerprint(model), "heads": 2,
                                                           "acc": [[0.5], [0.5]], "tree": [[0], [0, 0]]})
-    assert load_medusa(model, tmp_path).template.paths == [(0,), (0, 0)]
+    assert Medusa.load(model, tmp_path).template.paths == [(0,), (0, 0)]
 
 
 def test_stacked_heads_start_as_the_next_token_guess_and_keep_their_depth_on_disk(tmp_path):
@@ -153,7 +153,7 @@ def test_stacked_heads_start_as_the_next_token_guess_and_keep_their_depth_on_dis
     save_drafter(tmp_path / "medusa.safetensors", heads, {"base_fingerprint": fingerprint(model), "heads": 2,
                                                           "shared": True, "layers": 3, "acc": [[0.5], [0.5]],
                                                           "tree": [[0], [0, 0]]})
-    back = load_medusa(model, tmp_path).heads
+    back = Medusa.load(model, tmp_path).heads
     assert back.layers == 3 and len(back.res) == 6
     assert torch.equal(back(h), heads.to(torch.bfloat16).float()(h))  # the file holds bf16
 
@@ -193,7 +193,7 @@ def test_token_heads_read_the_token_each_step_emits_last_and_keep_it_on_disk(tmp
     save_drafter(tmp_path / "medusa.safetensors", heads, {"base_fingerprint": fingerprint(model), "heads": 2,
                                                           "shared": True, "token": True, "acc": [[0.5], [0.5]],
                                                           "tree": [[0], [0, 0]]})
-    back = load_medusa(model, tmp_path).heads
+    back = Medusa.load(model, tmp_path).heads
     assert back.tok is not None and torch.equal(back(h), heads.to(torch.bfloat16).float()(h))  # the file holds bf16
 
 
@@ -225,6 +225,6 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_its_ids_on_disk(tmp
     save_drafter(tmp_path / "medusa.safetensors", heads, {"base_fingerprint": fingerprint(model), "heads": 2,
                                                           "shared": True, "draft_vocab": 5, "acc": [[0.5], [0.5]],
                                                           "tree": [[0], [0, 0]]})
-    back = load_medusa(model, tmp_path)
+    back = Medusa.load(model, tmp_path)
     assert back.heads.vocab.dtype == torch.long and back.heads.vocab.tolist() == [0, 3, 7, 300, 599]
     assert torch.equal(back.narrow.weight, model.lm_head.weight[ids])

@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import METHODS, Budgets, FixedCost, batch_drafter, check_exact, random_model
+from helpers import METHODS, Budgets, FixedCost, check_exact, drafter, feed, random_model
 from nanospec import devices
 from nanospec.costs import CostModel
 from nanospec.engine import generate
-from nanospec.methods.lookahead import Lookahead
+from nanospec.methods import METHODS as REGISTRY
 from nanospec.methods.medusa import Heads, Medusa
 from nanospec.model import ModelArgs
 from nanospec.planner import best, expected_lengths, tree_lengths
@@ -28,6 +28,7 @@ from nanospec.tuning.products import BUCKETS
 
 ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=41, hidden_dim=40)
 ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
+NESTED = [n for n in METHODS if REGISTRY[n].nested]  # unranked drafters whose budget-s draft is a prefix (Lookahead's)
 
 
 def test_regression_recovers_known_coefficients():
@@ -314,7 +315,7 @@ def test_ar_steps_reuse_one_drafter(monkeypatch):
     assert len(seen) == 10 and all(s is engine.AR for s in seen)
 
 
-@pytest.mark.parametrize("name", [m for m in METHODS if m != "propd-dynamic"])  # that one plans its own sizes
+@pytest.mark.parametrize("name", METHODS)
 def test_an_ar_step_under_any_method_is_ars_own_step(name, monkeypatch):
     """A budget of 0, alone and in a batch: every method's step launches the engine's AR with one row per sequence,
     the step AR itself launches (so the same program and ops); the output is AR's."""
@@ -327,7 +328,7 @@ def test_an_ar_step_under_any_method_is_ars_own_step(name, monkeypatch):
     for rows in (1, 2):
         ar = [o.tokens for o in generate(model, prompts, None, max_new_tokens=8, eos_id=-1, batch=rows)]
         ars, seen[:] = list(seen), []
-        d = batch_drafter(name, model)
+        d = drafter(name, model)
         d.planner = Budgets([0])
         assert [o.tokens for o in generate(model, prompts, d, max_new_tokens=8, eos_id=-1, batch=rows)] == ar
         assert seen == ars and all(s is engine.AR and shape[1] == 1 for s, shape in seen)
@@ -473,37 +474,51 @@ def test_a_probe_weighs_beside_the_history():
     assert p.P[0][0] == pytest.approx(0.6)
 
 
-def test_lookahead_budget_from_its_own_gains():
-    """Lookahead has no ranked candidates: each budget is judged by the drafts it got accepted."""
+@pytest.mark.parametrize("name", METHODS)
+def test_a_planner_offers_no_more_than_a_methods_largest_draft(name):
+    """A method that declares its largest draft (Drafter.max_draft) is never offered a larger budget, and its
+    exact block holds that draft's rows, not the planner's largest size's."""
+    d = drafter(name, random_model(ARGS, 3))
+    sizes = Tuned(FixedCost(0.01, 1e-5)).sizes
+    d.plan(Tuned(FixedCost(0.01, 1e-5)))
+    most = max(sizes) if d.max_draft is None else d.max_draft
+    assert d.planner.sizes == sorted({min(s, most) for s in sizes}) and d.max_rows >= d.size(most + 1, most)
+    if d.max_draft is not None:
+        assert d.max_rows == d.size(most + 1, most) < d.size(max(sizes) + 1, max(sizes))
+
+
+@pytest.mark.parametrize("name", NESTED)
+def test_a_nested_budget_from_its_own_gains(name):
+    """A nested drafter has no ranked candidates: each budget is judged by the drafts it got accepted."""
     model = random_model(ARGS, 3)
     prompt = [5, 6, 7, 8] * 6
     ar = generate(model, prompt, max_new_tokens=48, eos_id=-1)
-    d = Lookahead(decoding_length=16)
-    d.warm_up([prompt[-1:] + ar.tokens])  # the trie knows the continuation: long drafts pay
+    d = feed(REGISTRY[name].load(model, None), [prompt], [ar])  # its context knows the continuation: long drafts pay
     d.plan(Tuned(FixedCost(0.01, 1e-5), replan=8))
     steps = []
     observe = d.planner.observe
     d.planner.observe = lambda dec, size, rows, *a, **k: steps.append((size, rows)) or observe(dec, size, rows, *a, **k)
     out = generate(model, prompt, d, max_new_tokens=48, eos_id=-1)
-    assert out.tokens == ar.tokens and max(d.planner.used) >= 8 and out.mean_accepted > 3
+    assert out.tokens == ar.tokens and max(d.planner.used) >= min(8, d.max_draft) and out.mean_accepted > 3
     assert all(rows <= size + 1 for size, rows in steps if size)  # a budget caps the draft
     assert max(d.planner.gain.values()) > 3  # what a large budget got accepted
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_planned_lookahead_is_exact(dtype, device):
-    """Under a planner Lookahead drafts whole and the engine runs a prefix of the planned budget:
-    the logits of every accepted position are still AR's, bitwise, and the steps ran budgets of
-    several sizes (the trie knows the continuation, so large ones pay). An engine that cut every
-    draft to one node, whatever the budget, fails the tokens-per-step bound (1.78, planted)."""
+@pytest.mark.parametrize("name", NESTED)
+def test_a_planned_nested_drafter_is_exact(name, dtype, device):
+    """Under a planner a nested drafter (Lookahead's trie, PLD's chain) drafts whole and the engine runs a prefix
+    of the planned budget: the logits of every accepted position are still AR's, bitwise, at budgets of every size,
+    AR's (0) and over its largest draft included (its context knows the continuation, so drafts are accepted)."""
     model = random_model(ARGS, 3, dtype, device)
     prompt = [5, 6, 7, 8] * 6
     ar = generate(model, prompt, max_new_tokens=40, eos_id=-1)
-    d = Lookahead(decoding_length=16)
-    d.warm_up([prompt[-1:] + ar.tokens])
-    d.plan(Tuned(FixedCost(0.01, 1e-4), replan=4))
-    out = check_exact(model, prompt, d, 32, fast=dtype == torch.float32)
-    assert out.mean_accepted > 2 and len({s for s in d.planner.used if s}) >= 2
+    d = feed(REGISTRY[name].load(model, None), [prompt], [ar])
+    d.planner, steps = Budgets([1, 3, 0, 7, 16, 2]), []
+    out = check_exact(model, prompt, d, 32, fast=dtype == torch.float32,
+                      on_step=lambda dec, step: steps.append((step.budget, len(step.tree), len(step.whole))))
+    assert out.mean_accepted > 1.5 and {b for b, _, _ in steps} == {0, 1, 2, 3, 7, 16}
+    assert all(n <= b + 1 for b, n, _ in steps) and any(n < whole for _, n, whole in steps)  # prefixes ran
 
 
 def test_a_nested_draft_is_scored_at_every_budget():

@@ -1,5 +1,6 @@
 """ProPD: early pruning, the dynamic tree (the core planner with the paper's online costs), the
 drafter's exactness and the early-head trainer. (The planner's own tests: test_planner.py.)"""
+import random
 from pathlib import Path
 
 import pytest
@@ -7,12 +8,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import FixedCost, check_exact, model_args, pruned_rows, random_model
+from helpers import FixedCost, check_exact, model_args, path_to, random_model
 from nanospec import NanospecError, planner
 from nanospec.engine import generate
 from nanospec.io.checkpoint import load
 from nanospec.methods.medusa import Heads
-from nanospec.methods.propd import EarlyHead, ProPD, load_propd, pruned, samples, train_early
+from nanospec.methods.propd import EarlyHead, ProPD, pruned, samples, train_early
 from nanospec.model import ModelArgs
 from nanospec.training.forced import labelled
 from nanospec.tree import Layout, Nodes, Tree
@@ -31,6 +32,48 @@ def nodes_of(tree):
     lay = Layout.of(tree.parents)
     lay = type(lay)(*(t[None] for t in (lay.parent, lay.depth, lay.index, lay.anc)))
     return Nodes(torch.tensor(tree.tokens)[None], lay, torch.ones(1, len(tree), dtype=torch.bool), len(tree))
+
+
+def pruned_rows(propd) -> int:
+    """Rows ProPD's early head removed so far."""
+    return int(propd.pruning[1])
+
+
+class KeepTruth(torch.nn.Module):
+    """ProPD's early head, aimed at each step's tree: random logits per row (so pruning removes
+    random branches), except that a node on the true path ranks its true child first. One table,
+    updated in place, so a CUDA graph captured with it reads each step's values."""
+
+    def __init__(self, V: int, like: torch.Tensor, seed: int, rows: int = 256):
+        super().__init__()
+        self.rng = random.Random(seed)
+        self.table = torch.zeros(rows, V, dtype=like.dtype, device=like.device)
+
+    def aim(self, tree: Tree, truth: list[int]):
+        g = torch.Generator().manual_seed(self.rng.randrange(2**31))
+        table = torch.randn(self.table.shape, generator=g)
+        tokens = tree.token_list()
+        for node in range(len(tree)):
+            path = path_to(tree, node)
+            d = len(path) - 1
+            if d < len(truth) and [tokens[i] for i in path[1:]] == truth[:d]:
+                table[node, truth[d]] = 1e4
+        self.table.copy_(table)
+
+    def forward(self, x):  # x (B, N, D): one aimed tree, so a batch of one
+        return self.table[:x.shape[-2]].expand(*x.shape[:-1], -1)
+
+
+def aimed(d: ProPD, truth: list[int], seed: int) -> ProPD:
+    """d with an early head that prunes at random but keeps the true path (truth: AR's output)."""
+    d.early, draft = KeepTruth(d.early.up.out_features, d.early.up.weight, seed), d.draft
+
+    def drafting(dec, *a):
+        tree = draft(dec, *a)
+        d.early.aim(tree, truth[len(dec.out):])
+        return tree
+    d.draft = drafting
+    return d
 
 
 def test_pruning_takes_descendants_and_keeps_the_root():
@@ -54,7 +97,7 @@ def test_pruning_takes_descendants_and_keeps_the_root():
 def test_propd_equals_ar(device, dtype, args, seed, plen, size, k, sampled, prune, dynamic, row_cost):
     """Pruning and dynamic trees change nothing: bitwise logits in exact mode, tokens in fast mode.
     The heads' candidates carry the true continuation (helpers.peek) and the early head prunes
-    random branches but not the true one, so the pruned forward runs on accepted drafts. The
+    random branches but not the true one (aimed), so the pruned forward runs on accepted drafts. The
     planner's cost model is fixed (cheap or dear rows), so its plans do not depend on timings."""
     model = random_model(args, seed, DTYPES[dtype], device)
     torch.manual_seed(seed)
@@ -65,6 +108,8 @@ def test_propd_equals_ar(device, dtype, args, seed, plen, size, k, sampled, prun
               sizes=(1, 3, size), replan=4, cost=FixedCost(1e-2, row_cost))
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
+    if prune:
+        aimed(d, generate(model, prompt, max_new_tokens=24, exact=True, eos_id=-1, **sampling).tokens, seed)
     out = check_exact(model, prompt, d, 24, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
     assert out.mean_accepted >= 1.5
     if prune and not dynamic and size >= 3 and 2 * k <= args.vocab_size:  # wrong branches to prune
@@ -153,18 +198,18 @@ def test_k_keeps_most_right_tokens_or_pruning_is_off(monkeypatch):
     after layer 2 of the default model); where none does, pruning is off and the report says so."""
     from nanospec.methods import propd
     model = load(W)
-    d = load_propd(model, W)
+    d = ProPD.load(model, W)
     assert d.early is not None and d.k == 10 and d.early.hits[5] < propd.KEEP <= d.early.hits[10]
-    assert load_propd(model, W, k=5).k == 5
+    assert ProPD.load(model, W, k=5).k == 5
     monkeypatch.setattr(propd, "KEEP", 0.9999)
-    d = load_propd(model, W)
+    d = ProPD.load(model, W)
     assert d.early is None and "pruning off" in d.report() and "top-100" in d.report()
 
 
 def test_early_heads_for_another_layer_are_refused():
     model = load(W)
     with pytest.raises(NanospecError, match="layers"):
-        load_propd(model, W, layer=7)
+        ProPD.load(model, W, layer=7)
 
 
 def test_regression_last_row_of_the_block():

@@ -1,5 +1,5 @@
 """decode.py --show and --show-html: each step drawn as the tree it verified, the accepted path marked as the tokens
-it committed, where the drafts came from (Lookahead's matched suffix, ProPD's pruned nodes), and a run's output as
+it committed, where the drafts came from (a matched suffix, ProPD's pruned nodes), and a run's output as
 without it; the HTML page in a real headless browser. decode.py --bench --plot: a valid PNG, or one line without the
 plot extra."""
 import html.parser
@@ -10,11 +10,12 @@ import subprocess
 
 import pytest
 
-from helpers import ARGS, Adversary, call, decode_main, drafter, random_model, run_cli
+from helpers import ARGS, METHODS, Adversary, call, decode_main, drafter, random_model, run_cli
 from nanospec import engine
+from nanospec.drafter import Drafter
 from nanospec.engine import generate
+from nanospec.methods import METHODS as REGISTRY
 from nanospec.methods import propd
-from nanospec.methods.lookahead import Lookahead
 from nanospec.model import ModelArgs
 from nanospec.show import Show, draw, preorder
 
@@ -97,20 +98,22 @@ def test_pruned_nodes_are_the_ones_left_unverified(monkeypatch, exact):
     assert sum(map(len, (s.pruned for s in steps))) > 0
 
 
-def test_lookahead_names_the_suffix_its_trie_matched():
-    """Lookahead's steps carry how many of the context's last tokens its trie matched; a step that drafts names them in
-    its header, ending with the root, the last token emitted before the step."""
+@pytest.mark.parametrize("name", [n for n in METHODS if REGISTRY[n].drafts_from != Drafter.drafts_from])
+def test_a_context_drafter_names_the_suffix_it_matched(name):
+    """A context drafter's steps carry how many of the context's last tokens it matched (Lookahead's trie, PLD's
+    n-gram); a step that drafts names them in its header, in the method's words (Drafter.drafts_from), ending with
+    the root, the last token emitted before the step."""
     model = random_model(ARGS, seed=3)
     prompt = [3, 14, 15, 9, 2, 6, 3, 14, 15, 9, 2, 6, 3, 14]
     shown = []
-    show = Show(str, Lookahead(decoding_length=8, branch_length=4), out=None)
+    show = Show(str, drafter(name, model), out=None)
     generate(model, prompt, show.drafter, max_new_tokens=24, eos_id=-1,
              on_step=lambda dec, step: shown.append((step, show.header(dec, step), list(dec.out))))
     matched = [(s, head, out) for s, head, out in shown if s.tree.matched and len(s.tree) > 1]
     assert matched
     for s, head, out in matched:
         before = (prompt + out)[:len(prompt) + len(out) - len(s.tokens)]
-        assert head.endswith("drafts from the trie after " + " ".join(map(str, before[-s.tree.matched:])))
+        assert head.endswith(f"drafts {show.drafter.drafts_from} " + " ".join(map(str, before[-s.tree.matched:])))
         assert before[-1] == s.tree.tokens[0]
 
 

@@ -1,9 +1,10 @@
-"""Method registry: name -> loader(model, weights_dir, **options) returning a Drafter.
+"""Method registry: name -> the method's Drafter class, the one list of methods (decode.py's choices, the bench's
+`--methods all`, and every generic test, which runs each method by its name: `python -m pytest -k NAME`).
 
 A method is named by a spec, "name" or "name:key=value,key=value", e.g.
-`lookahead:strategy=parallel,decoding_length=16`; the options are the loader's
-keyword arguments. METHODS below maps each name to its loader; a new method is
-added to it by hand. `ar` is the baseline every method must reproduce.
+`lookahead:strategy=parallel,decoding_length=16`; the options are its loader's
+(Drafter.load) keyword arguments. A new method is its file and one line here.
+`ar` is the baseline every method must reproduce.
 """
 import inspect
 import json
@@ -12,21 +13,21 @@ from pathlib import Path
 from safetensors import safe_open
 
 from .. import NanospecError
-from ..drafter import AR, Drafter
+from ..drafter import Drafter
 from ..io.files import fingerprint
-from . import bita, hidden_transfer, lookahead, medusa, propd, sdsat, sdsat_full
+from . import bita, hidden_transfer, lookahead, medusa, pld, propd, sdsat, sdsat_full
 
-METHODS = {
-    "ar": lambda model, weights: AR,
-    "lookahead": lookahead.load,
-    "medusa": medusa.load_medusa,
-    "propd": propd.load_propd,
-    "bita": bita.load_bita,
-    "hidden_transfer": hidden_transfer.load_hidden_transfer,
-    "sdsat": sdsat.load_sdsat,
-    "sdsat_full": sdsat_full.load,
+METHODS: dict[str, type[Drafter]] = {
+    "ar": Drafter,
+    "lookahead": lookahead.Lookahead,
+    "pld": pld.PLD,
+    "medusa": medusa.Medusa,
+    "propd": propd.ProPD,
+    "bita": bita.BiTA,
+    "hidden_transfer": hidden_transfer.HiddenTransfer,
+    "sdsat": sdsat.SDSAT,
+    "sdsat_full": sdsat_full.SDSATFull,
 }
-OWN_MODEL = {"sdsat_full": sdsat_full.model_dir}  # methods that decode a fine-tuned model of their own
 
 
 def _value(v: str):
@@ -50,7 +51,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         if not eq:
             raise NanospecError(f"method option {kv!r} in {spec!r} is not key=value")
         kwargs[key.strip()] = _value(val.strip())
-    allowed = [p for p in inspect.signature(METHODS[name]).parameters if p not in ("model", "weights")]
+    allowed = [p for p in inspect.signature(METHODS[name].load).parameters if p not in ("model", "weights")]
     for key in kwargs:
         if key not in allowed:
             raise NanospecError(f"{name} has no option {key!r}; its options: {', '.join(allowed) or 'none'}")
@@ -59,7 +60,9 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 
 def split_specs(methods: str) -> list[str]:
     """'ar,lookahead:strategy=single,decoding_length=8' -> ['ar', 'lookahead:strategy=single,decoding_length=8']:
-    a piece with '=' and no ':' continues the spec before it."""
+    a piece with '=' and no ':' continues the spec before it. 'all': every method that decodes the base model."""
+    if methods == "all":
+        return [n for n, m in METHODS.items() if m.model_dir is Drafter.model_dir]
     specs = []
     for piece in methods.split(","):
         if "=" in piece and ":" not in piece and specs:
@@ -77,7 +80,7 @@ def model_dir(specs: list[str], weights):
     """The model directory the methods decode: the base weights, or a method's own fine-tuned
     model (the paper's SDSAT, sdsat_full), which is then also the AR reference. `ar` follows the others."""
     names = {parse_spec(s)[0] for s in specs} - {"ar"}
-    dirs = {OWN_MODEL[n](weights) if n in OWN_MODEL else weights for n in names} or {weights}
+    dirs = {METHODS[n].model_dir(weights) for n in names} or {weights}
     if len(dirs) > 1:
         raise NanospecError(f"{', '.join(sorted(names))} decode different models "
                             f"({', '.join(map(str, sorted(dirs)))}); "
@@ -115,6 +118,6 @@ def drafters_for(model, weights, given=None) -> Path:
 
 def load_drafter(spec: str, model, weights) -> Drafter:
     name, kwargs = parse_spec(spec)
-    drafter = METHODS[name](model, weights, **kwargs)
+    drafter = METHODS[name].load(model, weights, **kwargs)
     drafter.name = spec
     return drafter

@@ -131,7 +131,7 @@ def drafter_accuracy(model, weights, method: str, held: list) -> list[list[float
         return accuracy(model, load_transfer(model, weights)[0], held, "chain", topk=5)
     if method == "bita":
         items, opts = [labelled(d) for d in held], SimpleNamespace(batch_size=8, groups=32)  # its trainer's
-        return bita.accuracy(model, bita.load_bita(model, weights).tune, items, opts)
+        return bita.accuracy(model, bita.BiTA.load(model, weights).tune, items, opts)
     delta, meta = sdsat.load_delta(model, weights)
     return sdsat.accuracy(model, delta, held, SimpleNamespace(window=meta["window"], diverse=meta["tokens"] > 1))
 

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from .. import NanospecError
 from ..cache import Block
-from ..drafter import Out, Ranked
+from ..drafter import Out, Ranked, noisy
 from ..forward import Forward
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
@@ -90,6 +90,7 @@ class Tuning(nn.Module):
 class BiTA(Ranked):
     name = "bita"
     own_rows = "mask tokens"  # what the rows after the tree are (show.py)
+    floor = 2.3  # tokens per step when a test feeds it AR's continuation (tests/helpers.py, reaches_floor)
 
     def __init__(self, tune: Tuning, decoding: str = "efficient", k: int = 3):
         if decoding not in DECODING:
@@ -104,6 +105,24 @@ class BiTA(Ranked):
         self.topk = self.template.topk
         self.ahead = M  # masks per group: M, or a planner's budget's worth (Ranked.own)
         self.max_rows = self.size(len(self.template))
+
+    @classmethod
+    def load(cls, model, weights, decoding="efficient", k=3, prompting="deep") -> "BiTA":
+        if prompting not in PROMPTING:
+            raise NanospecError(f"bita prompting {prompting!r}: choose from {', '.join(PROMPTING)}")
+        cmd = "python train.py --method bita" + ("" if prompting == "deep" else f" --prompting {prompting}")
+        tune, _ = load_trained(model, Path(weights) / filename(prompting), cmd,
+                               lambda meta: Tuning(model.args, meta["masks"], meta["prompts"], prompting))
+        return cls(tune, decoding, k)
+
+    @classmethod
+    def random(cls, model, seed=0) -> "BiTA":
+        """Noisy embeddings; the seed picks the variant: deep prompts and efficient trees, shallow prompts and
+        full trees, or no prompts and the straightforward chain."""
+        prompting, decoding, masks, prompts, k = [("deep", "efficient", 3, 4, 2), ("shallow", "full", 2, 3, 2),
+                                                  ("none", "straight", 3, 4, 1)][seed % 3]
+        tune = noisy(Tuning(model.args, masks, prompts, prompting), seed, 1.0).to(model.embed.weight)
+        return cls(tune, decoding, k)
 
     def hosts(self, n: int) -> int:
         return 1 if self.decoding == "straight" else n  # mask groups: on the root, or on every node
@@ -149,15 +168,6 @@ class BiTA(Ranked):
 # --- weights on disk ---------------------------------------------------------------------------
 def filename(prompting: str) -> str:
     return "bita.safetensors" if prompting == "deep" else f"bita-{prompting}.safetensors"
-
-
-def load_bita(model, weights, decoding="efficient", k=3, prompting="deep") -> BiTA:
-    if prompting not in PROMPTING:
-        raise NanospecError(f"bita prompting {prompting!r}: choose from {', '.join(PROMPTING)}")
-    cmd = "python train.py --method bita" + ("" if prompting == "deep" else f" --prompting {prompting}")
-    tune, _ = load_trained(model, Path(weights) / filename(prompting), cmd,
-                           lambda meta: Tuning(model.args, meta["masks"], meta["prompts"], prompting))
-    return BiTA(tune, decoding, k)
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..drafter import Out, Ranked
+from ..drafter import RANDOM_ACC, Out, Ranked, noisy
 from ..forward import Forward
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
@@ -110,6 +110,7 @@ def transfer(f: Forward, tr: Transfer, x, hosts, rows, record=None):
 class HiddenTransfer(Ranked):
     name = "hidden_transfer"
     own_rows = "pseudo rows"  # what the rows after the tree are (show.py)
+    floor = 2.2  # tokens per step when a test feeds it AR's continuation (tests/helpers.py, reaches_floor)
 
     def __init__(self, tr: Transfer, paths: list[tuple[int, ...]], chained: bool = True):
         self.tr, self.chained = tr, chained
@@ -119,6 +120,20 @@ class HiddenTransfer(Ranked):
         self.ahead = tr.k  # pseudo rows per node: k, or a planner's budget's worth (Ranked.own)
         self.max_rows = self.size(len(self.template))
         self.topk = self.template.topk
+
+    @classmethod
+    def load(cls, model, weights, tree_size=0, chained=True) -> "HiddenTransfer":
+        tr, meta = load_transfer(model, weights)
+        paths = choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"]
+        return cls(tr, [p for p in paths if len(p) <= tr.k], chained)
+
+    @classmethod
+    def random(cls, model, seed=0) -> "HiddenTransfer":
+        """Noisy identity maps at the first two layers after the embedding (the first alone in a 2-layer model); an
+        odd seed's pseudo rows each see only themselves (chained=False)."""
+        layers = sorted({1, min(2, model.args.n_layers - 1)})
+        tr = noisy(Transfer(model.args.dim, layers), seed, 0.3).to(model.embed.weight)
+        return cls(tr, choose_tree(RANDOM_ACC[:len(layers)], 8), chained=seed % 2 == 0)
 
     def size(self, n, budget=None):
         return n * (1 + self.own(budget))  # every node carries a group of pseudo rows
@@ -141,12 +156,6 @@ def load_transfer(model, weights):
     return load_trained(model, Path(weights) / "hidden_transfer.safetensors",
                         "python train.py --method hidden_transfer",
                         lambda meta: Transfer(model.args.dim, meta["layers"]).check(model.args.n_layers))
-
-
-def load_hidden_transfer(model, weights, tree_size=0, chained=True) -> HiddenTransfer:
-    tr, meta = load_transfer(model, weights)
-    paths = choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"]
-    return HiddenTransfer(tr, [p for p in paths if len(p) <= tr.k], chained)
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -204,6 +204,8 @@ def count(node: Node, limit: int) -> int:
 class Lookahead(Drafter):
     name = "lookahead"
     nested = True  # select() picks best-first (or branch by branch): a smaller budget's picks are a prefix
+    drafts_from = "from the trie after"  # show.py: the suffix the trie matched
+    floor = 2.8  # tokens per step when a test feeds it AR's continuation (tests/helpers.py, reaches_floor)
 
     def __init__(self, decoding_length=16, branch_length=12, strategy="hierarchical", capacity=None,
                  prompt_weight=10.0, max_prefix=6, min_nodes=None):
@@ -214,8 +216,22 @@ class Lookahead(Drafter):
         self.decoding_length, self.branch_length, self.strategy = decoding_length, branch_length, strategy
         self.max_prefix = max_prefix
         self.min_nodes = min_nodes if min_nodes is not None else decoding_length
-        self.max_rows = decoding_length + 1
+        self.max_rows, self.max_draft = decoding_length + 1, decoding_length
         self.trie = Trie(capacity or 16 * decoding_length, prompt_weight)
+
+    @classmethod
+    def load(cls, model, weights, decoding_length=16, branch_length=12, strategy="hierarchical", capacity=0,
+             prompt_weight=10.0, max_prefix=6, min_nodes=-1, warmup="") -> "Lookahead":
+        """decode.py's loader; warmup: a JSONL file of {"response": text} to feed the trie first."""
+        d = cls(decoding_length, branch_length, strategy, capacity or None, prompt_weight, max_prefix,
+                None if min_nodes < 0 else min_nodes)
+        if warmup:
+            d.warm_up(read_responses(warmup, load_tokenizer(base_of(weights))))
+        return d
+
+    @classmethod
+    def random(cls, model, seed=0) -> "Lookahead":
+        return cls(decoding_length=8, branch_length=4)  # a tiny model's: short windows, small trees
 
     def windows(self, seq: list[int]) -> list[list[int]]:
         return [seq[i:i + self.branch_length] for i in range(len(seq) - 1)]
@@ -269,12 +285,3 @@ def read_responses(path, tok: Tokenizer) -> list[list[int]]:
             raise NanospecError(f"{path}:{i} is not a JSON object with a \"response\" field") from None
     return out
 
-
-def load(model, weights, decoding_length=16, branch_length=12, strategy="hierarchical", capacity=0,
-         prompt_weight=10.0, max_prefix=6, min_nodes=-1, warmup="") -> Lookahead:
-    """decode.py's loader; warmup: a JSONL file of {"response": text} to feed the trie first."""
-    d = Lookahead(decoding_length, branch_length, strategy, capacity or None, prompt_weight, max_prefix,
-                  None if min_nodes < 0 else min_nodes)
-    if warmup:
-        d.warm_up(read_responses(warmup, load_tokenizer(base_of(weights))))
-    return d

@@ -56,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..drafter import Borrowed, Out, Ranked, plain
+from ..drafter import RANDOM_ACC, Borrowed, Out, Ranked, noisy, plain
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
@@ -128,12 +128,28 @@ class Heads(nn.Module):
 
 class Medusa(Ranked):
     name = "medusa"
+    floor = 2.8  # tokens per step when a test feeds it AR's continuation (tests/helpers.py, reaches_floor)
 
     def __init__(self, heads: Heads, paths: list[tuple[int, ...]], acc: list[list[float]] | None = None):
         self.heads, self.acc = heads, acc  # acc: held-out accuracy per head and rank (the planner's prior)
         self.template = Template(paths)
         self.max_rows, self.topk = len(self.template), self.template.topk
         self.narrow = heads.narrowed()  # the draft vocabulary's product, a layer a device layer may tune
+
+    @classmethod
+    def load(cls, model, weights, tree_size=0) -> "Medusa":
+        heads, meta = load_heads(model, weights)
+        return cls(heads, choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"], meta["acc"])
+
+    @classmethod
+    def random(cls, model, seed=0) -> "Medusa":
+        """Noisy token heads on the shared lm_head, drafting from a random draft vocabulary of most of its tokens
+        (--shared-head --token-input --draft-vocab): every part of the heads runs."""
+        a = model.args
+        heads = Heads(a.dim, a.vocab_size, 3, model.lm_head, token=model, draft_vocab=max(1, a.vocab_size * 3 // 4))
+        heads.vocab.copy_(torch.randperm(a.vocab_size, generator=torch.Generator().manual_seed(seed))[:len(heads.vocab)]
+                          .sort().values)
+        return cls(noisy(heads.init_from(model.lm_head), seed, 0.1).to(model.embed.weight), choose_tree(RANDOM_ACC, 12))
 
     def forward(self, f, nodes):
         """One forward verifies the tree and gives every node's final state h: the heads' input."""
@@ -158,11 +174,6 @@ def load_heads(model, weights):
                         lambda meta: Heads(a.dim, a.vocab_size, meta["heads"],
                                            model.lm_head if meta.get("shared") else None, meta.get("layers", 1),
                                            model if meta.get("token") else None, meta.get("draft_vocab", 0)))
-
-
-def load_medusa(model, weights, tree_size=0) -> Medusa:
-    heads, meta = load_heads(model, weights)
-    return Medusa(heads, choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"], meta["acc"])
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 
 from .. import NanospecError
 from ..costs import CostModel
+from ..drafter import RANDOM_ACC, noisy
 from ..io.checkpoint import load_drafter_file, save_drafter
 from ..io.files import fingerprint
 from ..model import RMSNorm
@@ -69,7 +70,8 @@ from ..planner import Planner
 from ..training.forced import labelled, targets, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import choose_tree
-from .medusa import Medusa, load_heads
+from ..tuning.costs import Measured
+from .medusa import Heads, Medusa, load_heads
 
 SIZES = tuple(s for s in CORE_SIZES if s)  # the core planner's without 0: ProPD always drafts
 KEEP = 0.97  # the share of right tokens the pruning's top-k must keep, held out (see the header)
@@ -124,6 +126,7 @@ class ProPD(Medusa):
     cost=...: another cost model, e.g. costs.Measured)."""
     name = "propd"
     off = None  # why the loader turned pruning off, for the report
+    floor = 1.9  # tokens per step when a test feeds it AR's continuation (tests/helpers.py, reaches_floor)
 
     def __init__(self, heads, paths, acc, early: EarlyHead | None = None, layer: int = 2, k: int = 10,
                  dynamic: bool = True, sizes=SIZES, replan: int = 32, alpha: float = 0.3, lam: float = 0.01,
@@ -133,6 +136,44 @@ class ProPD(Medusa):
         if dynamic:
             self.plan(Planner(cost or CostModel(alpha, lam), sizes, replan))
         self.pruning = torch.zeros(2, dtype=torch.long, device=heads.res[0].weight.device)  # draft rows, pruned ones
+
+    @classmethod
+    def load(cls, model, weights, layer=None, k=None, prune=True, planner="online", tree_size=0,
+             replan=32) -> "ProPD":
+        """k=None: the smallest k whose held-out hit rate keeps KEEP of the right tokens; none: no pruning.
+        planner: online (the paper's section 4.2: sizes 1-63 from step times learnt as it runs), measured
+        (none of its own: decode.py's core planner on measured row costs, AR steps allowed) or static
+        (Medusa's tree every step)."""
+        if planner not in PLANNERS:
+            raise NanospecError(f"propd planner {planner!r}: choose from {', '.join(PLANNERS)}")
+        heads, meta = load_heads(model, weights)
+        early = load_early(model, weights, layer) if prune else None
+        off = None
+        if early is not None and k is None:
+            k = min((n for n, hit in early.hits.items() if hit >= KEEP), default=None)
+            if k is None:
+                best = max(early.hits, default=0)
+                off = (f"pruning off: the early head after layer {early.layer} keeps "
+                       f"{100 * early.hits.get(best, 0):.0f}% of right tokens at top-{best} (needs {100 * KEEP:.0f}%)")
+                early = None
+        paths = choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"]
+        d = cls(heads, paths, meta["acc"], early, early.layer if early else layer, k or 10, planner == "online",
+                replan=replan)
+        d.off = off
+        return d
+
+    @classmethod
+    def random(cls, model, seed=0) -> "ProPD":
+        """Noisy heads; an even seed prunes on a static tree after a middle layer with an untrained early head (the
+        logit lens: most right tokens in its top sixth), an odd one plans its sizes on a fixed cost line, unpruned."""
+        a, paths = model.args, choose_tree(RANDOM_ACC, 12)
+        heads = noisy(Heads(a.dim, a.vocab_size, 3).init_from(model.lm_head), seed, 0.1).to(model.embed.weight)
+        if seed % 2:  # cheap rows: large trees pay
+            line = Measured({1: 1e-2 + 1e-5, 2: 1e-2 + 2e-5})
+            return cls(heads, paths, RANDOM_ACC, None, dynamic=True, sizes=(1, 4, 12), replan=4, cost=line)
+        early = noisy(EarlyHead(a.dim, a.vocab_size, min(a.dim, 16), a.norm_eps).init_from(model), seed, 0.01)
+        return cls(heads, paths, RANDOM_ACC, early.to(model.embed.weight), 1 + seed // 2 % max(a.n_layers - 1, 1),
+                   max(2, a.vocab_size // 6), dynamic=False)
 
     @property
     def prunes(self) -> bool:
@@ -177,30 +218,6 @@ def load_early(model, weights, layer: int | None = None) -> EarlyHead:
 
 
 PLANNERS = ("online", "measured", "static")
-
-
-def load_propd(model, weights, layer=None, k=None, prune=True, planner="online", tree_size=0, replan=32) -> ProPD:
-    """k=None: the smallest k whose held-out hit rate keeps KEEP of the right tokens; none: no pruning.
-    planner: online (the paper's section 4.2: sizes 1-63 from step times learnt as it runs), measured
-    (none of its own: decode.py's core planner on measured row costs, AR steps allowed) or static
-    (Medusa's tree every step)."""
-    if planner not in PLANNERS:
-        raise NanospecError(f"propd planner {planner!r}: choose from {', '.join(PLANNERS)}")
-    heads, meta = load_heads(model, weights)
-    early = load_early(model, weights, layer) if prune else None
-    off = None
-    if early is not None and k is None:
-        k = min((n for n, hit in early.hits.items() if hit >= KEEP), default=None)
-        if k is None:
-            best = max(early.hits, default=0)
-            off = (f"pruning off: the early head after layer {early.layer} keeps {100 * early.hits.get(best, 0):.0f}% "
-                   f"of right tokens at top-{best} (needs {100 * KEEP:.0f}%)")
-            early = None
-    paths = choose_tree(meta["acc"], tree_size) if tree_size else meta["tree"]
-    d = ProPD(heads, paths, meta["acc"], early, early.layer if early else layer, k or 10, planner == "online",
-              replan=replan)
-    d.off = off
-    return d
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import NanospecError
-from ..drafter import Out, Ranked
+from ..drafter import Out, Ranked, noisy
 from ..forward import Forward
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
@@ -100,6 +100,7 @@ class SDSAT(Ranked):
     tokens and their update on the base model; or (sdsat_full) ids: their vocabulary ids in a fine-tuned model."""
     name = "sdsat"
     own_rows = "adaptive tokens"  # what the rows after the tree are (show.py)
+    floor = 2.4  # tokens per step when a test feeds it AR's continuation (tests/helpers.py, reaches_floor)
 
     def __init__(self, delta: Delta | None, k: int = 5, width: int = 1, ids: list[int] | None = None):
         if k < 1 or width < 1:
@@ -117,6 +118,15 @@ class SDSAT(Ranked):
         self.ahead = k  # adaptive tokens: k, or a planner's budget's worth (Ranked.own)
         self.max_rows = self.size(len(self.template))
         self.verifying = self.drafts = self.drafts_accepted = self.draft_only = 0  # statistics for report()
+
+    @classmethod
+    def load(cls, model, weights, k=5, width=1) -> "SDSAT":
+        return cls(load_delta(model, weights)[0], k, width)
+
+    @classmethod
+    def random(cls, model, seed=0) -> "SDSAT":
+        """A noisy update of rank 4 and one adaptive token; 4 of them drafted, 2 candidates each."""
+        return cls(noisy(Delta(model, 4), seed, 0.3).to(model.embed.weight), k=4, width=2)
 
     def size(self, n, budget=None):
         return n + self.own(budget)
@@ -166,10 +176,6 @@ def load_delta(model, weights) -> tuple[Delta, dict]:
     """The trained update and its file's metadata (its window and token count: how it was trained)."""
     return load_trained(model, Path(weights) / "sdsat.safetensors", TRAIN,
                         lambda meta: Delta(model, meta["rank"], meta["tokens"]))
-
-
-def load_sdsat(model, weights, k=5, width=1) -> SDSAT:
-    return SDSAT(load_delta(model, weights)[0], k, width)
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -56,12 +56,24 @@ def model_dir(weights: Path) -> Path:
     return d
 
 
-def load(model, weights, k=5, width=1) -> SDSAT:
-    meta = json.loads((model_dir(weights) / "sdsat.json").read_text())
-    if meta["fingerprint"] != fingerprint(model):
-        raise NanospecError(f"{model_dir(weights)} holds another model than the one loaded: sdsat_full decodes "
-                            "its own fine-tuned weights")
-    return SDSAT(None, k, width, ids=meta["adaptive"])
+class SDSATFull(SDSAT):
+    """sdsat.py's decoding on the fine-tuned model, whose own vocabulary ids are the adaptive tokens."""
+    name = "sdsat_full"
+    floor = 2.4  # tokens per step when a test feeds it AR's continuation (tests/helpers.py, reaches_floor)
+    model_dir = staticmethod(model_dir)
+
+    @classmethod
+    def load(cls, model, weights, k=5, width=1) -> "SDSATFull":
+        meta = json.loads((model_dir(weights) / "sdsat.json").read_text())
+        if meta["fingerprint"] != fingerprint(model):
+            raise NanospecError(f"{model_dir(weights)} holds another model than the one loaded: sdsat_full decodes "
+                                "its own fine-tuned weights")
+        return cls(None, k, width, ids=meta["adaptive"])
+
+    @classmethod
+    def random(cls, model, seed=0) -> "SDSATFull":
+        """A random model stands for its own fine-tune: its last vocabulary id is the adaptive token."""
+        return cls(None, k=4, width=2, ids=[model.args.vocab_size - 1 - seed % 2])
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     from ..engine import generate
     from ..io.checkpoint import DTYPES, load
     from ..io.sources import base_of, resolve
-    from .engines import tokenizer
+    from ..io.tokenizer import load_tokenizer
     p = ArgumentParser(description=main.__doc__)
     p.add_argument("--weights", default=str(DEFAULT_WEIGHTS))
     p.add_argument("--prompts", help="JSONL of {\"prompt\": ...} (default: the weights' prompts.jsonl)")
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
     weights = resolve(args.weights)
     fp32, model = load(base_of(weights)), load(base_of(weights), DTYPES[args.dtype])
     texts = load_prompts(args.prompts or weights / "prompts.jsonl")[:args.limit]
-    prompts = [tokenizer(weights).encode(t) for t in texts]
+    prompts = [load_tokenizer(base_of(weights)).encode(t) for t in texts]
     entries = [{"prompt_ids": q, "output_ids": generate(fp32, q, max_new_tokens=args.max_new_tokens).tokens}
                for q in prompts]
     nz = noise.measure(fp32, model, entries, False, f"nanospec {args.dtype} vs float32")

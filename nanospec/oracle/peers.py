@@ -1,8 +1,9 @@
 """Other engines' own speculative decoding, timed beside nanospec's methods in one benchmark run
 (`decode.py --bench --peers transformers`): transformers' plain greedy generation, its prompt
 lookup and its assisted generation, on the same weights, prompts and machine, interleaved with
-the methods prompt by prompt. They are judged like the methods: tok/s, the speedup against the
-run's fastest AR, and how many prompts' tokens differ from AR's.
+the methods prompt by prompt. They are judged like the methods: tok/s, tokens per step (the model's
+forwards: prompt lookup's and assisted generation's verifications, the assistant's not counted), the
+speedup against the run's fastest AR, and how many prompts' tokens differ from AR's.
 """
 import torch
 
@@ -25,9 +26,16 @@ def hf_generate(hf, prompt: list[int], setting: str, max_new_tokens: int, eos_id
 class Peer:
     def __init__(self, name: str, hf, setting: str, assistant=None):
         self.name, self.hf, self.setting, self.assistant = name, hf, setting, assistant
+        self.steps = 0  # the last generation's forwards of the model (the first: the prompt's)
 
     def generate(self, prompt, max_new_tokens, eos_id) -> list[int]:
-        return hf_generate(self.hf, prompt, self.setting, max_new_tokens, eos_id, self.assistant)
+        forwards = []
+        hook = self.hf.register_forward_pre_hook(lambda module, args: forwards.append(1))
+        try:
+            return hf_generate(self.hf, prompt, self.setting, max_new_tokens, eos_id, self.assistant)
+        finally:
+            hook.remove()
+            self.steps = len(forwards)
 
 
 def transformers_peers(weights, dtype, device, assistant_layers: int = 2) -> list[Peer]:
