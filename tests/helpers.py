@@ -599,7 +599,7 @@ def each_method(examples: int):
     share of `examples` (of the default profile's 25), split among the methods, at least 2 each, so that running
     every method costs what one drawing among them did."""
     share = examples * settings.default.max_examples / 25
-    return settings(max_examples=max(2, round(share / len(METHODS))), deadline=None)
+    return settings(max_examples=max(2, int(share // len(METHODS))), deadline=None)
 
 
 def check_batch(model, prompts, d, n, exact=True, peeking: float = 0.0, seed=0, sampling=None, rows=None,

@@ -284,4 +284,3 @@ def read_responses(path, tok: Tokenizer) -> list[list[int]]:
         except (json.JSONDecodeError, KeyError, TypeError):
             raise NanospecError(f"{path}:{i} is not a JSON object with a \"response\" field") from None
     return out
-
