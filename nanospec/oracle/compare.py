@@ -42,14 +42,16 @@ prompt alone, on the lone run's logits.
 The whole-output verdict (forced.py, noise.py, whole.py) judges every run against nanospec's reference as a
 whole: nanospec fp32 reads the prompt and the other engine's output teacher-forced and scores every position
 (flips, margins, and KL and top-N agreement where the engine returned rows); the run is a divergence when its
-flips come too often, too early or at margins the engine's noise explains with negligible probability (the
-three tests' p-values are printed, and p < whole.ALPHA fails it). The noise is the calibration's (--calibration,
-or the run's own llama.cpp calibration), else measured now: nanospec at the engine's dtype against fp32 on the
-same prompts. Below it, each noise's detection floors (floors.py: the weakest planted bug of each class it still
-flags; --no-floors skips them). With two files, the whole-output verdict needs --weights (the reference's);
-without them, with --ulps, and for self-consistency (an engine against its own greedy or lone output) the
-per-prompt verdicts above decide. Exit code 0 only when no run fails: a whole-output divergence (or, without
-one, a per-prompt divergence), an empty, short (unless --allow-short) or not-bitwise output (2 on bad input).
+flips come too often, too early or at margins the engine's noise explains with negligible probability, or its
+distributions sit further from the reference's than the noise's (the four tests' p-values are printed, and
+p < whole.ALPHA fails it). The noise is the calibration's (--calibration, or the run's own llama.cpp
+calibration), else measured now: nanospec at the engine's dtype against fp32 on the same prompts. A speculative
+run is judged the same way against the engine's own plain run, whose scores are its noise. Below it, each
+noise's detection floors (floors.py: the weakest planted bug of each class it still flags, from ids and with
+rows; --no-floors skips them). With two files, the whole-output verdict needs --weights (the reference's);
+without them, with --ulps, and for an engine's batched output against its lone output the per-prompt verdicts
+above decide. Exit code 0 only when no run fails: a whole-output divergence (or, without one, a per-prompt
+divergence), an empty, short (unless --allow-short) or not-bitwise output (2 on bad input).
 """
 import json
 from pathlib import Path

@@ -1,6 +1,6 @@
 """The whole-output verdict: a run's scores at every position (forced.py) against the engine's noise (noise.py).
 
-Three tests, each a one-sided p-value:
+Four tests, each a one-sided p-value:
 - count: are the run's flips more frequent than the noise's? K flips in n positions against the noise's f in
   N, conditioned on K + f: K ~ Binomial(K + f, n / (n + N)) if both come from one rate.
 - early: do flips come sooner than the noise's? Per prompt, the positions up to and including its first
