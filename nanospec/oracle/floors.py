@@ -114,7 +114,8 @@ def main(argv=None) -> None:
     ref = [forced.rows(fp32, e["prompt_ids"], e["output_ids"]) for e in entries]
 
     def flips_kl(rows: list) -> tuple[int, float]:
-        kls = [x for r, g in zip(ref, rows) for x in forced.distances(r, noise.positions_of(g, 20))["20"]["kl"]]
+        k = max(forced.KS)
+        kls = [x for r, g in zip(ref, rows) for x in forced.distances(r, noise.positions_of(g, k))[str(k)]["kl"]]
         return sum(int((g.argmax(-1) != r.argmax(-1)).sum()) for r, g in zip(ref, rows)), sum(kls) / len(kls)
     n, (f0, kl0) = sum(len(r) for r in ref), flips_kl([forced.rows(model, e["prompt_ids"], e["output_ids"]).float()
                                                        for e in entries])

@@ -4,10 +4,11 @@ llama.cpp's llama-server, llama-cpp-python's server), through the standard libra
 Per prompt, one POST {--url}/completions:
 
     {"prompt": [ids], "max_tokens": N, "temperature": 0, "top_p": 1, "top_k": 1,
-     "repeat_penalty": 1, "seed": 0, "logprobs": 5, "return_tokens_as_token_ids": true,
+     "repeat_penalty": 1, "seed": 0, "logprobs": K, "return_tokens_as_token_ids": true,
      "return_token_ids": true}
 
-(top_k and repeat_penalty are llama.cpp's and vLLM's extensions, return_tokens_as_token_ids is
+(K: the most top log-probabilities the server allows, found by asking: largest_logprobs; top_k and
+repeat_penalty are llama.cpp's and vLLM's extensions, return_tokens_as_token_ids is
 vLLM's, return_token_ids SGLang's; servers ignore fields they do not know). --prompt-as text sends
 the prompt's text instead, for servers that take no ids (llama-cpp-python's), and first checks
 with `echo` that the server's prompt tokens are nanospec's ids. The output ids are read from, in
@@ -38,7 +39,6 @@ from .. import calibration as cal
 from ..verdict import compare
 from . import Whole, progress, prompt_texts, references, save, tokenizer
 
-TOP_LOGPROBS = 5  # OpenAI's own API allows at most 5
 LOGPROBS_TRIED = (20, 10, 5, 1)  # asked largest first: vLLM's default cap is 20, OpenAI's 5
 
 
@@ -112,7 +112,7 @@ def position(alts: list[tuple[int, float]]) -> dict:
     return {"top_ids": [a[0] for a in alts], "top_logits": [float(a[1]) for a in alts], "logprobs": True}
 
 
-def body(args, prompt, max_tokens: int, echo: bool = False, logprobs: int = TOP_LOGPROBS) -> dict:
+def body(args, prompt, max_tokens: int, logprobs: int, echo: bool = False) -> dict:
     b = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 1,
          "repeat_penalty": 1.0, "seed": 0, "logprobs": logprobs, "return_tokens_as_token_ids": True,
          "return_token_ids": True, "echo": echo, "stream": False}
@@ -152,7 +152,7 @@ def echoed(url, args, ref: dict, k: int, pieces: Pieces) -> list[dict] | None:
 def server_prompt(url, args, text: str, pieces: Pieces, k: int, n: int) -> tuple[list[int], int | None]:
     """The server's own tokens of a text prompt, through echo: the first n echoed tokens (servers
     leave BOS out of them), and usage.prompt_tokens (which counts BOS)."""
-    r = post(url, {**body(args, text, 1, echo=True), "logprobs": 1})
+    r = post(url, body(args, text, 1, 1, echo=True))
     ids, _ = parse(r["choices"][0], pieces, f"prompt {k} (echo)")
     return ids[:n], (r.get("usage") or {}).get("prompt_tokens")
 
