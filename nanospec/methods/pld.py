@@ -34,8 +34,10 @@ class PLD(Drafter):
     floor = 3.4  # tokens per step when a test feeds it AR's continuation (tests/helpers.py, reaches_floor)
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2, min_ngram: int = 1, occurrence: str = "first"):
-        if num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
-            raise NanospecError("pld needs num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
+        sizes = (num_tokens, max_ngram, min_ngram)
+        if any(type(v) is not int for v in sizes) or num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
+            raise NanospecError(f"pld needs whole numbers num_tokens >= 1 and 1 <= min_ngram <= max_ngram, "
+                                f"not {num_tokens!r}, {min_ngram!r}, {max_ngram!r}")
         if occurrence not in OCCURRENCES:
             raise NanospecError(f"pld occurrence {occurrence!r}: choose from {', '.join(OCCURRENCES)}")
         self.num_tokens, self.max_ngram, self.min_ngram, self.occurrence = num_tokens, max_ngram, min_ngram, occurrence
