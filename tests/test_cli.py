@@ -1,4 +1,5 @@
 """decode.py end to end: JSON output, --check, --bench, and one-line errors (exit code 2) for bad input."""
+import inspect
 import json
 import re
 import shutil
@@ -264,7 +265,6 @@ def bad_prompts(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--method", "nope"], "unknown method 'nope'"),
     (["--bench", "--methods", "ar,nope"], "unknown method 'nope'"),
-    (["--method", "lookahead:depth=3"], "lookahead has no option 'depth'"),
     (["--method", "lookahead:depth"], "is not key=value"),
     (["--weights", "/nonexistent/dir"], "no weights directory"),
     (["--prompt-ids", "1,2,99999"], "out of range"),
@@ -303,6 +303,15 @@ def bad_prompts(tmp_path):
 def test_bad_input_gives_one_error_line(weights, bad_prompts, args, message):
     args = [str(a).replace("{tmp}", str(bad_prompts)) for a in args]
     assert message in run_cli(decode.main, *(["--weights", weights] if "--weights" not in args else []), *args)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_an_unknown_method_option_is_one_error_line(weights, name):
+    """Every registered method refuses an option its loader does not take, in one line that lists the ones it does
+    (its loader's keyword arguments, or none)."""
+    options = [p for p in inspect.signature(METHODS[name].load).parameters if p not in ("model", "weights")]
+    line = run_cli(decode.main, "--weights", weights, "--method", f"{name}:no_such_option=3")
+    assert line == f"error: {name} has no option 'no_such_option'; its options: {', '.join(options) or 'none'}"
 
 
 @pytest.mark.parametrize("missing, message", [
