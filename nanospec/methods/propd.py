@@ -4,53 +4,43 @@ Spec: Shuzhang Zhong, Zebin Yang, Meng Li, Ruihao Gong, Runsheng Wang, Ru Huang,
 Pruning and Generation for LLM Parallel Decoding", 2024, arXiv:2402.13485 (sections 3-4, Tables 2-3). Medusa
 (medusa.py) supplies the heads and the candidate tree; this file adds what is ProPD's own.
 
-Early pruning (4.1): an early prediction head reads the residual stream after layer n. In the
-verification forward, after layer n, every tree node whose token is not in the top-k of its
-parent's early prediction is pruned with its descendants, and layers n+1.. run on the
-survivors only (the core's Forward: rows removed in fast mode, the attention context sliced,
-not rebuilt: the paper's cached masks; in exact mode every row runs at a fixed shape and the
-pruned ones only leave verification, since a row's result never depends on the other rows).
+Early pruning (4.1): an early prediction head reads the residual stream after layer n; there, in the verification
+forward, every tree node whose token is not in the top-k of its parent's early prediction is pruned with its
+descendants, and layers n+1.. run on the survivors (the core's Forward: fast mode removes rows and slices the attention
+context, the paper's cached masks; exact mode runs each row at a fixed shape and the pruned just leave verification, as
+a row's result never depends on the others).
 
-Dynamic token tree generation (4.2), with the core's planner (planner.py): the cost model of
-iteration time, per-head acceptance EMAs p[i][k], the expected acceptance length of a tree
-(Figure 6) and the size it picks, the one maximising expected length per second; the tree of that
-size is Medusa's greedy expansion under the tracked p.
+Dynamic token tree generation (4.2), with the core's planner (planner.py): the cost model of iteration time, per-head
+acceptance EMAs p[i][k], the expected acceptance length of a tree (Figure 6) and the size it picks, the one maximising
+expected length per second; the tree of that size is Medusa's greedy expansion under the tracked p.
 
 Choices where the paper is silent, and why:
-- The early head is a zero-initialised residual SiLU block, an RMSNorm (from the final norm)
-  and a rank-64 vocabulary projection initialised from the lm_head's truncated SVD. The paper
-  trains "their own heads" for early layers (Figure 3a) and only needs them to rule tokens out
-  (top-k, not top-1). A full-rank projection costs as much as the lm_head on every step,
-  which at batch size 1 is as much as pruning saves; rank 64 costs a fraction of it and,
-  trained, ranks the early tokens better than the frozen lm_head (RESULTS.md, "ProPD").
-  The heads are fitted to the base model's own next token (self-distillation data and, with
-  --forced, teacher-forced real text: training/forced.py) at every layer of --early-layers,
-  by `train.py --method medusa` (after the Medusa heads) or alone by `train.py --method propd`.
-- Iteration time is wall time from one draft to the next (forward, verification, commit and
-  drafting included), keyed by the tree's size before pruning: pruning shows up as cheaper
-  large trees, which is how the two techniques combine (section 5.4.3).
-- Candidate sizes: the paper names none. These are the core planner's drafting sizes (1, 3, 7, ..., 63:
-  with the root a power of two rows), or the sizes a device layer supplies (on a CPU, one under each
-  of fast mode's row buckets: tuning/planner.own_sizes; RESULTS.md, "Why the heuristics stay").
-- Until two sizes have been measured the planner explores: the static tree's size, then the
-  smallest. Every generation's first step is a one-row AR step (no hidden state yet); it is not
-  timed, since a single row takes a faster matrix-vector path on CPU and would bend the line.
-- Acceptance starts from the heads' measured held-out accuracies (stored by the trainer) and
-  tracks the top 10 ranks per head; a prediction is resolved once its position is emitted.
-- The planner picks again every `replan` tokens of its own clock (tokens decoded, not a cursor)
-  and whenever the batch changes; the cost model and acceptance EMAs persist across generations
-  (the decoding conditions they estimate do).
-- The early head scores every row (each row's guesses for its children) rather than only the rows
-  that have children: fixed shapes, no host sync.
-- k: the paper's is where acceptance stays close to Medusa's (layer 4, top-50, Table 2). Here it
-  is the smallest k whose held-out hit rate (the trainer's, for the head's layer) keeps KEEP of the
-  right tokens: top-10 after layer 2 of weights/pylm. Where no measured k does, pruning costs more
-  acceptance than its rows save, and it is off (the report says so), as for SmolLM2's CPU-trained
-  head (RESULTS.md, "Why the heuristics stay"). `k=N` prunes at top-N regardless.
+- The early head: a zero-initialised residual SiLU block, an RMSNorm (from the final norm) and a rank-64 vocabulary
+  projection initialised from the lm_head's truncated SVD. The paper trains "their own heads" for early layers
+  (Figure 3a), only to rule tokens out (top-k, not top-1). A full-rank projection costs an lm_head every step, at batch
+  size 1 as much as pruning saves; rank 64 costs a fraction and, trained, ranks the early tokens better than the frozen
+  lm_head (RESULTS.md, "ProPD"). The heads fit the base model's own next token (self-distillation data; with --forced,
+  teacher-forced real text: training/forced.py) after each of --early-layers, by `train.py --method medusa` (after the
+  Medusa heads) or alone by `train.py --method propd`.
+- Iteration time is wall time from one draft to the next (forward, verification, commit, drafting), keyed by the
+  tree's size before pruning: pruning shows as cheaper large trees, how the two techniques combine (section 5.4.3).
+- Candidate sizes: the paper names none. These are the core planner's drafting sizes (1, 3, 7, ..., 63: with the root a
+  power of two rows), or the sizes a device layer supplies (on a CPU, one under each of fast mode's row buckets:
+  tuning/planner.own_sizes; RESULTS.md, "Why the heuristics stay").
+- Until two sizes are measured the planner explores: the static tree's size, then the smallest. Each generation's first
+  step, one AR row (no hidden state yet), is not timed: a single row takes a faster matrix-vector path on CPU.
+- Acceptance starts from the heads' measured held-out accuracies (stored by the trainer) and tracks the top 10 ranks per
+  head; a prediction is resolved once its position is emitted.
+- The planner picks again every `replan` tokens of its own clock (tokens decoded, not a cursor) and whenever the batch
+  changes; the cost model and acceptance EMAs persist across generations (the decoding conditions they estimate do).
+- The early head scores every row (its guesses for its children), not just parents: fixed shapes, no host sync.
+- k: the paper's is where acceptance stays close to Medusa's (layer 4, top-50, Table 2). Here, the smallest k whose
+  held-out hit rate (the trainer's, for the head's layer) keeps KEEP of the right tokens: top-10 after layer 2 of
+  weights/pylm. Where none does, pruning costs more acceptance than its rows save and is off (the report says so), as
+  for SmolLM2's CPU-trained head (RESULTS.md, "Why the heuristics stay"). `k=N` prunes at top-N regardless.
 
-What runs where: the forward with its pruning, verification and the heads' candidates are one
-device program (a CUDA graph in exact mode on a GPU); planning and the acceptance statistics
-run on the host between steps, from the candidates the step reads back.
+What runs where: the forward with its pruning, verification and the heads' candidates are one device program (a CUDA
+graph in exact mode on a GPU); planning and acceptance statistics run on the host between steps, on what it reads back.
 """
 from dataclasses import replace
 from pathlib import Path
@@ -121,9 +111,8 @@ def pruned(nodes, x: torch.Tensor, early: EarlyHead, k: int) -> torch.Tensor:
 # --- the drafter ---------------------------------------------------------------------------------
 
 class ProPD(Medusa):
-    """Medusa's heads, verified with early pruning (early=None: off) and a dynamic tree size
-    (dynamic=False: Medusa's static tree `paths`) planned from online step times (the paper's;
-    cost=...: another cost model, e.g. costs.Measured)."""
+    """Medusa's heads, verified with early pruning (early=None: off) and a dynamic tree size (dynamic=False: Medusa's
+    static tree `paths`) planned from online step times (the paper's; cost=...: another, e.g. costs.Measured)."""
     name = "propd"
     off = None  # why the loader turned pruning off, for the report
     floor = 1.9  # tokens per step when a test feeds it AR's continuation (tests/helpers.py, reaches_floor)
@@ -140,10 +129,9 @@ class ProPD(Medusa):
     @classmethod
     def load(cls, model, weights, layer=None, k=None, prune=True, planner="online", tree_size=0,
              replan=32) -> "ProPD":
-        """k=None: the smallest k whose held-out hit rate keeps KEEP of the right tokens; none: no pruning.
-        planner: online (the paper's section 4.2: sizes 1-63 from step times learnt as it runs), measured
-        (none of its own: decode.py's core planner on measured row costs, AR steps allowed) or static
-        (Medusa's tree every step)."""
+        """k=None: the smallest k whose held-out hit rate keeps KEEP of the right tokens; none: no pruning. planner:
+        online (the paper's section 4.2: sizes 1-63 from step times learnt as it runs), measured (none of its own:
+        decode.py's core planner on measured row costs, AR steps allowed) or static (Medusa's tree every step)."""
         if planner not in PLANNERS:
             raise NanospecError(f"propd planner {planner!r}: choose from {', '.join(PLANNERS)}")
         heads, meta = load_heads(model, weights)
@@ -230,9 +218,8 @@ def add_args(p):
 
 
 def samples(model, items, layer: int, ahead: int = 1):
-    """(layer-n state at t, the model's own token t+ahead) at every position t of (tokens, labels) items where that
-    token is known (training/forced.py: labels[t] is the next; further ones where the text went on as the model
-    would)."""
+    """(layer-n state at t, the model's own token t+ahead) at each position t of (tokens, labels) items where that token
+    is known (training/forced.py: labels[t] is the next; further ones where the text went on as the model would)."""
     xs, ys = [], []
     for (tokens, labels), x in zip(items, hidden_states(model, [t for t, _ in items], layer)):
         y = torch.tensor(labels) if ahead == 1 else targets(tokens, labels, ahead - 1)[:, -1]
