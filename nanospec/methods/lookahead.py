@@ -4,44 +4,38 @@ Spec: Yao Zhao, Zhitian Xie, Chen Liang, Chenyi Zhuang, Jinjie Gu, "Lookahead: A
 Framework for Large Language Model with Lossless Generation Accuracy", 2023 (KDD 2024), arXiv:2312.12728
 (sections 4.2-4.3, Algorithm 1, Tables 3-4).
 
-Each step, the longest suffix of the text so far that the trie knows selects a
-sub-trie (multi-stage retrieval); its highest-frequency nodes, up to the decoding
-length, are the draft, which the core engine verifies in one forward. The trie
-learns as it goes:
+Each step, the longest suffix of the text so far that the trie knows selects a sub-trie (multi-stage retrieval); its
+highest-frequency nodes, up to the decoding length, are the draft, which the core engine verifies in one forward. The
+trie learns as it goes:
 - prompt branch inserting: each window of `branch_length` tokens of the prompt;
-- generated branch inserting: after every step, the output's windows are extended
-  by the tokens just accepted (each window is counted once, growing as it fills);
+- generated branch inserting: after every step, the output's windows are extended by the tokens just accepted (each
+  window is counted once, growing as it fills);
 - branch eliminating: when a generation ends, its prompt's frequencies are removed;
-- node pruning: when a sub-trie exceeds `capacity` nodes, response frequencies are
-  halved and nodes left below 1 removed, until it fits;
+- node pruning: when a sub-trie exceeds `capacity` nodes, response frequencies are halved and nodes left below 1
+  removed, until it fits;
 - branch weighting: a node ranks by response_freq + prompt_weight * prompt_freq.
-The trie belongs to the drafter, so it persists across the requests of a process
-(the paper's global trie); `warmup` feeds it responses from a JSONL file first.
+The trie belongs to the drafter, so it persists across the requests of a process (the paper's global trie); `warmup`
+feeds it responses from a JSONL file first.
 
-Three draft shapes (Figure 5's comparison): "hierarchical" (the selected nodes as one
-tree: shared prefixes merged), "parallel" (whole branches side by side, unmerged,
-the same token budget) and "single" (the one highest-frequency branch).
+Three draft shapes (Figure 5's comparison): "hierarchical" (the selected nodes as one tree, shared prefixes merged),
+"parallel" (whole branches side by side, unmerged, the same token budget), "single" (the highest-frequency branch).
 
 Choices where the paper is silent, and why:
-- decoding_length counts draft tokens: a step's forward runs 1 + decoding_length rows. Under
-  the planner (`--planner measured`), a step runs the first 1 + budget of them (nested), and the
-  planner keeps the gains per `context`, the matched suffix's length up to 3: retrieval ranks a
-  longer match as more relevant, and a step without a match drafts nothing (an AR step).
-- The trie is partitioned by first token and `capacity` (default 16 x decoding
-  length, Table 4) bounds each first token's sub-trie, as in the authors' release:
-  a single bound of 512 nodes over the whole trie would not hold one response's
-  branches. Nodes that carry the current prompt's frequency are exempt from pruning;
-  the prompt bounds them and eliminating removes them.
-- prompt_weight 10: "a significant factor" that still lets a branch repeated many
-  times in responses outrank a prompt branch seen once.
-- Multi-stage retrieval tries suffixes of max_prefix .. 1 tokens and takes the first
-  whose sub-trie holds at least min_nodes nodes (else the shortest match): longer
-  matches are more relevant, shorter ones fill the budget.
-- Responses are inserted starting at the prompt's last token, so the first generated
-  tokens are found as its continuation.
+- decoding_length counts draft tokens: a step's forward runs 1 + decoding_length rows. Under the planner (`--planner
+  measured`) a step runs the first 1 + budget (nested), and the planner keeps the gains per `context`, the matched
+  suffix's length up to 3: retrieval ranks a longer match as more relevant; a step with no match is an AR step.
+- The trie is partitioned by first token and `capacity` (default 16 x decoding length, Table 4) bounds each first
+  token's sub-trie, as in the authors' release: a single bound of 512 nodes over the whole trie would not hold one
+  response's branches. Nodes that carry the current prompt's frequency are exempt from pruning; the prompt bounds them
+  and eliminating removes them.
+- prompt_weight 10: "a significant factor" that still lets a branch repeated many times in responses outrank a prompt
+  one seen once.
+- Multi-stage retrieval tries suffixes of max_prefix .. 1 tokens and takes the first whose sub-trie holds at least
+  min_nodes nodes (else the shortest match): longer matches are more relevant, shorter ones fill the budget.
+- Responses are inserted from the prompt's last token on, so the first generated tokens are found as its continuation.
 
-What runs where: the trie lives on the host and is searched there between steps; the forward and
-its verification are the engine's (one CUDA graph in exact mode on a GPU, whatever the tree).
+What runs where: the trie lives on the host and is searched there between steps; the forward and its verification are
+the engine's (one CUDA graph in exact mode on a GPU, whatever the tree).
 """
 import heapq
 import json
