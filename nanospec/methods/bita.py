@@ -4,46 +4,41 @@ Spec: Feng Lin, Hanling Yi, Hongbin Li, Yifan Yang, Xiaotian Yu, Guangming Lu, R
 Tuning for Lossless Acceleration in Large Language Models", 2024, arXiv:2401.12522 (section 3, Figures 3-6 and 10,
 Algorithm 1, Tables 3-4, appendix A).
 
-The frozen model gains M learnable mask-token embeddings and P learnable prompt tokens. Mask
-tokens appended after a token predict the tokens beyond its next one; prompt tokens are seen by
-mask tokens only (Figure 3), so ordinary tokens compute exactly what the base model computes.
-Each step runs one forward over the draft tree of the previous step's mask predictions plus a
-group of M mask tokens attached to every tree node (and the root): the tree is verified, and the
+The frozen model gains M learnable mask-token embeddings and P learnable prompt tokens. Mask tokens appended after a
+token predict the tokens beyond its next one; prompt tokens are seen by mask tokens only (Figure 3), so ordinary tokens
+compute exactly what the base model computes. Each step runs one forward over the draft tree of the previous step's mask
+predictions plus a group of M mask tokens attached to every tree node (and the root): the tree is verified, and the
 group attached to the last accepted node drafts the next tree (Figure 10, Algorithm 1).
 
-Decoding variants (Table 4): `efficient` (default; top-k candidates per mask token, only the
-top-1 candidate of each depth has children, Figure 5), `full` (every top-k candidate has
-children: the product tree), `straight` (straightforward decoding, Figure 4: the top-1 chain
-and one mask group on the root, which sees no draft token). Prompting (Table 3): `deep`
-(default; prefix tuning: learned keys and values in every layer), `shallow` (learned input
+Decoding variants (Table 4): `efficient` (default; top-k candidates per mask token, only the top-1 candidate of each
+depth has children, Figure 5), `full` (every top-k candidate has children: the product tree), `straight`
+(straightforward decoding, Figure 4: the top-1 chain and one mask group on the root, which sees no draft token).
+Prompting (Table 3): `deep` (default; prefix tuning: learned keys and values in every layer), `shallow` (learned input
 embeddings that run through the model as P rows before the first step), `none` (masks only).
 
 Choices where the paper is silent, and why:
-- Indexing: a node's own logits give the token after it (the AR output); mask i (0-based) of
-  the group attached to a node at position p sits at position p+1+i and predicts the token at
-  p+2+i, as in decoding's "the model outputs y_N and M future predictions y_N+1..y_N+M".
-  Training labels follow the same rule (eq. 1 with that offset).
-- Deep prompt keys carry no rotary position (prefix tuning stores rotated keys; these are
-  learned directly). Rotating them as if at positions 0..P-1 trains to the same loss (RESULTS.md,
-  "BiTA"), so the simpler form is the one here. Shallow prompt rows sit at 0..P-1 and see each other causally.
-- Straightforward decoding: after c accepted drafts, the root group's masks c.. give the next
-  drafts (the first c are "discarded"); with c = M there are none (the paper's "even zero").
-- Training packs `groups` mask groups per sequence at random split points of the answer (the
-  authors pack many per sample); the loss is eq. 1 summed over the M masks, averaged over
-  groups. Init N(0, 0.02); AdamW; cosine schedule from 3e-2, the paper's rate. A mask's label is
-  the model's own token (self-distillation; with --forced, teacher-forced real text where the
-  text went on as the model would: training/forced.py).
-- Straightforward decoding's drafts per node: a node at depth c of the root's chain drafts from
-  the root group's masks c.., so the step's one group serves whichever node ends the path.
-- Under a planner (fast mode's default), a group holds min(M, budget) masks, the first ones: the next tree is
-  at most budget deep (drafter.Ranked). A mask sees only the masks before it, so the first ones draft as in a
-  full group. Straightforward decoding keeps M: its root group serves the chain's every depth.
+- Indexing: a node's own logits give the token after it (the AR output); mask i (0-based) of the group attached to a
+  node at position p sits at position p+1+i and predicts the token at p+2+i, as in decoding's "the model outputs y_N and
+  M future predictions y_N+1..y_N+M". Training labels follow the same rule (eq. 1 with that offset).
+- Deep prompt keys carry no rotary position (prefix tuning stores rotated keys; these are learned directly). Rotating
+  them as if at positions 0..P-1 trains to the same loss (RESULTS.md, "BiTA"), so the simpler form is the one here.
+  Shallow prompt rows sit at 0..P-1 and see each other causally.
+- Straightforward decoding: after c accepted drafts, the root group's masks c.. give the next drafts (the first c are
+  "discarded"); with c = M there are none (the paper's "even zero").
+- Training packs `groups` mask groups per sequence at random split points of the answer (the authors pack many per
+  sample); the loss is eq. 1 summed over the M masks, averaged over groups. Init N(0, 0.02); AdamW; cosine schedule from
+  3e-2, the paper's rate. A mask's label is the model's own token (self-distillation; with --forced, teacher-forced real
+  text where the text went on as the model would: training/forced.py).
+- Straightforward decoding's drafts per node: a node at depth c of the root's chain drafts from the root group's masks
+  c.., so the step's one group serves whichever node ends the path.
+- Under a planner (fast mode's default), a group holds min(M, budget) masks, the first ones: the next tree is at most
+  budget deep (drafter.Ranked). A mask sees only the masks before it, so the first ones draft as in a full group.
+  Straightforward decoding keeps M: its root group serves the chain's every depth.
 
-What runs where: the step's rows (tree and mask groups), one lm_head product over the tree's and
-the masks' rows (the head's weights read once a step), and verification are one device program (a
-CUDA graph per tree size in exact mode on a GPU); copying the deep prompt keys into their reserved
-slots runs eagerly, once per generation. The trainer's packed forward runs the same layers over the
-core's Forward (`Forward.training`).
+What runs where: the step's rows (tree and mask groups), one lm_head product over the tree's and the masks' rows (the
+head's weights read once a step), and verification are one device program (a CUDA graph per tree size in exact mode on a
+GPU); copying the deep prompt keys into their reserved slots runs eagerly, once per generation. The trainer's packed
+forward runs the same layers over the core's Forward (`Forward.training`).
 """
 from pathlib import Path
 
