@@ -84,10 +84,9 @@ class Transfer(nn.Module):
 def transfer(f: Forward, tr: Transfer, x, hosts, rows, record=None):
     """The paper's step: run the layers over real and pseudo rows; returns the final normed states.
 
-    x (B, R, D): the rows' inputs (pseudo rows' are placeholders). hosts (B, H): the real rows the
-    pseudo rows are made from; rows[i] (H,): the step-i pseudo rows. At layer t_i, pseudo row i of
-    host j becomes W_i x_j and from then on runs with the others. record: a list that receives the
-    states after 0, 1, ..., L layers (Figure 4)."""
+    x (B, R, D): the rows' inputs (pseudo rows' are placeholders). hosts (B, H): the real rows the pseudo rows are made
+    from; rows[i] (H,): the step-i pseudo rows. At layer t_i, pseudo row i of host j becomes W_i x_j and from then on
+    runs with the others. record: a list that receives the states after 0, 1, ..., L layers (Figure 4)."""
     L = len(f.model.layers)
     active = torch.ones(x.shape[1], dtype=torch.bool, device=x.device).index_fill(0, torch.cat(rows), False)
     idx = hosts[..., None].expand(-1, -1, x.shape[-1])
@@ -172,10 +171,9 @@ def add_args(p):
 
 
 def pack(seqs: list[list[int]], starts: list[int], k: int, attention: str, device="cpu"):
-    """A packed batch on device: T real rows, then k blocks of H pseudo rows (step i, host j = start-1+h,
-    one per answer token). Returns (tokens, pos, vis (B, R, R), hosts (B, H), valid (B, k, H),
-    teacher (B, k, H): the real row whose distribution pseudo row (i, h) learns, label (B, k, H):
-    the token after it, -100 past the end)."""
+    """A packed batch on device: T real rows, then k blocks of H pseudo rows (step i, host j = start-1+h, one per answer
+    token). Returns (tokens, pos, vis (B, R, R), hosts (B, H), valid (B, k, H), teacher (B, k, H): the real row whose
+    distribution pseudo row (i, h) learns, label (B, k, H): the token after it, -100 past the end)."""
     T = max(map(len, seqs))
     H = max(len(s) - st + 1 for s, st in zip(seqs, starts))
     R = T + k * H
@@ -202,8 +200,7 @@ def pack(seqs: list[list[int]], starts: list[int], k: int, attention: str, devic
 
 
 def pseudo_states(model, tr: Transfer, tokens, pos, vis, hosts, record=None):
-    """Final normed states (B, R, D) of a packed batch: cache-free, the model frozen; the same
-    layer loop as decoding."""
+    """Final normed states (B, R, D) of a packed batch: cache-free, the model frozen, through decoding's layer loop."""
     R, H = tokens.shape[1], hosts.shape[1]
     T = R - tr.k * H
     f = Forward.training(model, tokens, pos, vis)
