@@ -6,21 +6,18 @@ arXiv:2403.18647: sections 2.1 (inference), 2.2 (training), 3.2, 3.4 (Figure 3's
 Adaptive token i (1-based) after position n predicts the token at n+i+1: k of them (k is free at inference) draft
 k tokens in one forward. A loop of two forwards yields up to k+2 tokens (SDSAT.draft):
 - Draft step 1 (eq. 1): the last token, whose logits give the next token, and k adaptive tokens after it: k drafts.
-- Draft step 2 (eqs. 2-3): the next token and the k drafts as a chain, verified as AR would. Unlike the paper, k
-  adaptive tokens follow the chain's end too: when every draft is accepted they hold the next k drafts, and the
-  next forward is a step 2 again, with no step 1 between; otherwise it is a step 1. A second group after the root would
-  spare that step 1 at the price of a group of rows on every step: on a CPU, where a row is dear, more than it saves
-  (RESULTS.md).
+- Draft step 2 (eqs. 2-3): the next token and the k drafts as a chain, verified as AR would; unlike the paper, k
+  adaptive tokens follow the chain too, drafting the next k: if all are accepted the next forward is a step 2 again,
+  else a step 1 (a second group on the root would spare it, but on a CPU its rows cost more than it saves: RESULTS.md).
 - Nucleus sampling (section 2.1.2): `width` > 1 makes step 2's chain a tree of each depth's top candidates.
 
-The paper fine-tunes every weight (sdsat_full.py: with the same data it drafts more per forward, RESULTS.md's "SDSAT
-without touching the model"). Toward its own aim ("a training method that does not affect the standard tokens"), the
-model here is untouched: the adaptive token is a new embedding row, and a rank-r update of every product applies to
-adaptive rows only (Delta). Standard rows run the base weights and never see adaptive rows: every standard token is
-the base model's, bitwise in exact mode, and the method ships as a small drafter file. Adaptive rows learn over the
-frozen model's keys and values (eq. 9's plain term is a constant, eq. 8's and 9's mixed terms their loss), in windows
-of rows of their own that see the standard tokens before them as at inference, so windows need not merge. With
-`--diverse` (appendix B) each window position has its own embedding, and k <= L. Data: the self-distillation data
+The paper fine-tunes every weight (sdsat_full.py: on the same data it drafts more per forward, RESULTS.md's "SDSAT
+without touching the model"). For its own aim ("a training method that does not affect the standard tokens"), the model
+here is untouched: the adaptive token is a new embedding row, and a rank-r update of every product (Delta) applies to
+adaptive rows only, which standard rows never see: every standard token is the base model's, bitwise in exact mode, and
+it ships as a small drafter file. Adaptive rows learn over the frozen keys and values (eq. 9's plain term a constant,
+eqs. 8-9's mixed terms their loss) in windows of their own rows seeing the standard tokens before them as at inference:
+windows need not merge. `--diverse` (appendix B): an embedding per window position (k <= L). Data: self-distillation
 (prompts labelled as plain text, as in the paper) and --forced real text labelled with the model's own tokens.
 """
 from dataclasses import dataclass
@@ -137,8 +134,7 @@ class SDSAT(Ranked):
         return template.tree(dec.last, cands)  # draft step 2: the next token, then the k drafts (a chain, or a tree)
 
     def groups(self, tree, n, budget=None):
-        """The adaptive rows after the end of the tree's top-1 chain (step 1's: the root): a fine-tuned model's own
-        adaptive ids, or rows the forward embeds."""
+        """The adaptive rows after the top-1 chain (step 1: the root): sdsat_full's ids, or rows the forward embeds."""
         k = self.own(budget)
         return Groups((chain_end(tree.parents),), k, tokens=() if self.ids is None else tuple(self.ids[:k]))
 
