@@ -177,7 +177,7 @@ class Ranked(Drafter):
 
     A method whose own rows draft depth by depth (a mask, a pseudo row, an adaptive token per depth)
     sets `ahead`, the depths they reach. Under a planner a step runs only the first min(ahead,
-    budget) of them (own): the next tree is at most budget deep, so deeper rows would draft what no
+    budget) of them (own_depths): the next tree is at most budget deep, so deeper rows would draft what no
     tree verifies, and on a CPU every row costs a step a little."""
     ahead = 0  # depths the method's own rows draft (0: none, Medusa's heads draft from the tree's rows)
 
@@ -187,7 +187,7 @@ class Ranked(Drafter):
         every depth its prior covers (planner.Planner.start: the trainer's accuracies, else topk's)."""
         return max(len(self.topk), len(self.acc or [])) if self.planner else len(self.topk)
 
-    def own(self, budget: int | None = None) -> int:
+    def own_depths(self, budget: int | None = None) -> int:
         """Depths drafted by a step's own rows at budget (None: no planner, all of them)."""
         return self.ahead if budget is None else min(self.ahead, budget)
 

@@ -94,7 +94,7 @@ def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nod
     d, lay = decs[0], nodes.lay
     cursors = {x.seq: x.cur for x in decs} if d.block_batch else dict(enumerate(x.cur for x in decs))
     cur = torch.tensor([cursors.get(r, 0) for r in range(len(block.tokens))])  # idle sequences: slot 0 onto itself
-    flat, spec = packed([block.tokens, block.pos, block.slots, block.prefix, block.extra, nodes.tokens, lay.parent,
+    flat, spec = packed([block.tokens, block.pos, block.slots, block.committed, block.extra, nodes.tokens, lay.parent,
                          lay.depth, lay.index, lay.anc, nodes.real, cur, seqs])
     shape = (nodes.n, nodes.M) if d.exact and nodes.M else None  # what the forward depends on beyond its inputs
     key = ("step", id(drafter), shape, d.sampler.greedy, spec)
@@ -167,7 +167,8 @@ class Decoding:
         ids = F.pad(tokens, (0, len(b) - n))
         if groups.tokens:  # the group rows' own ids (else 0: the forward embeds them)
             ids[largest:largest + len(groups.tokens)] = torch.as_tensor(groups.tokens)
-        block = Block(ids[None], b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
+        extra = torch.where(seq, b.extra + cur, b.extra)
+        block = Block(ids[None], b.pos + cur, b.slots + cur, b.committed + cur, extra)
         # rows write slots cur..cur+len-1: past the capacity lie the reserved slots and the trash slot
         assert len(block) <= self.room, f"a step of {len(block)} rows overruns the cache ({self.room} slots left)"
         lay = Layout.of(tree.parents)
@@ -199,7 +200,7 @@ class Decoding:
             padding = Nodes.idle(self.Q, self.cache.trash, self.cache.n_slots)
             (block, _, seqs), row = stack([self], [block], [padding[1]]), self.seq
             embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, row, self.block_batch - 1 - row))
-        flat, spec = packed([block.tokens, block.pos, block.slots, block.prefix, block.extra, seqs])
+        flat, spec = packed([block.tokens, block.pos, block.slots, block.committed, block.extra, seqs])
 
         def run(flat, embeds):
             *b, seqs = unpacked(flat, spec)
@@ -231,7 +232,7 @@ class Decoding:
 
 def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
     """A cohort's rows and nodes as one batch, on the host (Block.stack, Nodes.stack), and its cache rows (None: the
-    cache's own order). With a block batch of N, every cache row's sequence, in order: the cohort's, and idle ones."""
+    cache's own order). With a block batch, every cache row's sequence, in order: the cohort's, and idle ones."""
     d, n, M = decs[0], nodes[0].n, nodes[0].M  # every sequence's tree laid out for the cohort's largest
     if d.block_batch:
         own, idle = dict(zip((x.seq for x in decs), zip(blocks, nodes))), (d.Q, d.cache.trash, d.cache.n_slots)
@@ -287,9 +288,9 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     Q, S, W = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots, tail)
     eos = model.args.eos_id if eos_id is None else eos_id
     batch = min(batch or len(prompts), len(prompts))
-    N, w = sizes.block_batch(block_batch, batch, exact, dev), model.embed.weight
-    make = lambda: KVCache.for_model(model, S, N or batch, dev)
-    cache = programs.cache(model, (S, N or batch, w.dtype, w.device), make) if programs else make()
+    block_batch, w = sizes.block_batch(block_batch, batch, exact, dev), model.embed.weight
+    make = lambda: KVCache.for_model(model, S, block_batch or batch, dev)
+    cache = programs.cache(model, (S, block_batch or batch, w.dtype, w.device), make) if programs else make()
     reserved = cache.reserve(drafter.reserved_slots)
     check_room(max(map(len, prompts)), cache.capacity)
     waiting, outs, logits, began, prefill_s = iter(prompts), {}, {}, {}, 0.0
@@ -301,8 +302,8 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         p, t = next(waiting, None), time.perf_counter()
         if p is None:
             return []
-        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq, block_batch=N, dev=dev, tail=W, programs=programs,
-                     sampler=Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1))  # a stream each
+        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq, block_batch=block_batch, dev=dev, tail=W,
+                     programs=programs, sampler=Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1))
         d.prefill(p[:-1])
         drafter.start(d)
         d.dev.sync(d.device)

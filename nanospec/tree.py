@@ -281,5 +281,5 @@ def group_rows(blk: Block, hosts: list[int], M: int, reserved=None, chained: boo
     if reserved is not None and len(reserved):
         parts.insert(0, reserved.to(dev).view(1, 1, -1).expand(H, M, -1))
     extra = torch.cat(parts, -1).reshape(1, H * M, -1)
-    prefix = blk.prefix[:, :1].expand(1, H * M)
-    return Block(torch.zeros(1, H * M, dtype=torch.long, device=dev), pos, slots, prefix, extra)
+    committed = blk.committed[:, :1].expand(1, H * M)
+    return Block(torch.zeros(1, H * M, dtype=torch.long, device=dev), pos, slots, committed, extra)

@@ -131,10 +131,10 @@ def verify_on_device(d, drafter, out, tokens, lay: Layout, cur, seqs):
         path, emitted = lay.anc[:, 0], out.logits[:, :1].argmax(-1)
     else:
         path, emitted = accept(tokens, lay, out.logits, out.alive)  # (B, E) each
-        d.cache.commit(d.cache.ids[:len(cur)] if seqs is None else seqs, cur, path)
+        d.cache.commit(d.cache.arange[:len(cur)] if seqs is None else seqs, cur, path)
     if out.draft_inputs is None:
         return pack_results(path, emitted, alive=out.alive)
-    end, b = path.max(-1).values, d.cache.ids[:len(path)]  # each path's deepest node (indices grow along a path)
+    end, b = path.max(-1).values, d.cache.arange[:len(path)]  # each path's deepest node (indices grow along a path)
     cands = drafter.propose(out.draft_inputs[b, end], d.dev.kernels or plain).topk(max(drafter.topk), dim=-1).indices
     depth = out.depths[b, end] if out.depths is not None else torch.full_like(end, cands.shape[1])  # cands (B, K, R)
     return pack_results(path, emitted, depth, cands, out.alive)

@@ -117,7 +117,7 @@ class HiddenTransfer(Ranked):
         self.template = Template(paths)
         if self.template.depth > tr.k:
             raise NanospecError(f"the tree is {self.template.depth} deep but there are {tr.k} transfer steps")
-        self.ahead = tr.k  # pseudo rows per node: k, or a planner's budget's worth (Ranked.own)
+        self.ahead = tr.k  # pseudo rows per node: k, or a planner's budget's worth (Ranked.own_depths)
         self.max_rows = self.size(len(self.template))
         self.topk = self.template.topk
 
@@ -136,10 +136,10 @@ class HiddenTransfer(Ranked):
         return cls(tr, choose_tree(RANDOM_ACC[:len(layers)], 8), chained=seed % 2 == 0)
 
     def size(self, n, budget=None):
-        return n * (1 + self.own(budget))  # every node carries a group of pseudo rows
+        return n * (1 + self.own_depths(budget))  # every node carries a group of pseudo rows
 
     def groups(self, tree, n, budget=None):
-        return Groups(tuple(range(n)), self.own(budget), chained=self.chained)
+        return Groups(tuple(range(n)), self.own_depths(budget), chained=self.chained)
 
     def forward(self, f, nodes):
         n, k = nodes.n, nodes.M

@@ -115,7 +115,7 @@ class SDSAT(Ranked):
         self.family = [(0,) * d + (j,) for d in range(k) for j in range(width)]  # top-1s have children
         self.template = Template(self.family)
         self.topk = self.template.topk
-        self.ahead = k  # adaptive tokens: k, or a planner's budget's worth (Ranked.own)
+        self.ahead = k  # adaptive tokens: k, or a planner's budget's worth (Ranked.own_depths)
         self.max_rows = self.size(len(self.template))
         self.verifying = self.drafts = self.drafts_accepted = self.draft_only = 0  # statistics for report()
 
@@ -129,7 +129,7 @@ class SDSAT(Ranked):
         return cls(noisy(Delta(model, 4), seed, 0.3).to(model.embed.weight), k=4, width=2)
 
     def size(self, n, budget=None):
-        return n + self.own(budget)
+        return n + self.own_depths(budget)
 
     def draft(self, dec, cands, template, budget) -> Tree:
         if cands is None:  # draft step 1: the last token alone; k adaptive rows after it draft k tokens
@@ -139,7 +139,7 @@ class SDSAT(Ranked):
     def groups(self, tree, n, budget=None):
         """The adaptive rows after the end of the tree's top-1 chain (step 1's: the root): a fine-tuned model's own
         adaptive ids, or rows the forward embeds."""
-        k = self.own(budget)
+        k = self.own_depths(budget)
         return Groups((chain_end(tree.parents),), k, tokens=() if self.ids is None else tuple(self.ids[:k]))
 
     def forward(self, f, nodes):
