@@ -106,9 +106,10 @@ class Block:
         trash slot."""
         n = len(self)
         assert n <= Q, f"block of {n} rows exceeds Q={Q}"
-        B, dev = self.tokens.shape[0], self.slots.device
-        z = torch.zeros(B, Q - n, dtype=torch.long, device=dev)
-        filler = Block(z, z, torch.full((*self.slots.shape[:-1], Q - n), trash, device=dev), z, (z + trash)[..., None])
+        B, device = self.tokens.shape[0], self.slots.device
+        z = torch.zeros(B, Q - n, dtype=torch.long, device=device)
+        slots = torch.full((*self.slots.shape[:-1], Q - n), trash, device=device)
+        filler = Block(z, z, slots, z, (z + trash)[..., None])
         b = Block.cat(self, filler)
         b.extra = F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)
         return b

@@ -133,11 +133,11 @@ class Drafter:
         none), template the tree shape over them (the method's or the planner's), budget the draft
         nodes a planner allows (None: no planner, or a nested drafter: it drafts whole, and the engine
         runs the first budget + 1 nodes)."""
-        return Tree.chain(dec.last)
+        return Tree.chain(dec.root)
 
-    def context(self, dec) -> int:
+    def match_length(self, dec) -> int:
         """What predicts how much of an unranked drafter's next draft is accepted (Lookahead: how long a
-        suffix its trie matches): the planner keeps its gains per context."""
+        suffix its trie matches): the planner keeps its gains per match length."""
         return 0
 
     def size(self, n: int, budget: int | None = None) -> int:
@@ -192,7 +192,7 @@ class Ranked(Drafter):
         return self.ahead if budget is None else min(self.ahead, budget)
 
     def draft(self, dec, cands, template, budget):
-        return Tree.chain(dec.last) if cands is None else template.tree(dec.last, cands)
+        return Tree.chain(dec.root) if cands is None else template.tree(dec.root, cands)
 
 
 def noisy(module: torch.nn.Module, seed: int, scale: float) -> torch.nn.Module:

@@ -131,18 +131,17 @@ class Decoding:
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
         self.tail = tail or Q      # exact mode: the keys each row gathers in canonical order (sizes.shapes' W)
         self.block_batch = block_batch if exact else None  # exact forwards run this many sequences' blocks (None: live)
-        self.reserved = reserved   # the drafter's own cache slots (e.g. BiTA's prompt keys)
+        self.reserved = tuple(reserved.tolist()) if reserved is not None else ()  # the drafter's own cache slots
         self.device = model.embed.weight.device
         self.dev = devices.of(dev or self.device)  # the device's layout and speed (devices.py)
         self.sampler, self.prompt = sampler or Sampler(), prompt
         self.seq = seq             # this sequence's cache row
         self.seqs = None if cache.kv.shape[2] == 1 else torch.tensor([seq])
         self.out: list[int] = []   # tokens emitted so far
-        self.last = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
-        self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
+        self.root = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
+        self.cur = 0               # committed slots 0..cur-1 hold the sequence before `root`
         self.forward_s = 0.0       # time from a step's launch to its read-back (in a batch, its share)
         self.cands = self.lists = None  # the next candidates its last accepted node drafted, (D, R) and as lists
-        self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
         self.programs = programs or (programs_of(self.dev) if exact else None)  # how its programs run (None: eagerly)
 
     @property
@@ -162,7 +161,7 @@ class Decoding:
         layout), then the groups of rows the drafter asks for (tree.Groups), laid out once per shape at position 0
         (tree.step_rows) and moved to cur; exact mode pads rows and nodes to Q."""
         n, groups, cur = len(tree), drafter.groups(tree, largest, budget), self.cur
-        b, seq = step_rows(tree.parents + (0,) * (largest - n), groups, self.reserved_slots, self.cache.capacity, None)
+        b, seq = step_rows(tree.parents + (0,) * (largest - n), groups, self.reserved, self.cache.capacity, None)
         tokens, real = torch.as_tensor(tree.tokens, device=HOST), torch.ones(n, dtype=torch.bool)
         ids = F.pad(tokens, (0, len(b) - n))
         if groups.tokens:  # the group rows' own ids (else 0: the forward embeds them)
@@ -225,7 +224,7 @@ class Decoding:
     def advance(self, path: list[int], tokens: list[int], cands, lists, forward_s: float) -> None:
         """A step's outcome: the accepted path's tokens emitted, the cursor past its keys (KVCache.commit moved them
         to cur, ...), the next candidates its end drafted, and its share of the step program's time."""
-        self.cur, self.last, self.cands, self.lists = self.cur + len(path), tokens[-1], cands, lists
+        self.cur, self.root, self.cands, self.lists = self.cur + len(path), tokens[-1], cands, lists
         self.out += tokens
         self.forward_s += forward_s
 

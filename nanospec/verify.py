@@ -25,8 +25,8 @@ def accept(tokens, lay: Layout, logits, alive=None):
         ok = ok & alive
     anc = lay.anc  # (B, N, E)
     good = (ok.gather(1, anc.clamp(min=0).flatten(1)).view(anc.shape) | (anc < 0)).all(-1) & (tokens >= 0)
-    last = torch.argmax(good * (lay.depth + 1), -1)  # (B,) padding nodes hold token -1; no host sync
-    path = anc.gather(1, last[:, None, None].expand(-1, 1, anc.shape[-1]))[:, 0]
+    end = torch.argmax(good * (lay.depth + 1), -1)  # (B,) the deepest; padding nodes hold token -1; no host sync
+    path = anc.gather(1, end[:, None, None].expand(-1, 1, anc.shape[-1]))[:, 0]
     return path, torch.where(path >= 0, target.gather(1, path.clamp(min=0)), -1)
 
 

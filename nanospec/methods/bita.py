@@ -137,7 +137,7 @@ class BiTA(Ranked):
     def start(self, dec):
         """The prompt's keys and values into the reserved slots: deep, as trained, in every layer; shallow, those
         its P rows compute, causal among themselves from position 0."""
-        slots, P = dec.reserved, len(dec.reserved_slots)
+        slots, P = torch.tensor(dec.reserved), len(dec.reserved)
         if self.tune.prompting == "deep":
             dec.cache.write_reserved(dec.seq, slots, self.tune.key, self.tune.value)
         elif self.tune.prompting == "shallow":

@@ -142,10 +142,10 @@ class HiddenTransfer(Ranked):
         return Groups(tuple(range(n)), self.own_depths(budget), chained=self.chained)
 
     def forward(self, f, nodes):
-        n, k = nodes.n, nodes.M
-        dev = f.block.tokens.device
+        n, k, device = nodes.n, nodes.M, f.block.tokens.device
         x = f.embed()  # every node hosts a group: pseudo row i of each is tree.group_row_index's row i
-        h = transfer(f, self.tr, x, torch.arange(n, device=dev).expand(len(x), n), list(group_row_index(n, n, k, dev)))
+        pos = torch.arange(n, device=device).expand(len(x), n)
+        h = transfer(f, self.tr, x, pos, list(group_row_index(n, n, k, device)))
         logits = f.logits(h, max(nodes.N, n * (1 + k)))  # the tree's and the pseudo rows' in one product: one pass
         pseudo = logits[:, n:n * (1 + k)].view(len(h), n, k, -1)  # pseudo row i of a node drafts its depth i
         return Out(logits[:, :nodes.N], draft_inputs=pseudo)

@@ -133,8 +133,8 @@ class SDSAT(Ranked):
 
     def draft(self, dec, cands, template, budget) -> Tree:
         if cands is None:  # draft step 1: the last token alone; k adaptive rows after it draft k tokens
-            return Tree.chain(dec.last)
-        return template.tree(dec.last, cands)  # draft step 2: the next token, then the k drafts (a chain, or a tree)
+            return Tree.chain(dec.root)
+        return template.tree(dec.root, cands)  # draft step 2: the next token, then the k drafts (a chain, or a tree)
 
     def groups(self, tree, n, budget=None):
         """The adaptive rows after the end of the tree's top-1 chain (step 1's: the root): a fine-tuned model's own
@@ -225,15 +225,15 @@ def adaptive_rows(x: torch.Tensor, wins: list[list[tuple[int, int]]], diverse: b
 def adaptive_logits(model, delta: Delta, x: torch.Tensor, wins, diverse: bool, ahead=None):
     """Logits (B, R, V) of the adaptive rows of windows `wins` over x (B, T), and their labels (adaptive_rows). The
     rows read the frozen model's keys and values over x, computed first without gradients."""
-    (B, T), dev = x.shape, x.device
+    (B, T), device = x.shape, x.device
     with torch.no_grad():
-        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
-        f = Forward.training(model, x, torch.arange(T, device=dev).expand(B, T), causal)
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
+        f = Forward.training(model, x, torch.arange(T, device=device).expand(B, T), causal)
         keys = f.kv  # the buffers each layer writes its keys and values into
         h = f.embed()
         for layer, kv in zip(model.layers, keys):
             h = layer(h, f.ctx, kv)
-    which, pos, vis, lab = (t.to(dev) for t in adaptive_rows(x.cpu(), wins, diverse, ahead))
+    which, pos, vis, lab = (t.to(device) for t in adaptive_rows(x.cpu(), wins, diverse, ahead))
     f = Forward.training(model, torch.zeros_like(pos), pos, vis, before=keys)
     h = f.norm(f.layers(delta.embed[which], delta=delta.on(None)))
     return model.lm_head(h), lab
