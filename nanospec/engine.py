@@ -49,13 +49,13 @@ def step(live: list[Decoding], drafter: Drafter, record: bool):
         decs, trees = [m[0] for m in members], [m[1] for m in members]
         block, nodes, seqs = lay_out(decs, s, trees, budget)
         res, t0 = launch_step(decs, s, block, nodes, seqs)
-        rows = [x.seq for x in decs] if decs[0].block_batch else list(range(len(decs)))  # each one's batch index
+        index = [x.seq for x in decs] if decs[0].block_batch else list(range(len(decs)))  # each one's in the batch
         if decs[0].sampler.greedy:  # verified on the device: (packed results, logits), read back
-            logits, found = res[1], read_back(res[0], rows, s, nodes)
+            logits, found = res[1], read_back(res[0], index, s, nodes)
         else:
-            logits, found = res[0], verify_on_host(decs, s, trees, res, rows)
+            logits, found = res[0], verify_on_host(decs, s, trees, res, index)
         took = time.perf_counter() - t0  # from the launch to the read-back, shared by the cohort
-        for b, (d, tree, whole), (path, emitted, cands, lists, pruned) in zip(rows, members, found):
+        for b, (d, tree, whole), (path, emitted, cands, lists, pruned) in zip(index, members, found):
             d.advance(path, emitted, cands, lists, took / len(decs))
             drafter.accepted(d, tree, path)
             kept = logits[b, path].float().cpu() if record else None
@@ -114,11 +114,11 @@ def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, fla
     return verify_on_device(d, drafter, out, tokens, lay, cur, seqs), out.logits
 
 
-def read_back(flat: torch.Tensor, rows: list[int], drafter: Drafter, nodes: Nodes) -> list:
+def read_back(flat: torch.Tensor, index: list[int], drafter: Drafter, nodes: Nodes) -> list:
     """A greedy step program's results on the host, read back once (the step's one host-device sync): per sequence
-    (rows: its index in the batch), its path, emitted tokens, next candidates (D, R) and as lists, and nodes pruned."""
+    (index: its row in the batch), its path, emitted tokens, next candidates (D, R) and as lists, and nodes pruned."""
     read, R = flat.tolist(), max(drafter.topk, default=1)
-    return [unpack_results(read[b], nodes.lay.anc.shape[-1], R, nodes.N if drafter.prunes else 0) for b in rows]
+    return [unpack_results(read[b], nodes.lay.anc.shape[-1], R, nodes.N if drafter.prunes else 0) for b in index]
 
 
 class Decoding:

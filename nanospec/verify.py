@@ -140,21 +140,21 @@ def verify_on_device(d, drafter, out, tokens, lay: Layout, cur, seqs):
     return pack_results(path, emitted, depth, cands, out.alive)
 
 
-def verify_on_host(decs: list, drafter, trees: list[Tree], res, rows: list[int]) -> list:
+def verify_on_host(decs: list, drafter, trees: list[Tree], res, index: list[int]) -> list:
     """A sampling step's verification, on the host: each tree walked with its sequence's uniforms (sample_verify),
     the accepted keys committed (KVCache.commit, as verify_on_device does), and the drafts at each path's end
-    proposed, one product for the batch. res: the step program's (logits, draft_inputs, depths, alive); rows: each
-    sequence's index in the batch. Per sequence: (path, emitted, cands (D, R), cands as lists, nodes pruned)."""
+    proposed, one product for the batch. res: the step program's (logits, draft_inputs, depths, alive); index: each
+    sequence's row in the batch. Per sequence: (path, emitted, cands (D, R), cands as lists, nodes pruned)."""
     logits, draft_inputs, depths, alive = res
     paths = [sample_verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
-             for b, x, t in zip(rows, decs, trees)]
+             for b, x, t in zip(index, decs, trees)]
     d, E = decs[0], max(len(p) for p, _ in paths)
     keep = lambda v: torch.tensor(v, device=d.cache.kv.device)
     d.cache.commit(keep([x.seq for x in decs]), keep([x.cur for x in decs]),
                    keep([p + [-1] * (E - len(p)) for p, _ in paths]))
     depth = [0] * len(decs)  # the depths each path's end drafted
     if draft_inputs is not None:
-        b, ends = keep(rows), keep([p[-1] for p, _ in paths])
+        b, ends = keep(index), keep([p[-1] for p, _ in paths])
         top = drafter.propose(draft_inputs[b, ends], d.dev.kernels or plain).topk(max(drafter.topk), -1).indices.cpu()
         depth = depths[b, ends].tolist() if depths is not None else [top.shape[1]] * len(decs)
     return [(p, e, top[i, :k], top[i, :k].tolist(), []) if k else (p, e, None, None, [])
