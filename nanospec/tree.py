@@ -3,7 +3,7 @@
 A tree's node 0 is the root: the last emitted token, whose key/value is not in the cache yet.
 Every other node is a draft token; parents[i] < i. Plain AR decoding is the tree with the root
 alone. A tree of n nodes becomes n rows at cache slots cur..cur+n-1, node i at position
-cur + depth(i), each seeing the committed prefix 0..cur-1 and then its ancestors by depth and
+cur + depth(i), each seeing the committed slots 0..cur-1 and then its ancestors by depth and
 itself: the canonical key order.
 
 A tree's shape is laid out once (`Layout.of`, cached). A Template (Medusa's sparse tree of
