@@ -103,8 +103,8 @@ def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nod
 
 
 def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, flat: torch.Tensor):
-    """A cohort's step on the device: the method's forward, then (greedy) each sequence's verification (verify.accept),
-    the commit of its accepted keys (KVCache.commit) and its path end's drafts' top-k, as one tensor (pack_results)."""
+    """A cohort's step on the device: the method's forward, then (greedy) verify_on_device: each sequence's accepted
+    path, its keys committed and its end's drafts' top-k, as one tensor; sampling: the forward's outputs as they are."""
     *blk, tokens, parent, depth, index, anc, real, cur, seqs = unpacked(flat, spec)
     f = Forward.on_cache(d.model, Block(*blk), d.cache, d.exact, seqs, d.tail, d.dev)
     lay = Layout(parent, depth, index, anc)
