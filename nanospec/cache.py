@@ -26,7 +26,7 @@ class KVCache:
         shape = (n_layers, 2, batch, n_kv_heads, n_slots - n_slots % -grain[0], head_dim - head_dim % -grain[1])
         self.kv = torch.zeros(shape, dtype=dtype, device=device)  # keys and values: a layer's written in one copy
         self.k, self.v = self.kv[:, 0], self.kv[:, 1]  # views (layers, B, Hkv, S, D)
-        self.ids = torch.arange(max(shape[-2] + 1, batch, n_kv_heads), device=device)  # a program's indices: views
+        self.arange = torch.arange(max(shape[-2] + 1, batch, n_kv_heads), device=device)  # a program's indices: views
         self.n_slots, self.trash, self.n_reserved = n_slots, n_slots - 1, 0
 
     @classmethod
@@ -62,8 +62,8 @@ class KVCache:
         """A step's accepted keys kept, on the device, for greedy and sampled steps alike: each sequence's accepted
         path (node i at slot cur + i, -1 padded) moved to slots cur, cur+1, ... of its cache row (seqs), every layer
         at once (past the path's end, the trash slot onto itself: a path's padding may reach past the last slot)."""
-        kept, trash = path >= 0, self.ids[self.trash]
-        dst, src = (torch.where(kept, cur[:, None] + i, trash) for i in (self.ids[:path.shape[-1]], path))  # (B, E)
+        kept, trash = path >= 0, self.arange[self.trash]
+        dst, src = (torch.where(kept, cur[:, None] + i, trash) for i in (self.arange[:path.shape[-1]], path))  # (B, E)
         kv = self.kv  # (layers, 2, B, Hkv, S, D): the gather copies first, so overlap is safe
         kv[:, :, seqs[:, None], :, dst] = kv[:, :, seqs[:, None], :, src]
 
@@ -74,7 +74,7 @@ class Block:
     tokens: torch.Tensor  # (B, T) token ids (ignored for rows fed as embeddings)
     pos: torch.Tensor     # (B, T) RoPE positions
     slots: torch.Tensor   # (T,) or per sequence (B, T): the cache slot each row writes its key/value to
-    prefix: torch.Tensor  # (B, T) each row sees committed slots 0..prefix-1 ...
+    committed: torch.Tensor  # (B, T) each row sees committed slots 0..committed-1 ...
     extra: torch.Tensor   # (B, T, E) ... then these slots, in this order (-1 = none)
 
     def __len__(self):
@@ -85,7 +85,7 @@ class Block:
         E = max(b.extra.shape[-1] for b in blocks)
         cat = lambda f, dim=1: torch.cat([getattr(b, f) for b in blocks], dim)
         extra = torch.cat([F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1) for b in blocks], 1)
-        return Block(cat("tokens"), cat("pos"), cat("slots", -1), cat("prefix"), extra)
+        return Block(cat("tokens"), cat("pos"), cat("slots", -1), cat("committed"), extra)
 
     @staticmethod
     def stack(blocks: list["Block"], trash: int) -> "Block":
@@ -98,7 +98,7 @@ class Block:
                 z = torch.zeros(1, T - len(b), dtype=torch.long)
                 b = Block.cat(b, Block(z, z, torch.full((T - len(b),), trash), z + 1, z[..., None] - 1))
             extra = F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)
-            padded.append(Block(b.tokens, b.pos, b.slots[None], b.prefix, extra))
+            padded.append(Block(b.tokens, b.pos, b.slots[None], b.committed, extra))
         return Block(*(torch.cat([getattr(b, f.name) for b in padded]) for f in fields(Block)))
 
     def pad(self, Q: int, trash: int, E: int) -> "Block":
@@ -106,9 +106,10 @@ class Block:
         trash slot."""
         n = len(self)
         assert n <= Q, f"block of {n} rows exceeds Q={Q}"
-        B, dev = self.tokens.shape[0], self.slots.device
-        z = torch.zeros(B, Q - n, dtype=torch.long, device=dev)
-        filler = Block(z, z, torch.full((*self.slots.shape[:-1], Q - n), trash, device=dev), z, (z + trash)[..., None])
+        B, device = self.tokens.shape[0], self.slots.device
+        z = torch.zeros(B, Q - n, dtype=torch.long, device=device)
+        slots = torch.full((*self.slots.shape[:-1], Q - n), trash, device=device)
+        filler = Block(z, z, slots, z, (z + trash)[..., None])
         b = Block.cat(self, filler)
         b.extra = F.pad(b.extra, (0, E - b.extra.shape[-1]), value=-1)
         return b

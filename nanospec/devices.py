@@ -3,7 +3,8 @@
 Exact mode promises that a row's bits never depend on where it sits: its index in the block, the rows beside it,
 the batch. Each device's kernels keep that promise on their own terms, and what a device needs for it lives here:
 - aligned(x): a product's left operand as the device's products need it (a CPU's BLAS: every row 64-byte aligned);
-- elementwise(fn, x): an elementwise kernel run so that every element takes the same code path (a CPU's SIMD tails);
+- elementwise(fn, x): an elementwise kernel run so that every element takes the same code path (a CPU's scalar
+  remainders);
 - slot_grain, grain(dtype): the multiples a cache's slots and head width are laid out at (a CPU: aligned score and
   value rows);
 - block_batch: the sequences' blocks every exact forward runs by default (CUDA: cuBLAS picks a kernel by total rows);

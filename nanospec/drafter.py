@@ -133,11 +133,11 @@ class Drafter:
         none), template the tree shape over them (the method's or the planner's), budget the draft
         nodes a planner allows (None: no planner, or a nested drafter: it drafts whole, and the engine
         runs the first budget + 1 nodes)."""
-        return Tree.chain(dec.last)
+        return Tree.chain(dec.root)
 
-    def context(self, dec) -> int:
+    def match_length(self, dec) -> int:
         """What predicts how much of an unranked drafter's next draft is accepted (Lookahead: how long a
-        suffix its trie matches): the planner keeps its gains per context."""
+        suffix its trie matches): the planner keeps its gains per match length."""
         return 0
 
     def size(self, n: int, budget: int | None = None) -> int:
@@ -177,7 +177,7 @@ class Ranked(Drafter):
 
     A method whose own rows draft depth by depth (a mask, a pseudo row, an adaptive token per depth)
     sets `ahead`, the depths they reach. Under a planner a step runs only the first min(ahead,
-    budget) of them (own): the next tree is at most budget deep, so deeper rows would draft what no
+    budget) of them (own_depths): the next tree is at most budget deep, so deeper rows would draft what no
     tree verifies, and on a CPU every row costs a step a little."""
     ahead = 0  # depths the method's own rows draft (0: none, Medusa's heads draft from the tree's rows)
 
@@ -187,12 +187,12 @@ class Ranked(Drafter):
         every depth its prior covers (planner.Planner.start: the trainer's accuracies, else topk's)."""
         return max(len(self.topk), len(self.acc or [])) if self.planner else len(self.topk)
 
-    def own(self, budget: int | None = None) -> int:
+    def own_depths(self, budget: int | None = None) -> int:
         """Depths drafted by a step's own rows at budget (None: no planner, all of them)."""
         return self.ahead if budget is None else min(self.ahead, budget)
 
     def draft(self, dec, cands, template, budget):
-        return Tree.chain(dec.last) if cands is None else template.tree(dec.last, cands)
+        return Tree.chain(dec.root) if cands is None else template.tree(dec.root, cands)
 
 
 def noisy(module: torch.nn.Module, seed: int, scale: float) -> torch.nn.Module:

@@ -1,14 +1,15 @@
 """The decoding loop: prefill, then steps until a stop. A step (`step`) is the functions below, in this order:
 
 - draft: each live sequence's drafter proposes a tree, on the host, trimmed to its cache's room (drafter.py: the
-  contract); the sequences that step alike form a group.
-- lay out: a group's trees become rows and nodes, on the host: the tree's rows, then the groups of rows the drafter
+  contract); the sequences that step alike form a cohort.
+- lay out: a cohort's trees become rows and nodes, on the host: the tree's rows, then the groups of rows the drafter
   asks for (Drafter.groups, tree.step_rows), exact mode's padded to Q rows, as one batch (Decoding.prepare, stack).
-- launch: one device program per group (step_program), its inputs one host tensor: the method's forward, then
-  (greedy) verification, the commit of the accepted keys (KVCache.commit) and the next candidates' top-k.
-- read back: the accepted paths and next candidates, the step's one host-device sync (sampling verifies here, then
-  commits the accepted keys through the same KVCache.commit).
-- advance: each sequence's cursor and tokens, on the host (Decoding.advance).
+- launch: one device program per cohort (step_program), its inputs one host tensor: the method's forward, then
+  (greedy) verification on the device (verify.verify_on_device: the accepted path, the commit of its keys through
+  KVCache.commit, the next candidates' top-k).
+- read back: greedy, the accepted paths and next candidates, the step's one host-device sync (read_back); sampling,
+  verification on the host instead (verify.verify_on_host: the same commit and candidates).
+- advance: each sequence's cursor, tokens and next candidates, on the host (Decoding.advance).
 
 A Decoding is one sequence's generation: its state, handed to its drafter at every step. In exact mode every forward
 runs Q rows per sequence on a cache of S slots, each row gathering its last W keys (sizes.shapes), and the blocks of a
@@ -28,65 +29,72 @@ import torch.nn.functional as F
 from . import NanospecError, compiled, devices, sizes
 from .cache import Block, KVCache, packed, unpacked
 from .devices import Device
-from .drafter import AR, Drafter, plain
+from .drafter import AR, Drafter
 from .forward import Forward
 from .programs import of as programs_of
 from .sizes import check_prompt, check_room, shapes
 from .tree import Layout, Nodes, Tree, step_rows
-from .verify import Sampler, Step, accept, pack_results, sample_verify, unpack_results
+from .verify import Sampler, Step, unpack_results, verify_on_device, verify_on_host
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 HOST = torch.device("cpu")  # where a step is drafted and laid out
 
 
 def step(live: list[Decoding], drafter: Drafter, record: bool):
-    """One step of every live sequence, a group of one drafter and layout at a time. Returns the budget, per sequence
+    """One step of every live sequence, a cohort of one drafter and layout at a time. Returns the budget, per sequence
     its Step, and the step's rows."""
-    budget, groups = draft(live, drafter)
+    budget, cohorts = draft(live, drafter)
     results = {}
-    for s, members in groups:
+    for s, members in cohorts:
         decs, trees = [m[0] for m in members], [m[1] for m in members]
         block, nodes, seqs = lay_out(decs, s, trees, budget)
-        launched = launch_step(decs, s, block, nodes, seqs)
-        outcomes = read_back(decs, s, trees, launched, nodes, record)
-        for (d, tree, whole), (path, emitted, logits, pruned) in zip(members, outcomes):
-            d.advance(path, emitted)
+        res, t0 = launch_step(decs, s, block, nodes, seqs)
+        index = [x.seq for x in decs] if decs[0].block_batch else list(range(len(decs)))  # each one's in the batch
+        if decs[0].sampler.greedy:  # verified on the device: (packed results, logits), read back
+            logits, found = res[1], read_back(res[0], index, s, nodes)
+        else:
+            logits, found = res[0], verify_on_host(decs, s, trees, res, index)
+        took = time.perf_counter() - t0  # from the launch to the read-back, shared by the cohort
+        for b, (d, tree, whole), (path, emitted, cands, lists, pruned) in zip(index, members, found):
+            d.advance(path, emitted, cands, lists, took / len(decs))
             drafter.accepted(d, tree, path)
-            results[d] = Step(tree, path, emitted, budget, s.size(len(tree), budget), pruned, logits, whole)
+            kept = logits[b, path].float().cpu() if record else None
+            results[d] = Step(tree, path, emitted, budget, s.size(len(tree), budget),
+                              [i for i in pruned if i < len(tree)], kept, whole)
     return budget, results, sum(r.rows for r in results.values())
 
 
 def draft(live: list[Decoding], drafter: Drafter):
     """The step's budget (the planner's; None: none) and each live sequence's tree, on the host, trimmed to its cache's
-    room, grouped by the drafter that steps it and its layout: per group, (that drafter, [(sequence, tree, the whole
+    room, in cohorts by the drafter that steps it and its layout: per cohort, (that drafter, [(sequence, tree, the whole
     draft)])."""
     budget, template = drafter.planner.budget(live) if drafter.planner is not None else (None, None)
     stepper = drafter if budget != 0 else AR  # budget 0: drafting does not pay, an AR step
     wide = drafter.nested and budget is not None  # drafted whole, AR steps too: the planner scores every prefix
-    groups = {}
+    cohorts = {}
     for d in live:
         whole = (drafter if wide else stepper).draft(
             d, d.cands, template or drafter.template, None if wide else budget)
         s, tree = d.fit(stepper, whole.prefix(min(len(whole), budget + 1)) if wide else whole, budget)
         key = (id(s), None if d.room >= s.max_rows else len(tree))  # near the cache's end: no filler
-        groups.setdefault(key, (s, []))[1].append((d, tree, whole))
-    return budget, list(groups.values())
+        cohorts.setdefault(key, (s, []))[1].append((d, tree, whole))
+    return budget, list(cohorts.values())
 
 
 def lay_out(decs: list[Decoding], drafter: Drafter, trees: list[Tree], budget=None):
-    """A group's trees as rows and nodes, on the host: each laid out for the group's largest (smaller trees get filler
-    nodes; exact mode pads to Q rows), then stacked as one batch, with the group's cache rows (stack)."""
+    """A cohort's trees as rows and nodes, on the host: each laid out for the cohort's largest (smaller trees get filler
+    nodes; exact mode pads to Q rows), then stacked as one batch, with the cohort's cache rows (stack)."""
     n = max(map(len, trees))
     return stack(decs, *zip(*(d.prepare(drafter, t, n, budget) for d, t in zip(decs, trees))))
 
 
 def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, seqs):
-    """A group's step program (step_program, batch dim first) launched on one host tensor, and its start time. Exact
+    """A cohort's step program (step_program, batch dim first) launched on one host tensor, and its start time. Exact
     mode: fixed shapes, one program per method, tree size and group rows (one CUDA graph each, on a GPU)."""
     d, lay = decs[0], nodes.lay
     cursors = {x.seq: x.cur for x in decs} if d.block_batch else dict(enumerate(x.cur for x in decs))
     cur = torch.tensor([cursors.get(r, 0) for r in range(len(block.tokens))])  # idle sequences: slot 0 onto itself
-    flat, spec = packed([block.tokens, block.pos, block.slots, block.prefix, block.extra, nodes.tokens, lay.parent,
+    flat, spec = packed([block.tokens, block.pos, block.slots, block.committed, block.extra, nodes.tokens, lay.parent,
                          lay.depth, lay.index, lay.anc, nodes.real, cur, seqs])
     shape = (nodes.n, nodes.M) if d.exact and nodes.M else None  # what the forward depends on beyond its inputs
     key = ("step", id(drafter), shape, d.sampler.greedy, spec)
@@ -95,65 +103,22 @@ def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nod
 
 
 def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, flat: torch.Tensor):
-    """A group's step on the device: the method's forward, then (greedy) each sequence's verification (verify.accept),
-    the commit of its accepted keys (KVCache.commit) and its path end's drafts' top-k, as one tensor (pack_results)."""
+    """A cohort's step on the device: the method's forward, then (greedy) verify_on_device: each sequence's accepted
+    path, its keys committed and its end's drafts' top-k, as one tensor; sampling: the forward's outputs as they are."""
     *blk, tokens, parent, depth, index, anc, real, cur, seqs = unpacked(flat, spec)
     f = Forward.on_cache(d.model, Block(*blk), d.cache, d.exact, seqs, d.tail, d.dev)
     lay = Layout(parent, depth, index, anc)
     out = drafter.forward(f, Nodes(tokens, lay, real.bool(), n, M))
     if not d.sampler.greedy:
         return out.logits, out.draft_inputs, out.depths, out.alive
-    if drafter.is_ar:  # its path is its root alone, accepted, its key already in place
-        path, emitted = anc[:, 0], out.logits[:, :1].argmax(-1)
-    else:
-        path, emitted = accept(tokens, lay, out.logits, out.alive)  # (B, E) each
-        d.cache.commit(d.cache.ids[:len(cur)] if seqs is None else seqs, cur, path)
-    if out.draft_inputs is None:
-        return pack_results(path, emitted, alive=out.alive), out.logits
-    last, b = path.max(-1).values, d.cache.ids[:len(path)]  # each path's deepest node (indices grow along a path)
-    cands = drafter.propose(out.draft_inputs[b, last], d.dev.kernels or plain).topk(max(drafter.topk), dim=-1).indices
-    depth = out.depths[b, last] if out.depths is not None else torch.full_like(last, cands.shape[1])  # cands (B, K, R)
-    return pack_results(path, emitted, depth, cands, out.alive), out.logits
+    return verify_on_device(d, drafter, out, tokens, lay, cur, seqs), out.logits
 
 
-def read_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], launched, nodes: Nodes, record: bool):
-    """A group's step program's results on the host, read back once (launched: with its start time). Greedy: each
-    sequence's path and next candidates, as the device verified and drafted them; sampling: sample_back's. Per
-    sequence: (path, emitted tokens, their logits if record); its next candidates go to cands (D, R) and lists."""
-    d, (res, t0) = decs[0], launched
-    rows = [x.seq for x in decs] if d.block_batch else list(range(len(decs)))  # each sequence's index in the batch
-    if d.sampler.greedy:
-        (flat, logits), R = res, max(drafter.topk, default=1)
-        read = flat.tolist()  # the step's one read-back: a row per sequence
-        found = [unpack_results(read[b], nodes.lay.anc.shape[-1], R, nodes.N if drafter.prunes else 0) for b in rows]
-    else:
-        logits, found = res[0], sample_back(decs, drafter, trees, res, rows)
-    took, results = time.perf_counter() - t0, []
-    for b, x, t, (path, emitted, cands, lists, pruned) in zip(rows, decs, trees, found):
-        x.forward_s, x.cands, x.lists = x.forward_s + took / len(decs), cands, lists  # its share of the program
-        results.append((path, emitted, logits[b, path].float().cpu() if record else None,
-                        [i for i in pruned if i < len(t)]))
-    return results
-
-
-def sample_back(decs: list[Decoding], drafter: Drafter, trees: list[Tree], res, rows: list[int]) -> list:
-    """Sampling's read-back: the logits verified here, on the host (sample_verify), the accepted keys committed
-    (KVCache.commit, as greedy's program does), and the drafts at each path's end proposed, one product for the batch.
-    Per sequence: (path, emitted, cands, lists)."""
-    logits, draft_inputs, depths, alive = res
-    paths = [sample_verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
-             for b, x, t in zip(rows, decs, trees)]
-    d, E = decs[0], max(len(p) for p, _ in paths)
-    keep = lambda v: torch.tensor(v, device=d.cache.kv.device)
-    d.cache.commit(keep([x.seq for x in decs]), keep([x.cur for x in decs]),
-                   keep([p + [-1] * (E - len(p)) for p, _ in paths]))
-    depth = [0] * len(decs)  # the depths each path's end drafted
-    if draft_inputs is not None:
-        b, ends = keep(rows), keep([p[-1] for p, _ in paths])
-        top = drafter.propose(draft_inputs[b, ends], d.dev.kernels or plain).topk(max(drafter.topk), -1).indices.cpu()
-        depth = depths[b, ends].tolist() if depths is not None else [top.shape[1]] * len(decs)
-    return [(p, e, top[i, :k], top[i, :k].tolist(), []) if k else (p, e, None, None, [])
-            for i, ((p, e), k) in enumerate(zip(paths, depth))]
+def read_back(flat: torch.Tensor, index: list[int], drafter: Drafter, nodes: Nodes) -> list:
+    """A greedy step program's results on the host, read back once (the step's one host-device sync): per sequence
+    (index: its row in the batch), its path, emitted tokens, next candidates (D, R) and as lists, and nodes pruned."""
+    read, R = flat.tolist(), max(drafter.topk, default=1)
+    return [unpack_results(read[b], nodes.lay.anc.shape[-1], R, nodes.N if drafter.prunes else 0) for b in index]
 
 
 class Decoding:
@@ -166,18 +131,17 @@ class Decoding:
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
         self.tail = tail or Q      # exact mode: the keys each row gathers in canonical order (sizes.shapes' W)
         self.block_batch = block_batch if exact else None  # exact forwards run this many sequences' blocks (None: live)
-        self.reserved = reserved   # the drafter's own cache slots (e.g. BiTA's prompt keys)
+        self.reserved = tuple(reserved.tolist()) if reserved is not None else ()  # the drafter's own cache slots
         self.device = model.embed.weight.device
         self.dev = devices.of(dev or self.device)  # the device's layout and speed (devices.py)
         self.sampler, self.prompt = sampler or Sampler(), prompt
         self.seq = seq             # this sequence's cache row
         self.seqs = None if cache.kv.shape[2] == 1 else torch.tensor([seq])
         self.out: list[int] = []   # tokens emitted so far
-        self.last = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
-        self.cur = 0               # committed slots 0..cur-1 hold the sequence before `last`
+        self.root = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
+        self.cur = 0               # committed slots 0..cur-1 hold the sequence before `root`
         self.forward_s = 0.0       # time from a step's launch to its read-back (in a batch, its share)
         self.cands = self.lists = None  # the next candidates its last accepted node drafted, (D, R) and as lists
-        self.reserved_slots = tuple(reserved.tolist()) if reserved is not None else ()
         self.programs = programs or (programs_of(self.dev) if exact else None)  # how its programs run (None: eagerly)
 
     @property
@@ -192,17 +156,18 @@ class Decoding:
         return (AR, tree.prefix(1)) if drafter.size(m, budget) > self.room else (drafter, tree.prefix(m))
 
     def prepare(self, drafter: Drafter, tree: Tree, largest: int, budget=None) -> tuple[Block, Nodes]:
-        """A step's rows and nodes, on the host, laid out for its group's largest tree: the tree's rows at the current
+        """A step's rows and nodes, on the host, laid out for its cohort's largest tree: the tree's rows at the current
         position, filler nodes up to largest (token 0, children of the root, never verified: a batch's trees share one
         layout), then the groups of rows the drafter asks for (tree.Groups), laid out once per shape at position 0
         (tree.step_rows) and moved to cur; exact mode pads rows and nodes to Q."""
         n, groups, cur = len(tree), drafter.groups(tree, largest, budget), self.cur
-        b, seq = step_rows(tree.parents + (0,) * (largest - n), groups, self.reserved_slots, self.cache.capacity, None)
+        b, seq = step_rows(tree.parents + (0,) * (largest - n), groups, self.reserved, self.cache.capacity, None)
         tokens, real = torch.as_tensor(tree.tokens, device=HOST), torch.ones(n, dtype=torch.bool)
         ids = F.pad(tokens, (0, len(b) - n))
         if groups.tokens:  # the group rows' own ids (else 0: the forward embeds them)
             ids[largest:largest + len(groups.tokens)] = torch.as_tensor(groups.tokens)
-        block = Block(ids[None], b.pos + cur, b.slots + cur, b.prefix + cur, torch.where(seq, b.extra + cur, b.extra))
+        extra = torch.where(seq, b.extra + cur, b.extra)
+        block = Block(ids[None], b.pos + cur, b.slots + cur, b.committed + cur, extra)
         # rows write slots cur..cur+len-1: past the capacity lie the reserved slots and the trash slot
         assert len(block) <= self.room, f"a step of {len(block)} rows overruns the cache ({self.room} slots left)"
         lay = Layout.of(tree.parents)
@@ -234,7 +199,7 @@ class Decoding:
             padding = Nodes.idle(self.Q, self.cache.trash, self.cache.n_slots)
             (block, _, seqs), row = stack([self], [block], [padding[1]]), self.seq
             embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, row, self.block_batch - 1 - row))
-        flat, spec = packed([block.tokens, block.pos, block.slots, block.prefix, block.extra, seqs])
+        flat, spec = packed([block.tokens, block.pos, block.slots, block.committed, block.extra, seqs])
 
         def run(flat, embeds):
             *b, seqs = unpacked(flat, spec)
@@ -256,16 +221,18 @@ class Decoding:
             self.run(Tree.chain(part[0], part[1:]).block(self.cur))
             self.cur += len(part)
 
-    def advance(self, path: list[int], tokens: list[int]) -> None:
-        """The accepted path's tokens emitted, and the cursor past its keys (KVCache.commit moved them to cur, ...)."""
-        self.cur, self.last = self.cur + len(path), tokens[-1]
+    def advance(self, path: list[int], tokens: list[int], cands, lists, forward_s: float) -> None:
+        """A step's outcome: the accepted path's tokens emitted, the cursor past its keys (KVCache.commit moved them
+        to cur, ...), the next candidates its end drafted, and its share of the step program's time."""
+        self.cur, self.root, self.cands, self.lists = self.cur + len(path), tokens[-1], cands, lists
         self.out += tokens
+        self.forward_s += forward_s
 
 
 def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
-    """A group's rows and nodes as one batch, on the host (Block.stack, Nodes.stack), and its cache rows (None: the
-    cache's own order). With a block batch of N, every cache row's sequence, in order: the group's, and idle ones."""
-    d, n, M = decs[0], nodes[0].n, nodes[0].M  # every sequence's tree laid out for the group's largest
+    """A cohort's rows and nodes as one batch, on the host (Block.stack, Nodes.stack), and its cache rows (None: the
+    cache's own order). With a block batch, every cache row's sequence, in order: the cohort's, and idle ones."""
+    d, n, M = decs[0], nodes[0].n, nodes[0].M  # every sequence's tree laid out for the cohort's largest
     if d.block_batch:
         own, idle = dict(zip((x.seq for x in decs), zip(blocks, nodes))), (d.Q, d.cache.trash, d.cache.n_slots)
         blocks, nodes = zip(*(own.get(r) or Nodes.idle(*idle) for r in range(d.block_batch)))
@@ -320,9 +287,9 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     Q, S, W = shapes([drafter], max(map(len, prompts)), max_new_tokens, Q, n_slots, tail)
     eos = model.args.eos_id if eos_id is None else eos_id
     batch = min(batch or len(prompts), len(prompts))
-    N, w = sizes.block_batch(block_batch, batch, exact, dev), model.embed.weight
-    make = lambda: KVCache.for_model(model, S, N or batch, dev)
-    cache = programs.cache(model, (S, N or batch, w.dtype, w.device), make) if programs else make()
+    block_batch, w = sizes.block_batch(block_batch, batch, exact, dev), model.embed.weight
+    make = lambda: KVCache.for_model(model, S, block_batch or batch, dev)
+    cache = programs.cache(model, (S, block_batch or batch, w.dtype, w.device), make) if programs else make()
     reserved = cache.reserve(drafter.reserved_slots)
     check_room(max(map(len, prompts)), cache.capacity)
     waiting, outs, logits, began, prefill_s = iter(prompts), {}, {}, {}, 0.0
@@ -334,8 +301,8 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         p, t = next(waiting, None), time.perf_counter()
         if p is None:
             return []
-        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq, block_batch=N, dev=dev, tail=W, programs=programs,
-                     sampler=Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1))  # a stream each
+        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq, block_batch=block_batch, dev=dev, tail=W,
+                     programs=programs, sampler=Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1))
         d.prefill(p[:-1])
         drafter.start(d)
         d.dev.sync(d.device)

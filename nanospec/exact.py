@@ -2,7 +2,7 @@
 
 A row's attention is a reduction over its keys, and a float sum's bits depend on the order of its terms and on the
 kernel that adds them. So every row, AR's or a tree's, reduces over the same keys in the same order with the same
-kernel. The order is the canonical one: the committed slots 0..prefix-1 (committed slot j holds position j), then
+kernel. The order is the canonical one: the committed slots 0..committed-1 (committed slot j holds position j), then
 `extra`, the row's own keys by depth (a tree node's ancestors, then itself; AR's row: itself). Each row splits that
 order where its position alone says, W keys before its end (the tail, W at least the deepest path: sizes.shapes):
 
@@ -67,27 +67,27 @@ class Canonical:
     gathered: torch.Tensor    # (B * Hkv * T, 1, W) the scores' mask over the tail (every query head's): 0 a key
 
 
-def canonical(prefix, extra, gone, S: int, W: int, Hkv: int, G: int, ids, dtype) -> Canonical:
-    """prefix (B, T, 1): the committed slots each row sees; extra (B, T, E): its own keys' slots by depth (-1: none);
+def canonical(committed, extra, gone, S: int, W: int, Hkv: int, G: int, arange, dtype) -> Canonical:
+    """committed (B, T, 1): the committed slots each row sees; extra (B, T, E): its own keys' slots by depth (-1: none);
     gone (B, T, 1): its last position out of the window (None: no window); S: the cache's slots; Hkv, G: key heads
-    and query heads per key head; ids: 0, 1, ... on the device (KVCache.ids: views, no new index); dtype: the
-    scores'."""
+    and query heads per key head; arange: 0, 1, ... on the device (KVCache.arange: views, no new index); dtype:
+    the scores'."""
     B, T, E = extra.shape
-    own = ((extra >= 0) * ids[1:E + 1]).amax(-1, keepdim=True)  # (B, T, 1) its keys after the committed ones
-    start = prefix + own - W  # where its tail starts in its order (below prefix: the tail holds committed keys)
-    # the tail: the last W keys of its order, of [the W committed slots before prefix, then extra] (< 0: none)
-    before = prefix - W + ids[:W]
-    tail = torch.cat((before, extra), -1).gather(-1, own + ids[:W])  # (B, T, W)
-    slot = ids[:S + 1]  # column S collects the keys no row reads in place
-    in_place = slot < start.clamp(max=prefix)  # the committed slots before the tail, in slot order
+    own = ((extra >= 0) * arange[1:E + 1]).amax(-1, keepdim=True)  # (B, T, 1) its keys after the committed ones
+    start = committed + own - W  # where its tail starts in its order (below committed: the tail holds committed keys)
+    # the tail: the last W keys of its order, of [the W committed slots it sees last, then extra] (< 0: none)
+    before = committed - W + arange[:W]
+    tail = torch.cat((before, extra), -1).gather(-1, own + arange[:W])  # (B, T, W)
+    slot = arange[:S + 1]  # column S collects the keys no row reads in place
+    in_place = slot < start.clamp(max=committed)  # the committed slots before the tail, in slot order
     if gone is not None:  # keys out of the window: committed ones by their slot, which is their position
-        committed = ids[:W] < prefix - start  # the tail's committed part
-        tail = torch.where(committed & left_window(tail, gone), -1, tail)
+        old = arange[:W] < committed - start  # the tail's committed part
+        tail = torch.where(old & left_window(tail, gone), -1, tail)
         in_place &= ~left_window(slot, gone)
     # a row with more own keys than W (never a verified row: the engine refuses it) reads its first ones in place
-    early = (ids[:E] < start - prefix) & (extra >= 0)
-    in_place = in_place.scatter_(-1, torch.where(early, extra, ids[S]), True)[..., :S]
-    heads, in_place, gathered = ids[:Hkv, None, None], mask(in_place, Hkv, G, dtype), mask(tail >= 0, Hkv, 1, dtype)
+    early = (arange[:E] < start - committed) & (extra >= 0)
+    in_place = in_place.scatter_(-1, torch.where(early, extra, arange[S]), True)[..., :S]
+    heads, in_place, gathered = arange[:Hkv, None, None], mask(in_place, Hkv, G, dtype), mask(tail >= 0, Hkv, 1, dtype)
     return Canonical(tail.clamp(min=0)[:, None], heads, in_place.view(-1, T * G, S), gathered.view(-1, 1, W))
 
 

@@ -2,7 +2,7 @@
 method's hooks (Context), and a pass over a block of rows as a method's step is written against it (Forward).
 
 A forward's rows come as a Block (cache.py): T rows, each with a RoPE position, the KVCache slot its key and value are
-written to, and the slots it may attend to: the committed slots 0..prefix-1, then `extra` in the given order (for a
+written to, and the slots it may attend to: the committed slots 0..committed-1, then `extra` in the given order (for a
 tree node, its ancestors by depth and itself: the canonical key order, exact.py). `context` turns a Block into a
 Context once; every layer shares it. Two modes:
 - exact: each row reduces over its visible keys in canonical order at fixed shapes (exact.py says why), each product's
@@ -128,18 +128,18 @@ def angles(model: Llama, pos: torch.Tensor, dev: Device | None = None):
 
 
 def context(model: Llama, block: Block, n_slots: int, exact: bool, seqs=None, tail: int = 1, dev=None,
-            ids=None) -> Context:
+            arange=None) -> Context:
     """The block's Context. n_slots: the cache's (its physical slots); tail: in exact mode the keys each row gathers in
     canonical order (at least the deepest row's ancestors and itself; the rest it reads in place); dev: the device's
-    layout and speed (default: devices.of the block's device); ids: 0, 1, ... on the device, at least n_slots + 1 and
-    the batch of them (KVCache.ids: made once, a program's indices are its views)."""
+    layout and speed (default: devices.of the block's device); arange: 0, 1, ... on the device, at least n_slots + 1
+    and the batch of them (KVCache.arange: made once, a program's indices are its views)."""
     dev = devices.of(block.extra.device) if dev is None else dev
     W = tail - tail % -dev.slot_grain  # whole rows of the device's grain
     n = max(n_slots + 1, W, len(block.extra), block.extra.shape[-1] + 1, model.args.kv_heads)
-    ids = torch.arange(n, device=block.extra.device) if ids is None or len(ids) < n else ids
-    rows = (ids[:len(block.extra)] if seqs is None else seqs)[:, None, None, None]
+    arange = torch.arange(n, device=block.extra.device) if arange is None or len(arange) < n else arange
+    rows = (arange[:len(block.extra)] if seqs is None else seqs)[:, None, None, None]
     ctx = Context(*angles(model, block.pos, dev if exact else None), block.slots, exact, rows, seqs, dev=dev)
-    prefix, extra, win = block.prefix[..., None], block.extra, model.args.sliding_window
+    committed, extra, win = block.committed[..., None], block.extra, model.args.sliding_window
     gone = None if win is None else block.pos[..., None] - win  # keys at positions <= gone: out of the window
     if gone is not None:
         pos = torch.full((len(extra), n_slots), 1 << 62, device=extra.device)  # each slot's position
@@ -147,12 +147,12 @@ def context(model: Llama, block: Block, n_slots: int, exact: bool, seqs=None, ta
         extra = extra.masked_fill(pos.gather(1, extra.clamp(min=0).flatten(1)).view_as(extra) <= gone, -1)
     if exact:
         a, dt = model.args, model.embed.weight.dtype
-        ctx.order = canonical(prefix, extra, gone, n_slots, W, a.kv_heads, a.n_heads // a.kv_heads, ids, dt)
+        ctx.order = canonical(committed, extra, gone, n_slots, W, a.kv_heads, a.n_heads // a.kv_heads, arange, dt)
         return ctx
-    ctx.L = L = max(int(block.prefix.max()), int(extra.max()) + 1)  # fast: SDPA over slots 0..L-1, masked
+    ctx.L = L = max(int(block.committed.max()), int(extra.max()) + 1)  # fast: SDPA over slots 0..L-1, masked
     # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding
     j = torch.arange(L + 1, device=extra.device)
-    mask = j < prefix
+    mask = j < committed
     if gone is not None:
         mask &= j > gone
     mask = mask.scatter_(-1, torch.where(extra < 0, L, extra), True)[..., :L]
@@ -184,7 +184,8 @@ class Forward:
     def on_cache(cls, model: Llama, block: Block, cache, exact: bool, seqs=None, tail: int = 1, dev=None):
         """seqs (B,): the cache rows of the block's sequences (None: the cache's rows in order); tail: exact mode's
         keys gathered per row (sizes.shapes' W); dev: the device's layout and speed (devices.py)."""
-        return cls(model, block, context(model, block, cache.kv.shape[-2], exact, seqs, tail, dev, cache.ids), cache.kv)
+        ctx = context(model, block, cache.kv.shape[-2], exact, seqs, tail, dev, cache.arange)
+        return cls(model, block, ctx, cache.kv)
 
     @classmethod
     def training(cls, model: Llama, tokens, pos, vis, before=None) -> "Forward":

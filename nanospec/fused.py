@@ -7,17 +7,19 @@ import torch
 import torch.nn as nn
 
 
-def fuse(module, name: str, dim: int, parts: dict[str, int], groups: int = 1, bias: bool = False) -> None:
+def fuse(module, name: str, dim: int, parts: dict[str, int], interleave: int = 1, bias: bool = False):
     """module.<name>: one product for the projections `parts` (name: output size), their weights' rows (and biases)
-    concatenated in `groups` interleaved groups (each part's rows split in as many): one kernel, not len(parts)."""
+    interleaved in `interleave` blocks (each part's rows split in as many: a key head's q, k and v together): one
+    kernel, not len(parts)."""
     setattr(module, name, nn.Linear(dim, sum(parts.values()), bias=bias))
-    getattr(module, name).groups, getattr(module, name).role = groups, name  # role: the product's name in its layer
-    sizes, leaves = [n // groups for n in parts.values()], (".weight", ".bias")[:1 + bias]
+    fused = getattr(module, name)
+    fused.interleave, fused.role = interleave, name  # role: the product's name in its layer
+    sizes, leaves = [n // interleave for n in parts.values()], (".weight", ".bias")[:1 + bias]
 
     def split(mod, state, prefix, meta):
         for leaf in leaves:
             w = state.pop(prefix + name + leaf)
-            w = w.view(groups, -1, *w.shape[1:]).split(sizes, 1)
+            w = w.view(interleave, -1, *w.shape[1:]).split(sizes, 1)
             state.update({prefix + p + leaf: t.reshape(-1, *t.shape[2:]) for p, t in zip(parts, w)})
 
     def join(state, prefix, *_):
@@ -25,6 +27,7 @@ def fuse(module, name: str, dim: int, parts: dict[str, int], groups: int = 1, bi
             keys = [prefix + p + leaf for p in parts]
             if all(k in state for k in keys):
                 w = [state.pop(k) for k in keys]
-                state[prefix + name + leaf] = torch.cat([t.view(groups, -1, *t.shape[1:]) for t in w], 1).flatten(0, 1)
+                w = [t.view(interleave, -1, *t.shape[1:]) for t in w]
+                state[prefix + name + leaf] = torch.cat(w, 1).flatten(0, 1)
     module._register_state_dict_hook(split)
     module._register_load_state_dict_pre_hook(join)

@@ -21,13 +21,14 @@ def shapes(drafters, prompt_len: int, max_new_tokens: int, Q=None, n_slots=None,
 
 
 def block_batch(n: int | None, rows: int, exact: bool, device) -> int | None:
-    """How many sequences' Q-row blocks every exact-mode forward runs (None: only the live ones').
+    """The block batch: how many sequences' Q-row blocks every exact-mode forward runs (None: only the live ones'),
+    n if asked for (--block-batch), else the device's default; rows: the sequences decoded at once.
 
     A product's bits may depend on its total rows: cuBLAS picks its fp32 kernel by them (RESULTS.md,
-    "On a GPU"). A fixed total, N x Q rows whoever is live, a lone sequence included, makes a
+    "On a GPU"). A fixed total, the block batch x Q rows whoever is live, a lone sequence included, makes a
     sequence's bits independent of its batch on any library. A device whose default is a block batch
     (devices.Device.block_batch), in every dtype: batches of up to that many sequences are bitwise each
-    alone; a larger one rounds N up to a multiple of it (compare it alone at the same block_batch).
+    alone; a larger one rounds the block batch up to a multiple of it (compare it alone at the same block_batch).
     A device without one keeps a row's bits for any row count (tests/test_batch.py): no block batch
     unless asked for. device: a devices.Device, or a device whose defaults apply."""
     if n is None:

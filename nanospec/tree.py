@@ -3,7 +3,7 @@
 A tree's node 0 is the root: the last emitted token, whose key/value is not in the cache yet.
 Every other node is a draft token; parents[i] < i. Plain AR decoding is the tree with the root
 alone. A tree of n nodes becomes n rows at cache slots cur..cur+n-1, node i at position
-cur + depth(i), each seeing the committed prefix 0..cur-1 and then its ancestors by depth and
+cur + depth(i), each seeing the committed slots 0..cur-1 and then its ancestors by depth and
 itself: the canonical key order.
 
 A tree's shape is laid out once (`Layout.of`, cached). A Template (Medusa's sparse tree of
@@ -267,19 +267,19 @@ def group_rows(blk: Block, hosts: list[int], M: int, reserved=None, chained: boo
     Transfer's pseudo states, SDSAT's adaptive tokens): row i of a host at position p sits at
     p+1+i, writes the slot after the block's + (group * M + i) and sees the reserved slots, the
     host's path and its group's rows 0..i (chained=False: itself only). No tree row sees them."""
-    dev = blk.slots.device
+    device = blk.slots.device
     H = len(hosts)
-    h = torch.tensor(hosts, device=dev)
-    i = torch.arange(M, device=dev)
+    h = torch.tensor(hosts, device=device)
+    i = torch.arange(M, device=device)
     pos = (blk.pos[0, h][:, None] + 1 + i).reshape(1, H * M)
-    slots = blk.slots[-1:] + 1 + torch.arange(H * M, device=dev)  # on the device: no host read (group_row_index's)
+    slots = blk.slots[-1:] + 1 + torch.arange(H * M, device=device)  # on the device: no host read (group_row_index's)
     group = slots.view(H, 1, M).expand(H, M, M)
     sees = i[None, None] <= i[None, :, None] if chained else i[None, None] == i[None, :, None]
     group = torch.where(sees, group, -1)
     path = blk.extra[0, h][:, None].expand(H, M, -1)
     parts = [path, group]
     if reserved is not None and len(reserved):
-        parts.insert(0, reserved.to(dev).view(1, 1, -1).expand(H, M, -1))
+        parts.insert(0, reserved.to(device).view(1, 1, -1).expand(H, M, -1))
     extra = torch.cat(parts, -1).reshape(1, H * M, -1)
-    prefix = blk.prefix[:, :1].expand(1, H * M)
-    return Block(torch.zeros(1, H * M, dtype=torch.long, device=dev), pos, slots, prefix, extra)
+    committed = blk.committed[:, :1].expand(1, H * M)
+    return Block(torch.zeros(1, H * M, dtype=torch.long, device=device), pos, slots, committed, extra)

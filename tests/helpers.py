@@ -271,14 +271,14 @@ def check_exact(model, prompt, drafter, n: int, sampling=None, fast: bool = True
 
 def decoding_state(dec) -> tuple:
     """What a Decoding holds that the engine alone may change: its text, cursor, row and next candidates."""
-    return (list(dec.prompt), list(dec.out), dec.last, dec.cur, dec.seq, dec.room,
+    return (list(dec.prompt), list(dec.out), dec.root, dec.cur, dec.seq, dec.room,
             None if dec.cands is None else dec.cands.tolist(), copy.deepcopy(dec.lists))
 
 
 def guarded(drafter):
-    """The drafter with its drafting hooks (draft, context) checked to leave the decoding state as they found
+    """The drafter with its drafting hooks (draft, match_length) checked to leave the decoding state as they found
     it: the contract's (drafter.py) "none writes the Decoding"; its AssertionError names the hook."""
-    for hook in ("draft", "context"):
+    for hook in ("draft", "match_length"):
         real = getattr(drafter, hook)
 
         def checked(dec, *a, real=real, hook=hook):
@@ -405,7 +405,7 @@ class Adversary(Drafter):
 
     def start(self, dec):
         if self.reserved_slots:  # method-owned keys, e.g. BiTA's per-layer prompt keys
-            self.slots = dec.reserved
+            self.slots = torch.tensor(dec.reserved)
             kv = dec.cache.kv
             kv[..., self.slots, :] = torch.randn_like(kv[..., self.slots, :])
 
@@ -416,7 +416,7 @@ class Adversary(Drafter):
         for _ in range(r.randint(0, 5)):
             keep = r.randint(0, len(true))
             branches.append(true[:keep] + [r.randrange(self.V) for _ in range(r.randint(0, 3))])
-        tree = from_branches(dec.last, branches)
+        tree = from_branches(dec.root, branches)
         return tree.prefix(min(len(tree), self.max_nodes))  # the engine trims it to the cache's room
 
     def size(self, n, budget=None):
@@ -536,7 +536,7 @@ class AlignedProducts(TorchDispatchMode):
         return (x.data_ptr() + at * x.element_size()) % 64
 
 
-class SimdTails(TorchDispatchMode):
+class ScalarRemainders(TorchDispatchMode):
     """The elementwise kernels exact mode runs row-wise (silu, cos, sin: devices.CPU.elementwise) as a CPU runs them: a
     call's elements, in row-major order, split into threads' contiguous runs as PyTorch's parallel_for splits them
     (grain 32768, here always 4 threads), each run computed in SIMD chunks of two 64-byte vectors, and the elements

@@ -91,7 +91,7 @@ def test_draft_tree_shapes():
     tune = Tuning(TINY, 3, 2, "deep")
 
     class Dec:
-        last = 5
+        root = 5
     eff, full, straight = (BiTA(tune, v, 3) for v in ("efficient", "full", "straight"))
     draft = lambda d: d.draft(Dec, cands, d.template, None)
     t = draft(eff)

@@ -3,22 +3,23 @@ thread's run of SIMD chunks on a scalar path, so a row's bits could depend on wh
 every product's rows out 64-byte aligned (devices.CPU.aligned) and runs silu, cos and sin row-wise
 (devices.CPU.elementwise).
 Whether a host shows the difference depends on its CPU, so two stand-ins make such a CPU of any machine:
-AlignedProducts and SimdTails. Under them exact mode keeps AR's bits, and without either construction it does not."""
+AlignedProducts and ScalarRemainders. Under them exact mode keeps AR's bits, and without either construction it does
+not."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import ARGS, PRODUCT_FORMS, Adversary, AlignedProducts, SimdTails, random_model, rows_by_index
+from helpers import ARGS, PRODUCT_FORMS, Adversary, AlignedProducts, ScalarRemainders, random_model, rows_by_index
 from nanospec import devices
 from nanospec.engine import generate, shapes
 from nanospec.model import ModelArgs
 
 # rows of odd length; SMALL's hidden rows (23) fit in 32 elements, so row-wise calls padded to 32 rather than 64 (two
-# AVX-512 vectors of bf16) would leave a bf16 tail
+# AVX-512 vectors of bf16) would leave a bf16 remainder
 SMALL = ModelArgs(dim=19, n_layers=1, n_heads=3, n_kv_heads=1, head_dim=10, vocab_size=41, hidden_dim=23)
 ROWS = [(ARGS, 0, 20), (SMALL, 1, 37)]  # (model args, seed, rows of the block)
 DTYPES = [torch.float32, torch.bfloat16]
-STAND_INS = {"aligned": AlignedProducts, "rowwise": SimdTails}  # the construction each stand-in proves
+STAND_INS = {"aligned": AlignedProducts, "rowwise": ScalarRemainders}  # the construction each stand-in proves
 IDENTITY = {"aligned": ("aligned", lambda self, x: x), "rowwise": ("elementwise", lambda self, fn, x: fn(x))}
 
 
@@ -55,19 +56,20 @@ def test_the_alignment_stand_in_moves_a_misaligned_rows_bits(form, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fn", [F.silu, torch.cos, torch.sin])
-def test_the_simd_stand_in_moves_the_bits_of_a_runs_tail(fn, dtype):
+def test_the_simd_stand_in_moves_the_bits_of_a_runs_remainder(fn, dtype):
     """An element past a run's last whole SIMD chunk lands one ulp above the host's kernel, in the call's last
     elements and at the end of each thread's run in a call over more than one; the other elements are the host's."""
-    for n in (1000, 3 * SimdTails.GRAIN + 100):
+    for n in (1000, 3 * ScalarRemainders.GRAIN + 100):
         x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
-        with SimdTails():
+        with ScalarRemainders():
             y = fn(x)
-        plain, scalar = fn(x), SimdTails.scalar(n, x.element_size())
+        plain, scalar = fn(x), ScalarRemainders.scalar(n, x.element_size())
         assert torch.equal(y[~scalar], plain[~scalar])
         assert torch.equal(y[scalar], torch.nextafter(plain[scalar], plain.new_tensor(torch.inf)))
         ends = scalar[1:] < scalar[:-1]  # a scalar element followed by a SIMD one: a run's end inside the call
-        assert scalar[-1] and bool(ends.any()) == (n > SimdTails.GRAIN)
-    assert not SimdTails.scalar(SimdTails.GRAIN, 2).any() and not SimdTails.scalar(64 * 37, 4).any()  # rowwise's calls
+        assert scalar[-1] and bool(ends.any()) == (n > ScalarRemainders.GRAIN)
+    remainder = ScalarRemainders.scalar
+    assert not remainder(ScalarRemainders.GRAIN, 2).any() and not remainder(64 * 37, 4).any()  # rowwise's calls
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

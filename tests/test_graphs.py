@@ -10,7 +10,7 @@ import torch
 
 from helpers import ARGS as EDGE_ARGS
 from helpers import METHODS, Adversary, drafter, family_args, feed, random_model, use_programs
-from nanospec import engine
+from nanospec import engine, verify
 from nanospec import programs as graphs
 from nanospec.engine import Drafter, generate, shapes
 from nanospec.methods import hidden_transfer
@@ -234,7 +234,7 @@ def rows_written(transfer):
     return planted
 
 
-@pytest.mark.parametrize("module, name, plant", [(engine, "accept", root_written),
+@pytest.mark.parametrize("module, name, plant", [(verify, "accept", root_written),
                                                  (hidden_transfer, "transfer", rows_written)])
 def test_the_host_writes_an_h100_found_are_caught_when_planted_back(simulate, monkeypatch, module, name, plant):
     """The two host writes that crashed every method's CUDA default at capture (verify.accept's root flag, Hidden

@@ -10,11 +10,11 @@ LAYERS = [
     {"nanospec", "io", "oracle", "training", "tuning",                          # leaves: nothing of the package
      "io.files", "io.tokenizer_json", "io.gguf_tokenizer", "tuning.second_device", "show", "plot"},
     {"devices"},                                                                # a device's facts, as values
-    {"rope", "fused", "exact", "model", "forward", "cache", "tree", "verify", "planner",  # the model and its parts
+    {"rope", "fused", "exact", "model", "forward", "cache", "tree", "planner",  # the model and its parts
      "compiled", "tuning.products", "programs"},
     {"io.checkpoint", "io.tokenizer", "io.chat", "io.gguf_export", "io.convert",  # weights and text in and out
      "io.sources", "io.fetch", "oracle.calibration", "oracle.trace", "oracle.verdict"},
-    {"drafter", "sizes", "engine"},                                             # the contract and the loop
+    {"drafter", "verify", "sizes", "engine"},                                   # the contract and the loop
     {"costs", "tuning.costs", "tuning.planner", "tuning.counts", "training.data",
      "training.loop", "training.pretrain", "training.forced",
      "methods"},                                    # drafters and their trainers (METHOD: each methods/*.py file)

@@ -32,7 +32,7 @@ def test_untrained_heads_repeat_the_next_token_guess():
 def distinct_heads(model, shared: bool, token: bool) -> Heads:
     """Three heads that each draft something else: noisy blocks (and token maps, and own projections)."""
     a = model.args
-    heads = Heads(a.dim, a.vocab_size, 3, model.lm_head if shared else None, token=model if token else None)
+    heads = Heads(a.dim, a.vocab_size, 3, model.lm_head if shared else None, base=model if token else None)
     return noisy(heads.init_from(model.lm_head), 0, 0.3)
 
 
@@ -172,7 +172,7 @@ def test_token_heads_read_the_token_each_step_emits_last_and_keep_it_on_disk(tmp
     last emitted token (the next tree's root); the file says the heads are token heads."""
     model = random_model(TINY)
     save(model, tmp_path)
-    heads = Heads(32, 50, 2, model.lm_head, token=model).init_from(model.lm_head)
+    heads = Heads(32, 50, 2, model.lm_head, base=model).init_from(model.lm_head)
     h = torch.randn(5, 32)
     assert torch.equal(heads(h), model.lm_head(torch.stack([h, h])))
     with torch.no_grad():

@@ -156,14 +156,14 @@ def test_batch_rows_are_independent():
     one = [full_logits(model, ids, False) for ids in (a, b)]
     blk = Tree.chain(a[0], a[1:]).block(0)
     blk.tokens = torch.tensor([a, b])
-    blk.pos, blk.prefix, blk.extra = (t.expand(2, *t.shape[1:]) for t in (blk.pos, blk.prefix, blk.extra))
+    blk.pos, blk.committed, blk.extra = (t.expand(2, *t.shape[1:]) for t in (blk.pos, blk.committed, blk.extra))
     both = run(model, blk, KVCache.for_model(model, 13, batch=2), False)
     torch.testing.assert_close(both[0], one[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both[1], one[1], rtol=1e-5, atol=1e-5)
 
 
 def test_exact_rows_read_their_keys_in_canonical_order():
-    """Each exact row reduces over the committed prefix 0..prefix-1 in order, then its extra slots as given (a tree
+    """Each exact row reduces over the committed slots 0..committed-1 in order, then its extra slots as given (a tree
     node's ancestors by depth, itself last), whatever its tail: a root and two children after 5 committed slots,
     and the same tree after 2, its rows seeing a reserved slot (9) first."""
     model = random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=20, hidden_dim=24))

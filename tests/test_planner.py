@@ -188,9 +188,9 @@ def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
 
 
 def ranked(acc):
-    """A stand-in ranked drafter: its prior acc per depth over 3 ranks, a row per node, one context."""
+    """A stand-in ranked drafter: its prior acc per depth over 3 ranks, a row per node, one match length."""
     return SimpleNamespace(topk=[3] * len(acc), acc=acc, size=lambda n, budget=None: n, family=None,
-                           context=lambda dec: 0)
+                           match_length=lambda dec: 0)
 
 
 def test_the_cost_model_learns_at_each_plan_and_a_kind_of_step_known_replans():
@@ -530,12 +530,12 @@ def test_a_nested_draft_is_scored_at_every_budget():
     tree = Tree([50] + [10 + i for i in range(1, 17)], parents)
     want = {1: 0, 2: 1, 4: 1, 8: 2, 12: 3, 16: 3, 24: 3, 64: 3}
     p = Tuned(FixedCost(0.01, 1e-4), sizes=(0, *want))
-    p.start(SimpleNamespace(topk=None, nested=True, context=lambda dec: 0), None)
+    p.start(SimpleNamespace(topk=None, nested=True, match_length=lambda dec: 0), None)
     dec = SimpleNamespace(out=[99, 12, 15, 19, 7])
     p.observe(dec, 16, 17, 0.01, [0, 2, 5, 9], tree)
     assert {s: p.gain[0, s] for s in want} == want and not p.drafts[id(dec)]
     p = Tuned(FixedCost(0.01, 1e-4), sizes=(0, *want))
-    p.start(SimpleNamespace(topk=None, nested=True, context=lambda dec: 0), None)
+    p.start(SimpleNamespace(topk=None, nested=True, match_length=lambda dec: 0), None)
     dec = SimpleNamespace(out=[99, 12])
     p.observe(dec, 1, 2, 0.01, [0], tree)  # budget 1: node 1 is wrong; 12 is AR's token
     assert not p.gain and len(p.drafts[id(dec)]) == 1  # node 2 has a child: the output so far cannot tell
@@ -577,7 +577,7 @@ def nested_run(p, context, whole, steps=200) -> list[tuple[int, int]]:
     and whole draft, seq the last token and the 16 after it. (context, size) of each step."""
     world = list(range(1000, 9000))
     p.start(SimpleNamespace(topk=None, nested=True, size=lambda n, budget=None: n,
-                            context=lambda dec: context(dec.i)), None)
+                            match_length=lambda dec: context(dec.i)), None)
     dec, out = SimpleNamespace(cur=1, out=[], i=0), []
     for dec.i in range(steps):
         s, _ = p.budget([dec])
@@ -592,9 +592,9 @@ def nested_run(p, context, whole, steps=200) -> list[tuple[int, int]]:
 
 
 def test_a_trie_match_plans_its_own_budget():
-    """Lookahead's gains are kept per context (how long a suffix its trie matched): here one step in
+    """Lookahead's gains are kept per match length (how long a suffix its trie matched): here one step in
     two matches long and drafts 16 right tokens, the other matches short and only its first node is
-    right. Pooled, one budget serves both (16); per context, the short match drafts 1 node."""
+    right. Pooled, one budget serves both (16); per match length, the short match drafts 1 node."""
     from nanospec.tree import Tree
 
     def whole(i, seq):  # a chain of the next 16 tokens, wrong after the first on short matches

@@ -79,15 +79,15 @@ def test_its_draft_is_one_chain_from_warm_up_prompt_and_output(texts, prompt, ou
                                                                occurrence, budget):
     """The tree it drafts is a chain at the last emitted token of the lookup's drafts over warm_up's texts, then the
     prompt, then the output; a budget keeps its first nodes (nested: a budget-s draft is the whole's first s + 1
-    nodes); never more than max_draft drafts; matched and the planner's context are the n-gram's length."""
+    nodes); never more than max_draft drafts; matched and its match_length are the n-gram's length."""
     d = PLD(num_tokens, max_ngram, occurrence=occurrence)
     d.warm_up(texts)
     dec = SimpleNamespace(prompt=prompt, out=out, last=(prompt + out)[-1])
     n, drafts = PLD(num_tokens, max_ngram, occurrence=occurrence).lookup([t for x in texts for t in x] + prompt + out)
     tree, whole = d.draft(dec, None, None, budget), d.draft(dec, None, None, None)
-    assert tree.token_list() == [dec.last, *drafts[:budget]] and list(tree.parents) == list(range(-1, len(tree) - 1))
+    assert tree.token_list() == [dec.root, *drafts[:budget]] and list(tree.parents) == list(range(-1, len(tree) - 1))
     assert tree.token_list() == whole.token_list()[:len(tree)] and len(whole) - 1 <= d.max_draft
-    assert tree.matched == d.context(dec) == n
+    assert tree.matched == d.match_length(dec) == n
 
 
 def test_no_match_is_an_ar_step(device):

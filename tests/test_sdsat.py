@@ -29,20 +29,20 @@ def interleaved(model, adaptive: torch.Tensor, delta, seed: int, planted: str = 
     """Logits (T, V) of one exact-mode block whose rows are adaptive where `adaptive` (T,) says:
     a standard row sees the standard rows up to itself, an adaptive row every row up to itself.
     delta None: the block without the delta (adaptive rows then run the base weights)."""
-    T, dev = len(adaptive), model.embed.weight.device
+    T, device = len(adaptive), model.embed.weight.device
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, model.args.vocab_size, (1, T), generator=g).to(dev)
+    tokens = torch.randint(0, model.args.vocab_size, (1, T), generator=g).to(device)
     t = torch.arange(T)
     sees = (t[None] <= t[:, None]) & (adaptive[:, None] | ~adaptive[None])  # (row, key)
     if planted == "standard sees adaptive":
         sees = t[None] <= t[:, None]
     extra = torch.stack([F.pad(row.nonzero()[:, 0], (0, T - int(row.sum())), value=-1) for row in sees])
-    zero = torch.zeros(1, T, dtype=torch.long, device=dev)
-    block = Block(tokens, t[None].to(dev), t.to(dev), zero, extra[None].to(dev))
+    zero = torch.zeros(1, T, dtype=torch.long, device=device)
+    block = Block(tokens, t[None].to(device), t.to(device), zero, extra[None].to(device))
     cache = KVCache.for_model(model, T + 1)
     f = Forward.on_cache(model, block, cache, exact=True)
     x = f.embed()
-    rows = adaptive.nonzero()[:, 0].to(dev)
+    rows = adaptive.nonzero()[:, 0].to(device)
     if delta is None:
         return f.logits(f.norm(f.layers(x)), T)[0]
     x[:, rows] = delta.embed[0].to(x.dtype)
@@ -163,7 +163,7 @@ def test_adaptive_rows_match_decoding_and_training_lowers_their_loss():
         d = SDSAT(delta, k=3)
         dec = Decoding(model, KVCache.for_model(model, 16), False, 8, x[0, :6].tolist())
         dec.prefill(dec.prompt[:-1])
-        block, nodes, seqs = lay_out([dec], d, [Tree.chain(dec.last)])
+        block, nodes, seqs = lay_out([dec], d, [Tree.chain(dec.root)])
         out = d.forward(Forward.on_cache(model, block, dec.cache, False, seqs), nodes)
     assert torch.allclose(out.draft_inputs[0, 0], logits[0], atol=1e-3)
     wins = [[(s, 4) for s in range(1, 28, 3)]] * 2

@@ -98,7 +98,7 @@ class BiTA(Ranked):
                  "full": product_paths([k] * M), "straight": [(0,) * d for d in range(1, M + 1)]}[decoding]
         self.template, self.family = Template(paths), paths  # a planned tree keeps the variant's shape
         self.topk = self.template.topk
-        self.ahead = M  # masks per group: M, or a planner's budget's worth (Ranked.own)
+        self.ahead = M  # masks per group: M, or a planner's budget's worth (Ranked.own_depths)
         self.max_rows = self.size(len(self.template))
 
     @classmethod
@@ -124,7 +124,7 @@ class BiTA(Ranked):
 
     def masks(self, budget=None) -> int:
         """Masks per group: straightforward decoding's root group serves every depth of the chain, so all M."""
-        return self.tune.M if self.decoding == "straight" else self.own(budget)
+        return self.tune.M if self.decoding == "straight" else self.own_depths(budget)
 
     def size(self, n, budget=None):
         return n + self.hosts(n) * self.masks(budget)
@@ -132,7 +132,7 @@ class BiTA(Ranked):
     def start(self, dec):
         """The prompt's keys and values into the reserved slots: deep, as trained, in every layer; shallow, those
         its P rows compute, causal among themselves from position 0."""
-        slots, P = dec.reserved, len(dec.reserved_slots)
+        slots, P = torch.tensor(dec.reserved), len(dec.reserved)
         if self.tune.prompting == "deep":
             dec.cache.write_reserved(dec.seq, slots, self.tune.key, self.tune.value)
         elif self.tune.prompting == "shallow":

@@ -116,7 +116,7 @@ class HiddenTransfer(Ranked):
         self.template = Template(paths)
         if self.template.depth > tr.k:
             raise NanospecError(f"the tree is {self.template.depth} deep but there are {tr.k} transfer steps")
-        self.ahead = tr.k  # pseudo rows per node: k, or a planner's budget's worth (Ranked.own)
+        self.ahead = tr.k  # pseudo rows per node: k, or a planner's budget's worth (Ranked.own_depths)
         self.max_rows = self.size(len(self.template))
         self.topk = self.template.topk
 
@@ -135,16 +135,16 @@ class HiddenTransfer(Ranked):
         return cls(tr, choose_tree(RANDOM_ACC[:len(layers)], 8), chained=seed % 2 == 0)
 
     def size(self, n, budget=None):
-        return n * (1 + self.own(budget))  # every node carries a group of pseudo rows
+        return n * (1 + self.own_depths(budget))  # every node carries a group of pseudo rows
 
     def groups(self, tree, n, budget=None):
-        return Groups(tuple(range(n)), self.own(budget), chained=self.chained)
+        return Groups(tuple(range(n)), self.own_depths(budget), chained=self.chained)
 
     def forward(self, f, nodes):
-        n, k = nodes.n, nodes.M
-        dev = f.block.tokens.device
+        n, k, device = nodes.n, nodes.M, f.block.tokens.device
         x = f.embed()  # every node hosts a group: pseudo row i of each is tree.group_row_index's row i
-        h = transfer(f, self.tr, x, torch.arange(n, device=dev).expand(len(x), n), list(group_row_index(n, n, k, dev)))
+        pos = torch.arange(n, device=device).expand(len(x), n)
+        h = transfer(f, self.tr, x, pos, list(group_row_index(n, n, k, device)))
         logits = f.logits(h, max(nodes.N, n * (1 + k)))  # the tree's and the pseudo rows' in one product: one pass
         pseudo = logits[:, n:n * (1 + k)].view(len(h), n, k, -1)  # pseudo row i of a node drafts its depth i
         return Out(logits[:, :nodes.N], draft_inputs=pseudo)

@@ -22,7 +22,7 @@ Three draft shapes (Figure 5's comparison): "hierarchical" (the selected nodes a
 
 Choices where the paper is silent, and why:
 - decoding_length counts draft tokens: a step's forward runs 1 + decoding_length rows. Under the planner (`--planner
-  measured`) a step runs the first 1 + budget (nested), and the planner keeps the gains per `context`, the matched
+  measured`) a step runs the first 1 + budget (nested), and the planner keeps the gains per `match_length`, the matched
   suffix's length up to 3: retrieval ranks a longer match as more relevant; a step with no match is an AR step.
 - The trie is partitioned by first token and `capacity` (default 16 x decoding length, Table 4) bounds each first
   token's sub-trie, as in the authors' release: a single bound of 512 nodes over the whole trie would not hold one
@@ -244,16 +244,16 @@ class Lookahead(Drafter):
         m = self.max_prefix
         return self.trie.retrieve((dec.prompt[-m:] + dec.out[-m:])[-m:], m, self.min_nodes)
 
-    def context(self, dec) -> int:
+    def match_length(self, dec) -> int:
         """How long a suffix the trie matches, up to 3 (0: none, a draft of the root alone)."""
         return min(self.retrieve(dec)[0], 3)
 
     def draft(self, dec, cands, template, budget):
         j, node = self.retrieve(dec)
         if node is None:
-            return Tree.chain(dec.last)
+            return Tree.chain(dec.root)
         picked = self.trie.select(node, budget or self.decoding_length, self.strategy)
-        return Tree([dec.last] + [t for t, _ in picked], [-1] + [p + 1 for _, p in picked], matched=j)
+        return Tree([dec.root] + [t for t, _ in picked], [-1] + [p + 1 for _, p in picked], matched=j)
 
     def accepted(self, dec, tree, path):
         """Generated branch inserting: extend every window the new tokens reach."""

@@ -67,16 +67,16 @@ from ..tree import Template, choose_tree
 
 class Heads(nn.Module):
     """K heads, each with its own vocabulary projection or (shared=lm_head) all on the model's frozen lm_head (the
-    header's --shared-head); token=model: each also reads the embedding of the token the model emits after h."""
+    header's --shared-head); base=model (--token-input): each also reads the embedding of the token it emits after h."""
 
     def __init__(self, dim: int, vocab: int, K: int, shared: nn.Linear | None = None, layers: int = 1,
-                 token: nn.Module | None = None, draft_vocab: int = 0):
+                 base: nn.Module | None = None, draft_vocab: int = 0):
         super().__init__()
         self.K, self.layers = K, layers
         self.res = nn.ModuleList(nn.Linear(dim, dim) for _ in range(K * layers))  # head k's blocks: k*layers, ...
-        self.tok = None if token is None else nn.ModuleList(nn.Linear(dim, dim) for _ in range(K))
+        self.tok = None if base is None else nn.ModuleList(nn.Linear(dim, dim) for _ in range(K))
         self.proj = None if shared else nn.ModuleList(nn.Linear(dim, vocab, bias=False) for _ in range(K))
-        self.shared, self.model = Borrowed([shared]), Borrowed([token])  # the model's: not trained, saved or copied
+        self.shared, self.base = Borrowed([shared]), Borrowed([base])  # the model's: not trained, saved or copied
         # the token ids a shared head may draft (the header's --draft-vocab), ascending; None: all of them
         self.register_buffer("vocab", torch.zeros(draft_vocab, dtype=torch.long) if draft_vocab else None)
 
@@ -92,11 +92,11 @@ class Heads(nn.Module):
     @torch.no_grad()
     def next_tokens(self, h, batch: int = 4096) -> torch.Tensor:
         """(N, D) -> (N,): the token the model emits after each state (its lm_head's argmax)."""
-        return torch.cat([self.model[0].lm_head(h[i:i + batch]).argmax(-1) for i in range(0, len(h), batch)])
+        return torch.cat([self.base[0].lm_head(h[i:i + batch]).argmax(-1) for i in range(0, len(h), batch)])
 
     def states(self, h, e=None):  # h (..., D) -> (K, ..., D); e: token heads' next-token embeddings (None: computed)
         if self.tok is not None and e is None:
-            e = self.model[0].embed(self.next_tokens(h.reshape(-1, h.shape[-1]))).view_as(h)
+            e = self.base[0].embed(self.next_tokens(h.reshape(-1, h.shape[-1]))).view_as(h)
         x = []
         for k in range(self.K):
             y = h if self.tok is None else h + self.tok[k](e)
@@ -146,7 +146,7 @@ class Medusa(Ranked):
         """Noisy token heads on the shared lm_head, drafting from a random draft vocabulary of most of its tokens
         (--shared-head --token-input --draft-vocab): every part of the heads runs."""
         a = model.args
-        heads = Heads(a.dim, a.vocab_size, 3, model.lm_head, token=model, draft_vocab=max(1, a.vocab_size * 3 // 4))
+        heads = Heads(a.dim, a.vocab_size, 3, model.lm_head, base=model, draft_vocab=max(1, a.vocab_size * 3 // 4))
         heads.vocab.copy_(torch.randperm(a.vocab_size, generator=torch.Generator().manual_seed(seed))[:len(heads.vocab)]
                           .sort().values)
         return cls(noisy(heads.init_from(model.lm_head), seed, 0.1).to(model.embed.weight), choose_tree(RANDOM_ACC, 12))

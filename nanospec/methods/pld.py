@@ -17,7 +17,8 @@ the most recent. The defaults are transformers': 10, 2, 1, first.
 What the core does for it: the engine lays the chain out as rows, verifies it against the model's own tokens,
 commits the accepted keys and runs a batch's sequences in one forward. The chain is nested (its first s + 1 nodes
 are a budget-s draft), so under a planner (--planner measured) the engine runs a prefix of it, the planner
-keeping the gains per context (the matched n-gram's length) and offering no budget over num_tokens (max_draft).
+keeping the gains per match length (the matched n-gram's: match_length) and offering no budget over num_tokens
+(max_draft).
 warm_up's texts are context placed before the prompt.
 """
 from .. import NanospecError
@@ -62,11 +63,11 @@ class PLD(Drafter):
                     return n, context[i + n:i + n + self.num_tokens]
         return 0, []
 
-    def context(self, dec) -> int:
-        """The matched n-gram's length (0: none, a draft of the root alone): the planner keeps its gains per context."""
+    def match_length(self, dec) -> int:
+        """The matched n-gram's length (0: none, a draft of the root alone): the planner keeps its gains per length."""
         return self.lookup(self.earlier + dec.prompt + dec.out)[0]
 
     def draft(self, dec, cands, template, budget):
         n, drafts = self.lookup(self.earlier + dec.prompt + dec.out)
         drafts = drafts[:budget] if budget is not None else drafts
-        return Tree([dec.last, *drafts], range(-1, len(drafts)), matched=n)
+        return Tree([dec.root, *drafts], range(-1, len(drafts)), matched=n)

@@ -59,15 +59,15 @@ class Delta(nn.Module):
                                    for k, (_, i) in parts.items()})
         self.b = nn.ParameterDict({k: nn.Parameter(torch.zeros(self.n, o, rank)) for k, (o, _) in parts.items()})
         self.keys = {role: [p.replace(".", "_") for p in ps] for role, ps in PROJECTIONS.items()}
-        self.groups = {m.role: getattr(m, "groups", 1) for m in layer.modules() if hasattr(m, "role")}
+        self.interleave = {m.role: getattr(m, "interleave", 1) for m in layer.modules() if hasattr(m, "role")}
 
     def factors(self) -> list[dict]:
         """Per layer, {a product's role: (A^T, B^T)}, made of the parameters (gradients flow). B^T's columns follow
-        the fused product's: each part's in `groups` chunks, interleaved (fused.fuse)."""
-        def b(keys, i, groups):
+        the fused product's: each part's in `interleave` chunks, interleaved (fused.fuse)."""
+        def b(keys, i, interleave):
             parts = torch.block_diag(*[self.b[k][i].t() for k in keys]).split([len(self.b[k][i]) for k in keys], 1)
-            return torch.cat([c for g in zip(*(p.chunk(groups, 1) for p in parts)) for c in g], 1)
-        return [{role: (torch.cat([self.a[k][i].t() for k in keys], 1), b(keys, i, self.groups[role]))
+            return torch.cat([c for g in zip(*(p.chunk(interleave, 1) for p in parts)) for c in g], 1)
+        return [{role: (torch.cat([self.a[k][i].t() for k in keys], 1), b(keys, i, self.interleave[role]))
                  for role, keys in self.keys.items()} for i in range(self.n)]
 
     def on(self, rows, factors: list | None = None) -> list["Update"]:
@@ -112,7 +112,7 @@ class SDSAT(Ranked):
         self.family = [(0,) * d + (j,) for d in range(k) for j in range(width)]  # top-1s have children
         self.template = Template(self.family)
         self.topk = self.template.topk
-        self.ahead = k  # adaptive tokens: k, or a planner's budget's worth (Ranked.own)
+        self.ahead = k  # adaptive tokens: k, or a planner's budget's worth (Ranked.own_depths)
         self.max_rows = self.size(len(self.template))
         self.verifying = self.drafts = self.drafts_accepted = self.draft_only = 0  # statistics for report()
 
@@ -126,16 +126,16 @@ class SDSAT(Ranked):
         return cls(noisy(Delta(model, 4), seed, 0.3).to(model.embed.weight), k=4, width=2)
 
     def size(self, n, budget=None):
-        return n + self.own(budget)
+        return n + self.own_depths(budget)
 
     def draft(self, dec, cands, template, budget) -> Tree:
         if cands is None:  # draft step 1: the last token alone; k adaptive rows after it draft k tokens
-            return Tree.chain(dec.last)
-        return template.tree(dec.last, cands)  # draft step 2: the next token, then the k drafts (a chain, or a tree)
+            return Tree.chain(dec.root)
+        return template.tree(dec.root, cands)  # draft step 2: the next token, then the k drafts (a chain, or a tree)
 
     def groups(self, tree, n, budget=None):
         """The adaptive rows after the top-1 chain (step 1: the root): sdsat_full's ids, or rows the forward embeds."""
-        k = self.own(budget)
+        k = self.own_depths(budget)
         return Groups((chain_end(tree.parents),), k, tokens=() if self.ids is None else tuple(self.ids[:k]))
 
     def forward(self, f, nodes):
@@ -221,15 +221,15 @@ def adaptive_rows(x: torch.Tensor, wins: list[list[tuple[int, int]]], diverse: b
 def adaptive_logits(model, delta: Delta, x: torch.Tensor, wins, diverse: bool, ahead=None):
     """Logits (B, R, V) of the adaptive rows of windows `wins` over x (B, T), and their labels (adaptive_rows). The
     rows read the frozen model's keys and values over x, computed first without gradients."""
-    (B, T), dev = x.shape, x.device
+    (B, T), device = x.shape, x.device
     with torch.no_grad():
-        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
-        f = Forward.training(model, x, torch.arange(T, device=dev).expand(B, T), causal)
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
+        f = Forward.training(model, x, torch.arange(T, device=device).expand(B, T), causal)
         keys = f.kv  # the buffers each layer writes its keys and values into
         h = f.embed()
         for layer, kv in zip(model.layers, keys):
             h = layer(h, f.ctx, kv)
-    which, pos, vis, lab = (t.to(dev) for t in adaptive_rows(x.cpu(), wins, diverse, ahead))
+    which, pos, vis, lab = (t.to(device) for t in adaptive_rows(x.cpu(), wins, diverse, ahead))
     f = Forward.training(model, torch.zeros_like(pos), pos, vis, before=keys)
     h = f.norm(f.layers(delta.embed[which], delta=delta.on(None)))
     return model.lm_head(h), lab

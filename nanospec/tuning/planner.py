@@ -15,7 +15,7 @@
   time at AR, plus the first probe at each size (priced before its steps are), while one probe's loss
   stays under SHARE * LONGEST * replan AR steps (past that, one probe every LONGEST replans).
 - Unranked (nested) drafters, Lookahead's: drafted whole on every step, AR's too, and scored at every
-  budget, with the gains kept per context (Drafter.context: the trie's match length); alone, a budget
+  budget, with the gains kept per match length (Drafter.match_length: the trie's); alone, a budget
   is priced at the nodes its drafts ran (a batch pads every sequence to its longest tree: s + 1).
 """
 from collections import Counter
@@ -42,30 +42,30 @@ class Tuned(Planner):
     def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
         super().__init__(cost, sizes, replan, alpha)
         self.known, self.run = 0, (None, 0)  # the clock at the last drafting step; this run's (batch, drafting), steps
-        self.gain, self.tries, self.nodes = {}, Counter(), {}  # unranked, per (context, size): accepted, nodes run
+        self.gain, self.tries, self.nodes = {}, Counter(), {}  # unranked, per (match length, size): accepted, nodes run
 
     def start(self, drafter, dec) -> None:
         super().start(drafter, dec)
-        self.drafts, self.context = {}, {}  # per sequence: unranked drafts to score; its context
+        self.drafts, self.match = {}, {}  # per sequence: unranked drafts to score; its match length
         self.probe, self.probing, self.probed, self.fresh = None, 0, False, Counter()
 
     def lengths(self, sure: bool = False) -> dict[int, float]:
-        """Unranked: by the gains each sequence's context got (untried: as good as its size)."""
+        """Unranked: by the gains each sequence's match length got (untried: as good as its size)."""
         if self.P:
             return super().lengths(sure)
-        cs = list(self.context.values())
+        cs = list(self.match.values())
         return {s: 1 + sum(s if sure else self.gain.get((c, s), s) for c in cs) / len(cs) for s in self.sizes}
 
     def seconds(self, s: int, bare: bool = False) -> float:
         """Unranked: alone, a nested draft shorter than s runs whole; a batch's rows are padded to its longest
-        tree. Its price is its rows' (with its kind's excess), not the budget's: that depends on the context."""
+        tree. Its price is its rows' (with its kind's excess), not the budget's: that depends on the match length."""
         if self.P:
             return super().seconds(s, bare)
-        n = self.nodes.get((*self.context.values(), s), s + 1) if self.batch == 1 else s + 1
+        n = self.nodes.get((*self.match.values(), s), s + 1) if self.batch == 1 else s + 1
         return self.cost.estimate(self.batch * (self.drafter.size(n, s) if s else 1), self.batch, bare)
 
     def budget(self, decs: list):
-        self.context = {id(d): self.drafter.context(d) for d in decs}
+        self.match = {id(d): self.drafter.match_length(d) for d in decs}
         return super().budget(decs)
 
     def choose(self) -> int:
@@ -107,8 +107,8 @@ class Tuned(Planner):
         if self.P is not None:
             return
         seq = id(dec)  # unranked: drafted whole every step, AR's too; its first s nodes are budget s's
-        if drafted is not None:  # draft, scored at every s (per context) once the output is known
-            self.drafts.setdefault(seq, []).append((len(dec.out) - len(path), drafted, self.context.get(seq, 0)))
+        if drafted is not None:  # draft, scored at every s (per match length) once the output is known
+            self.drafts.setdefault(seq, []).append((len(dec.out) - len(path), drafted, self.match.get(seq, 0)))
         scored = [(d, d[1].follow(dec.out[d[0]:])) for d in self.drafts.get(seq, [])]
         self.drafts[seq] = [d for d, got in scored if got is None]
         for (_, tree, c), got in ((d, got) for d, got in scored if got):
