@@ -89,8 +89,8 @@ def test_decode_py_runs_on_the_second_device(weights, tmp_path, monkeypatch):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]))
     with second_device():
         code, out, err = call(decode_main, "--weights", weights, "--device", "cuda", "--method", "lookahead",
-                              "--prompt", "def f(x):", "--max-new-tokens", 12, "--check")
+                              "--prompt", "def f(x):", "--max-new-tokens", 6, "--check")
         assert code == 0 and "identical" in err, err[-2000:]
         code, out, err = call(decode_main, "--weights", weights, "--device", "cuda", "--bench", "--methods",
-                              "ar,lookahead", "--prompts", prompts, "--batch", "2", "--max-new-tokens", 12, "--json")
+                              "ar,lookahead", "--prompts", prompts, "--batch", "2", "--max-new-tokens", 6, "--json")
     assert code == 0 and [r["mismatches"] for r in json.loads(out.splitlines()[-1])["results"]] == [0] * 2, err[-2000:]
