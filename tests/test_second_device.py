@@ -57,7 +57,7 @@ def test_the_stand_in_trains_as_the_host_does():
 def test_every_method_decodes_on_the_second_device(name):
     """`--device cuda`'s placement, seen on the CPU: every method decodes a batch with its drafts accepted, in exact
     and fast mode, and no op mixes devices. (Its bits are the GPU's check: exact mode's CPU layout is the host's.)"""
-    N = 12
+    N = 8
     with second_device():
         model = random_model(ARGS, seed=4, device="cuda")
         alone = [generate(model, p, max_new_tokens=N, eos_id=-1) for p in PROMPTS]
