@@ -82,8 +82,7 @@ def test_shipped_drafters_are_exact_and_accept(spec, dtype, device):
     d = load_drafter(spec, model, W)
     prompt = Tokenizer(W / "tokenizer.model").encode('def add(a, b):\n    """Return a + b."""\n')
     pruned = []
-    out = check_exact(model, prompt, d, 48 if dtype == torch.float32 else 32, fast=False,  # a CPU's bf16 is slow
-                      on_step=lambda dec, step: pruned.extend(step.pruned))
+    out = check_exact(model, prompt, d, 32, fast=False, on_step=lambda dec, step: pruned.extend(step.pruned))
     assert out.mean_accepted > 1.2
     assert pruned or not d.prunes
 
@@ -113,19 +112,15 @@ def test_shipped_drafters_keep_their_draft_quality(spec):
 
 @pytest.mark.parametrize("spec", SHIPPED)
 def test_shipped_drafters_in_fast_mode_give_ar_tokens(spec, device):
-    """Fast mode (the CPU default and the benchmark's): AR's tokens on held-out prompts, fp32."""
+    """Fast mode (the CPU default and the benchmark's): AR's tokens on a held-out prompt, fp32."""
     model = load(W).to(device)
     d = load_drafter(spec, model, W)
-    tok = Tokenizer(W / "tokenizer.model")
-    steps = 0
-    for text in load_prompts(W / "prompts.jsonl")[:2]:
-        prompt = tok.encode(text)
-        Q, S, tail = shapes([d], len(prompt), 32)
-        kw = dict(max_new_tokens=32, Q=Q, n_slots=S, tail=tail)
-        out, ar = generate(model, prompt, d, **kw), generate(model, prompt, **kw)
-        assert out.tokens == ar.tokens
-        steps += out.steps
-    assert steps < 2 * 32  # drafts were accepted somewhere
+    prompt = Tokenizer(W / "tokenizer.model").encode(load_prompts(W / "prompts.jsonl")[0])
+    Q, S, tail = shapes([d], len(prompt), 32)
+    kw = dict(max_new_tokens=32, Q=Q, n_slots=S, tail=tail)
+    out, ar = generate(model, prompt, d, **kw), generate(model, prompt, **kw)
+    assert out.tokens == ar.tokens and len(out.tokens) == 32
+    assert out.steps < 32  # drafts were accepted
 
 
 def test_decode_py_uses_it_by_default(device):

@@ -57,7 +57,7 @@ def test_the_stand_in_trains_as_the_host_does():
 def test_every_method_decodes_on_the_second_device(name):
     """`--device cuda`'s placement, seen on the CPU: every method decodes a batch with its drafts accepted, in exact
     and fast mode, and no op mixes devices. (Its bits are the GPU's check: exact mode's CPU layout is the host's.)"""
-    N = 12
+    N = 8
     with second_device():
         model = random_model(ARGS, seed=4, device="cuda")
         alone = [generate(model, p, max_new_tokens=N, eos_id=-1) for p in PROMPTS]
@@ -89,8 +89,8 @@ def test_decode_py_runs_on_the_second_device(weights, tmp_path, monkeypatch):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os\n"]))
     with second_device():
         code, out, err = call(decode_main, "--weights", weights, "--device", "cuda", "--method", "lookahead",
-                              "--prompt", "def f(x):", "--max-new-tokens", 12, "--check")
+                              "--prompt", "def f(x):", "--max-new-tokens", 6, "--check")
         assert code == 0 and "identical" in err, err[-2000:]
         code, out, err = call(decode_main, "--weights", weights, "--device", "cuda", "--bench", "--methods",
-                              "ar,lookahead", "--prompts", prompts, "--batch", "2", "--max-new-tokens", 12, "--json")
+                              "ar,lookahead", "--prompts", prompts, "--batch", "2", "--max-new-tokens", 6, "--json")
     assert code == 0 and [r["mismatches"] for r in json.loads(out.splitlines()[-1])["results"]] == [0] * 2, err[-2000:]
