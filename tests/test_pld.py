@@ -82,7 +82,7 @@ def test_its_draft_is_one_chain_from_warm_up_prompt_and_output(texts, prompt, ou
     nodes); never more than max_draft drafts; matched and its match_length are the n-gram's length."""
     d = PLD(num_tokens, max_ngram, occurrence=occurrence)
     d.warm_up(texts)
-    dec = SimpleNamespace(prompt=prompt, out=out, last=(prompt + out)[-1])
+    dec = SimpleNamespace(prompt=prompt, out=out, root=(prompt + out)[-1])
     n, drafts = PLD(num_tokens, max_ngram, occurrence=occurrence).lookup([t for x in texts for t in x] + prompt + out)
     tree, whole = d.draft(dec, None, None, budget), d.draft(dec, None, None, None)
     assert tree.token_list() == [dec.root, *drafts[:budget]] and list(tree.parents) == list(range(-1, len(tree) - 1))
