@@ -2,8 +2,9 @@
 
 Every exact program runs its layers through it (forward.Context.layer: the device's `call`): AR's step, every
 method's, the prefill, and Hidden Transfer's and ProPD's layer loops. One callable compiled at exact mode's fixed
-shapes gives AR and the methods the same fused kernels for the same shapes, and so the same bits: the exactness
-contract holds between compiled runs (a compiled run's bits are not an eager run's). On CUDA it runs inside the
+shapes gives AR and the methods the same fused kernels for the same shapes; that those kernels give a row the same
+bits at any index of its block is what tests/test_compile.py checks, method by method: the exactness contract holds
+between compiled runs (a compiled run's bits are not an eager run's). On CUDA it runs inside the
 step's CUDA graph (programs.py), on a CPU as inductor's C++ kernels. Fast mode runs its layers as they are: its key
 count changes every step, and each new shape would compile anew.
 

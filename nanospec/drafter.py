@@ -16,6 +16,8 @@
   logits from the forward's one head product instead: a second product would read the head's
   weights again, and at a few rows that read is the product's cost.
 - accepted(dec, tree, path) is told what was accepted (Lookahead's trie, SDSAT's statistics).
+- start(dec), once after prefill, may fill the method's reserved slots (BiTA's prompt tokens' keys, through
+  Decoding.run or KVCache.write_reserved): the one hook that runs the model, before any step.
 Plain AR is the base Drafter: a tree of the root alone. A hook returns what a later one needs; none
 sets state that another reads later in the step, and none writes the Decoding or the cache outside the
 method's reserved slots: the engine owns them.

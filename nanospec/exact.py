@@ -4,7 +4,8 @@ A row's attention is a reduction over its keys, and a float sum's bits depend on
 kernel that adds them. So every row, AR's or a tree's, reduces over the same keys in the same order with the same
 kernel. The order is the canonical one: the committed slots 0..committed-1 (committed slot j holds position j), then
 `extra`, the row's own keys by depth (a tree node's ancestors, then itself; AR's row: itself). Each row splits that
-order where its position alone says, W keys before its end (the tail, W at least the deepest path: sizes.shapes):
+order where its position alone says, W keys before its end (the tail: at least the deepest path, sizes.shapes, rounded
+up to whole rows of the device's grain, forward.context):
 
     a tree row at depth 2, at position p = cur + 2 (cur: the committed slots; r the root, a1 its parent), W = 4:
 
@@ -27,7 +28,7 @@ The output is two partial sums: the S columns' (`bmm`), then the W columns' adde
 rounds as it goes, so its bits depend on where it is split: both rows split at p - W + 1, which the position alone
 fixes, so the first sum adds the same terms (the same keys, zeros elsewhere) and the second adds the same W terms
 to the same value. Zeros are only zeros if every masked slot holds a finite key and value: a weight of 0 times an
-inf or a NaN is NaN, and -inf plus an infinite score is NaN. The cache is allocated zeroed and only rows' keys and
+inf or a NaN is NaN, and an infinite key's score is +inf or NaN. The cache is allocated zeroed and only rows' keys and
 values are written to it (padding rows into the trash slot, padding columns left zero), so every slot is finite.
 
 The rest of the layer: the products (q, k, v, o; gate, up, down; the lm_head), the norms and the elementwise
@@ -41,11 +42,20 @@ guarantee, kept in devices.py and the core:
   forward always runs the same total, Q rows per sequence (Block.pad) for a fixed batch of sequences' blocks, idle
   ones padded (sizes.block_batch and engine.stack);
 - an elementwise kernel the same code path for every element: a CPU's vectorised kernels end a thread's run with a
-  scalar loop (devices.CPU.elementwise pads rows to 64 elements and calls one thread's worth at a time);
+  scalar loop. Correctly rounded operations (add, multiply, divide, square root: the norm's rsqrt is 1 / sqrt) give
+  the same bits on either path; approximated ones (SiLU's exp, RoPE's cos and sin) do not, and go through
+  devices.CPU.elementwise, which pads rows to 64 elements and calls one thread's worth at a time. Softmax's exp runs
+  along a row, whose S + W columns are alike for every row;
 - attention's kernels over the same shapes: Q rows, S + W columns, the slots and head width laid out at the
   device's grain (devices.Device.grain: every score and value row aligned alike on a CPU).
 A GPU's kernels (the base devices.Device) apply the same code to every row and element of a fixed shape: it needs
-the fixed total alone. Norms reduce within a row in one kernel over the block's fixed shape on every device.
+the fixed total alone. Norms reduce within a row in one kernel over the block's fixed shape on every device. A
+compiled layer (compiled.py) is one callable for AR and every method at these shapes; that inductor's generated
+loops give a row the same bits at any index is tested (tests/test_compile.py), not argued here.
+
+Both runs must share every shape: Q, the cache's S slots, W and the block batch. decode.py and the bench size them
+over the method and AR together (sizes.shapes, sizes.block_batch); a caller of engine.generate passes the same Q,
+n_slots and tail to both. Sized apart, AR's run would split its sums at other keys and, on a GPU, run other kernels.
 
 What breaks it: a W shorter than a row's path (its ancestors would be read in place, in slot order, not by depth:
 the engine refuses such a tree), a key in another column (an off-by-one at the window's or the tail's edge), a
