@@ -90,8 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--planner", choices=["measured", "none"], default="measured",
                    help="measured (fast mode): the core planner sizes each step's tree (0: an AR step) from what a "
                    "row costs on this machine (measured once, cached) and how the method's drafts fare; none: "
-                   "each method's own tree. ProPD plans its own trees either way (its paper's online cost line; "
-                   "propd:planner=measured hands it to the core planner)")
+                   "each method's own tree (propd:planner=online: ProPD plans its own, on its paper's online cost "
+                   "line)")
     p.add_argument("--budget", type=int, metavar="N", help="fast mode: every step of every method drafts N nodes, "
                    "the core planner's tree of that size, never planned (0: every step an AR step, the method's "
                    "own bookkeeping still run); what a budget buys, to set beside --planner measured")

@@ -19,21 +19,22 @@ Choices where the paper is silent, and why:
   projection initialised from the lm_head's truncated SVD. The paper trains "their own heads" for early layers
   (Figure 3a), only to rule tokens out (top-k, not top-1). A full-rank projection costs an lm_head every step, at batch
   size 1 as much as pruning saves; rank 64 costs a fraction and, trained, ranks the early tokens better than the frozen
-  lm_head (RESULTS.md, "ProPD"). The heads fit the base model's own next token (self-distillation data; with --forced,
-  teacher-forced real text: training/forced.py) after each of --early-layers, by `train.py --method medusa` (after the
-  Medusa heads) or alone by `train.py --method propd`.
+  lm_head (RESULTS.md, "ProPD"). They fit the base model's own next token after each of --early-layers (`train.py
+  --method medusa` after the Medusa heads, or `--method propd` alone; --forced: teacher-forced real text too).
 - Iteration time is wall time from one draft to the next (forward, verification, commit, drafting), keyed by the
   tree's size before pruning: pruning shows as cheaper large trees, how the two techniques combine (section 5.4.3).
-- Candidate sizes: the paper names none. These are the core planner's drafting sizes (1, 3, 7, ..., 63: with the root a
-  power of two rows), or the sizes a device layer supplies (on a CPU, one under each of fast mode's row buckets:
-  tuning/planner.own_sizes; RESULTS.md, "Why the heuristics stay").
+- Candidate sizes: the paper names none: the core planner's (1, 3, 7, ..., 63: with the root, powers of two rows), or a
+  device layer's (a CPU's: one under each of fast mode's row buckets, tuning/planner.own_sizes).
 - Until two sizes are measured the planner explores: the static tree's size, then the smallest. Each generation's first
   step, one AR row (no hidden state yet), is not timed: a single row takes a faster matrix-vector path on CPU.
+- Whose costs: the paper's online line (`planner=online`) cannot price that AR row, so it never steps aside, and in
+  a batch on a CPU it loses to AR. By default (`measured`) a device layer hands ProPD the core planner on the machine's
+  measured prices (decode.py: each live batch size and budget, 0 included); with none, Medusa's tree every step.
 - Acceptance starts from the heads' measured held-out accuracies (stored by the trainer) and tracks the top 10 ranks per
-  head; a prediction is resolved once its position is emitted.
+  head; a prediction is resolved once its position is emitted. The early head scores every row, not just parents: fixed
+  shapes, no host sync.
 - The planner picks again every `replan` tokens of its own clock (tokens decoded, not a cursor) and whenever the batch
   changes; the cost model and acceptance EMAs persist across generations (the decoding conditions they estimate do).
-- The early head scores every row (its guesses for its children), not just parents: fixed shapes, no host sync.
 - k: the paper's is where acceptance stays close to Medusa's (layer 4, top-50, Table 2). Here, the smallest k whose
   held-out hit rate (the trainer's, for the head's layer) keeps KEEP of the right tokens: top-10 after layer 2 of
   weights/pylm. Where none does, pruning costs more acceptance than its rows save and is off (the report says so), as
@@ -127,11 +128,11 @@ class ProPD(Medusa):
         self.pruning = torch.zeros(2, dtype=torch.long, device=heads.res[0].weight.device)  # draft rows, pruned ones
 
     @classmethod
-    def load(cls, model, weights, layer=None, k=None, prune=True, planner="online", tree_size=0,
+    def load(cls, model, weights, layer=None, k=None, prune=True, planner="measured", tree_size=0,
              replan=32) -> "ProPD":
         """k=None: the smallest k whose held-out hit rate keeps KEEP of the right tokens; none: no pruning. planner:
-        online (the paper's section 4.2: sizes 1-63 from step times learnt as it runs), measured (none of its own:
-        decode.py's core planner on measured row costs, AR steps allowed) or static (Medusa's tree every step)."""
+        measured (none of its own: decode.py's core planner on measured costs, AR steps allowed), online (the paper's
+        section 4.2: sizes 1-63 from step times learnt as it runs) or static (Medusa's tree every step)."""
         if planner not in PLANNERS:
             raise NanospecError(f"propd planner {planner!r}: choose from {', '.join(PLANNERS)}")
         heads, meta = load_heads(model, weights)
@@ -205,7 +206,7 @@ def load_early(model, weights, layer: int | None = None) -> EarlyHead:
     return head.eval()
 
 
-PLANNERS = ("online", "measured", "static")
+PLANNERS = ("measured", "online", "static")
 
 
 # --- training ----------------------------------------------------------------------------------
