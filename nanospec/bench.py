@@ -291,7 +291,7 @@ class Unprofiled(Programs):
 PHASES = {  # a step's parts, by the functions that run them (file, name): engine.step calls each in turn
     "draft": ("engine.py", "draft"), "of which the planner": (None, "budget"), "lay out": ("engine.py", "lay_out"),
     "launch": ("engine.py", "launch_step"), "read back": ("engine.py", "read_back"),
-    "verify on the host (sampling)": ("verify.py", "verify_on_host"),
+    "settle on the host (sampling)": ("verify.py", "settle_on_host"),
     "the drafter's bookkeeping": (None, "accepted"), "the planner's learning": (None, "observe")}
 
 

@@ -5,10 +5,10 @@
 - lay out: a cohort's trees become rows and nodes, on the host: the tree's rows, then the groups of rows the drafter
   asks for (Drafter.groups, tree.step_rows), exact mode's padded to Q rows, as one batch (Decoding.prepare, stack).
 - launch: one device program per cohort (step_program), its inputs one host tensor: the method's forward, then
-  (greedy) verification on the device (verify.verify_on_device: the accepted path, the commit of its keys through
+  (greedy) the step settled on the device (verify.settle_on_device: the accepted path, the commit of its keys through
   KVCache.commit, the next candidates' top-k).
 - read back: greedy, the accepted paths and next candidates, the step's one host-device sync (read_back); sampling,
-  verification on the host instead (verify.verify_on_host: the same commit and candidates).
+  the step settled on the host instead (verify.settle_on_host: its own verification, the same commit and candidates).
 - advance: each sequence's cursor, tokens and next candidates, on the host (Decoding.advance).
 
 A Decoding is one sequence's generation: its state, handed to its drafter at every step. In exact mode every forward
@@ -34,7 +34,7 @@ from .forward import Forward
 from .programs import of as programs_of
 from .sizes import check_prompt, check_room, shapes
 from .tree import Layout, Nodes, Tree, step_rows
-from .verify import Sampler, Step, unpack_results, verify_on_device, verify_on_host
+from .verify import Sampler, Step, settle_on_device, settle_on_host, unpack_results
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 HOST = torch.device("cpu")  # where a step is drafted and laid out
@@ -53,7 +53,7 @@ def step(live: list[Decoding], drafter: Drafter, record: bool):
         if decs[0].sampler.greedy:  # verified on the device: (packed results, logits), read back
             logits, found = res[1], read_back(res[0], index, s, nodes)
         else:
-            logits, found = res[0], verify_on_host(decs, s, trees, res, index)
+            logits, found = res[0], settle_on_host(decs[0].cache, decs[0].dev.kernels, s, decs, trees, res, index)
         took = time.perf_counter() - t0  # from the launch to the read-back, shared by the cohort
         for b, (d, tree, whole), (path, emitted, cands, lists, pruned) in zip(index, members, found):
             d.advance(path, emitted, cands, lists, took / len(decs))
@@ -103,7 +103,7 @@ def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nod
 
 
 def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, flat: torch.Tensor):
-    """A cohort's step on the device: the method's forward, then (greedy) verify_on_device: each sequence's accepted
+    """A cohort's step on the device: the method's forward, then (greedy) settle_on_device: each sequence's accepted
     path, its keys committed and its end's drafts' top-k, as one tensor; sampling: the forward's outputs as they are."""
     *blk, tokens, parent, depth, index, anc, real, cur, seqs = unpacked(flat, spec)
     f = Forward.on_cache(d.model, Block(*blk), d.cache, d.exact, seqs, d.tail, d.dev)
@@ -111,7 +111,7 @@ def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, fla
     out = drafter.forward(f, Nodes(tokens, lay, real.bool(), n, M))
     if not d.sampler.greedy:
         return out.logits, out.draft_inputs, out.depths, out.alive
-    return verify_on_device(d, drafter, out, tokens, lay, cur, seqs), out.logits
+    return settle_on_device(d.cache, d.dev.kernels, drafter, out, tokens, lay, cur, seqs), out.logits
 
 
 def read_back(flat: torch.Tensor, index: list[int], drafter: Drafter, nodes: Nodes) -> list:
