@@ -161,12 +161,12 @@ class Decoding:
         layout), then the groups of rows the drafter asks for (tree.Groups), laid out once per shape at position 0
         (tree.step_rows) and moved to cur; exact mode pads rows and nodes to Q."""
         n, groups, cur = len(tree), drafter.groups(tree, largest, budget), self.cur
-        b, seq = step_rows(tree.parents + (0,) * (largest - n), groups, self.reserved, self.cache.capacity, None)
+        b, moves = step_rows(tree.parents + (0,) * (largest - n), groups, self.reserved, self.cache.capacity, None)
         tokens, real = torch.as_tensor(tree.tokens, device=HOST), torch.ones(n, dtype=torch.bool)
         ids = F.pad(tokens, (0, len(b) - n))
         if groups.tokens:  # the group rows' own ids (else 0: the forward embeds them)
             ids[largest:largest + len(groups.tokens)] = torch.as_tensor(groups.tokens)
-        extra = torch.where(seq, b.extra + cur, b.extra)
+        extra = torch.where(moves, b.extra + cur, b.extra)
         block = Block(ids[None], b.pos + cur, b.slots + cur, b.committed + cur, extra)
         # rows write slots cur..cur+len-1: past the capacity lie the reserved slots and the trash slot
         assert len(block) <= self.room, f"a step of {len(block)} rows overruns the cache ({self.room} slots left)"
@@ -194,19 +194,19 @@ class Decoding:
         block = self.fixed(block) if self.exact else block
         if embeds is not None and self.exact:
             embeds = F.pad(embeds, (0, 0, 0, self.Q - n))
-        seqs, row = self.seqs, 0
+        seqs, b = self.seqs, 0  # b: its sequence in the batch
         if self.block_batch:  # the block batch's sequences' blocks, this one's at its cache row
             padding = Nodes.idle(self.Q, self.cache.trash, self.cache.n_slots)
-            (block, _, seqs), row = stack([self], [block], [padding[1]]), self.seq
-            embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, row, self.block_batch - 1 - row))
+            (block, _, seqs), b = stack([self], [block], [padding[1]]), self.seq
+            embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, b, self.block_batch - 1 - b))
         flat, spec = packed([block.tokens, block.pos, block.slots, block.committed, block.extra, seqs])
 
         def run(flat, embeds):
-            *b, seqs = unpacked(flat, spec)
-            f = Forward.on_cache(self.model, Block(*b), self.cache, self.exact, seqs, self.tail, self.dev)
+            *blk, seqs = unpacked(flat, spec)
+            f = Forward.on_cache(self.model, Block(*blk), self.cache, self.exact, seqs, self.tail, self.dev)
             x = f.embed() if embeds is None else embeds
             return f.logits(f.norm(f.layers(x)), len(f.block))
-        return self.launch(("run", spec), run, (flat, embeds))[row, :n]
+        return self.launch(("run", spec), run, (flat, embeds))[b, :n]
 
     def launch(self, key, fn, args):  # fn(*args) on the device: eagerly, or as the generation's Programs run it
         if self.programs is None:

@@ -4,7 +4,7 @@ The families beside Llama are data in ModelArgs: Qwen2's q/k/v biases, Qwen3's p
 window. A forward's rows come with `ctx` (forward.Context, made from a Block of rows with explicit positions, cache
 slots and visibility): the one object through which the model reaches what is not a Llama's math, as gpt-fast's model
 is compiled from outside. It holds each row's RoPE angles (ctx.cos, ctx.sin) and runs, in the form a device or a
-method needs, each product (ctx.linear: `layer(x)`), each elementwise kernel (ctx.elementwise), the cache write
+method needs, each product (ctx.linear: `proj(x)`), each elementwise kernel (ctx.elementwise), the cache write
 (ctx.write), attention over the keys each row sees (ctx.attend: exact mode's canonical order, exact.py, or SDPA) and
 each layer (ctx.layer: exact mode adds a residual inside its product's kernel, forward.exact_layer).
 """

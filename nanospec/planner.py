@@ -14,7 +14,7 @@ drafts ride on one node (SDSAT's adaptive tokens) has none after a step that sto
 good run of acceptance meets the run's end. The estimates per depth stay the paper's; the ratio prices what they
 leave out, so a drafter the planner trusted goes to AR where its drafts do not pay.
 
-Prices are the live batch's: a step is priced at the number of sequences live, as the batch's tail runs
+Prices are the live batch's: a step is priced at the number of sequences live, as the batch's last sequences run
 too, and a cost model that learns prices each size and budget by what its steps really took (costs.CostModel's
 table, tuning/costs.Measured's realized price), so a method whose step is not the planner's tree (pruned rows,
 adaptive rows, masks) is priced at what it costs. Acceptance is the sequences': one estimate serves every size.
