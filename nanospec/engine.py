@@ -98,7 +98,8 @@ def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nod
                          lay.depth, lay.index, lay.anc, nodes.real, cur, seqs])
     shape = (nodes.n, nodes.M) if d.exact and nodes.M else None  # what the forward depends on beyond its inputs
     key = ("step", id(drafter), shape, d.sampler.greedy, spec)
-    t0 = time.perf_counter()  # a capture keeps the program, and so d and drafter
+    t0 = time.perf_counter()
+    # the program binds d and drafter, and a capture keeps it: it reads only what the cohort shares (model, cache)
     return d.launch(key, functools.partial(step_program, d, drafter, nodes.n, nodes.M, spec), (flat,)), t0
 
 
@@ -129,7 +130,9 @@ class Decoding:
                  sampler: Sampler | None = None, seq: int = 0, block_batch: int | None = None,
                  dev: Device | None = None, tail: int | None = None, programs=None):
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
-        self.tail = tail or Q      # exact mode: the keys each row gathers in canonical order (sizes.shapes' W)
+        # exact mode: the keys each row gathers in canonical order (generate's: sizes.shapes' W; none given: Q, the
+        # deepest path a block holds)
+        self.tail = tail or Q
         self.block_batch = block_batch if exact else None  # exact forwards run this many sequences' blocks (None: live)
         self.reserved = tuple(reserved.tolist()) if reserved is not None else ()  # the drafter's own cache slots
         self.device = model.embed.weight.device
