@@ -129,6 +129,8 @@ class Decoding:
     def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None,
                  sampler: Sampler | None = None, seq: int = 0, block_batch: int | None = None,
                  dev: Device | None = None, tail: int | None = None, programs=None):
+        if exact and Q < devices.MIN_BLOCK:  # fewer rows would put some on another kernel path (exact.py)
+            raise NanospecError(f"the exact-mode block must have at least {devices.MIN_BLOCK} rows (got Q={Q})")
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
         # exact mode: the keys each row gathers in canonical order (generate's: sizes.shapes' W; none given: Q, the
         # deepest path a block holds)
