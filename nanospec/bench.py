@@ -217,9 +217,9 @@ def ar_step_ms(runs: list[Output]) -> float | None:
 
 
 def ar_step_vs(runs: list[Output], ar: list[Output]) -> float | None:
-    """A method's AR steps' time against AR's own over as many sequences (a batch's tail steps cost about what a full
-    batch's do, over fewer sequences), medians weighted by the method's steps: a slow spell of a shared machine lands
-    on a few steps of one method, and a mean would charge it to the method."""
+    """A method's AR steps' time against AR's own over as many sequences (the steps of a batch's last sequences cost
+    about what a full batch's do, over fewer sequences), medians weighted by the method's steps: a slow spell of a
+    shared machine lands on a few steps of one method, and a mean would charge it to the method."""
     def by_size(outs):
         steps = {}
         for n, s in (x for o in outs for x in o.ar_steps):
@@ -291,7 +291,7 @@ class Unprofiled(Programs):
 PHASES = {  # a step's parts, by the functions that run them (file, name): engine.step calls each in turn
     "draft": ("engine.py", "draft"), "of which the planner": (None, "budget"), "lay out": ("engine.py", "lay_out"),
     "launch": ("engine.py", "launch_step"), "read back": ("engine.py", "read_back"),
-    "verify on the host (sampling)": ("verify.py", "verify_on_host"),
+    "settle on the host (sampling)": ("verify.py", "settle_on_host"),
     "the drafter's bookkeeping": (None, "accepted"), "the planner's learning": (None, "observe")}
 
 

@@ -44,9 +44,9 @@ class Borrowed(list):
         return self
 
 
-def plain(layer, x):
-    """A layer's product as the layer runs it: propose's `linear` where the device gives no form of its own."""
-    return layer(x)
+def plain(proj, x):
+    """A product as its module runs it, proj(x): propose's `linear` where the device gives no form of its own."""
+    return proj(x)
 
 
 @dataclass
@@ -157,7 +157,7 @@ class Drafter:
 
     def propose(self, draft_inputs: torch.Tensor, linear=plain) -> torch.Tensor:
         """Logits per draft depth (B, K, V) from each sequence's last accepted node's draft inputs (B, K', D);
-        linear(layer, x): the device's form of a product (devices.Device.kernels, else plain: a draft's need not be
+        linear(proj, x): the device's form of a product (devices.Device.kernels, else plain: a draft's need not be
         AR's)."""
         return draft_inputs
 

@@ -5,10 +5,10 @@
 - lay out: a cohort's trees become rows and nodes, on the host: the tree's rows, then the groups of rows the drafter
   asks for (Drafter.groups, tree.step_rows), exact mode's padded to Q rows, as one batch (Decoding.prepare, stack).
 - launch: one device program per cohort (step_program), its inputs one host tensor: the method's forward, then
-  (greedy) verification on the device (verify.verify_on_device: the accepted path, the commit of its keys through
+  (greedy) the step settled on the device (verify.settle_on_device: the accepted path, the commit of its keys through
   KVCache.commit, the next candidates' top-k).
 - read back: greedy, the accepted paths and next candidates, the step's one host-device sync (read_back); sampling,
-  verification on the host instead (verify.verify_on_host: the same commit and candidates).
+  the step settled on the host instead (verify.settle_on_host: its own verification, the same commit and candidates).
 - advance: each sequence's cursor, tokens and next candidates, on the host (Decoding.advance).
 
 A Decoding is one sequence's generation: its state, handed to its drafter at every step. In exact mode every forward
@@ -34,7 +34,7 @@ from .forward import Forward
 from .programs import of as programs_of
 from .sizes import check_prompt, check_room, shapes
 from .tree import Layout, Nodes, Tree, step_rows
-from .verify import Sampler, Step, unpack_results, verify_on_device, verify_on_host
+from .verify import Sampler, Step, settle_on_device, settle_on_host, unpack_results
 
 PREFILL_CHUNK_FAST = 256  # fast mode has no block shape to keep; chunks only bound memory
 HOST = torch.device("cpu")  # where a step is drafted and laid out
@@ -53,7 +53,7 @@ def step(live: list[Decoding], drafter: Drafter, record: bool):
         if decs[0].sampler.greedy:  # verified on the device: (packed results, logits), read back
             logits, found = res[1], read_back(res[0], index, s, nodes)
         else:
-            logits, found = res[0], verify_on_host(decs, s, trees, res, index)
+            logits, found = res[0], settle_on_host(decs[0].cache, decs[0].dev.kernels, s, decs, trees, res, index)
         took = time.perf_counter() - t0  # from the launch to the read-back, shared by the cohort
         for b, (d, tree, whole), (path, emitted, cands, lists, pruned) in zip(index, members, found):
             d.advance(path, emitted, cands, lists, took / len(decs))
@@ -98,12 +98,13 @@ def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nod
                          lay.depth, lay.index, lay.anc, nodes.real, cur, seqs])
     shape = (nodes.n, nodes.M) if d.exact and nodes.M else None  # what the forward depends on beyond its inputs
     key = ("step", id(drafter), shape, d.sampler.greedy, spec)
-    t0 = time.perf_counter()  # a capture keeps the program, and so d and drafter
+    t0 = time.perf_counter()
+    # the program binds d and drafter, and a capture keeps it: it reads only what the cohort shares (model, cache)
     return d.launch(key, functools.partial(step_program, d, drafter, nodes.n, nodes.M, spec), (flat,)), t0
 
 
 def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, flat: torch.Tensor):
-    """A cohort's step on the device: the method's forward, then (greedy) verify_on_device: each sequence's accepted
+    """A cohort's step on the device: the method's forward, then (greedy) settle_on_device: each sequence's accepted
     path, its keys committed and its end's drafts' top-k, as one tensor; sampling: the forward's outputs as they are."""
     *blk, tokens, parent, depth, index, anc, real, cur, seqs = unpacked(flat, spec)
     f = Forward.on_cache(d.model, Block(*blk), d.cache, d.exact, seqs, d.tail, d.dev)
@@ -111,7 +112,7 @@ def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, fla
     out = drafter.forward(f, Nodes(tokens, lay, real.bool(), n, M))
     if not d.sampler.greedy:
         return out.logits, out.draft_inputs, out.depths, out.alive
-    return verify_on_device(d, drafter, out, tokens, lay, cur, seqs), out.logits
+    return settle_on_device(d.cache, d.dev.kernels, drafter, out, tokens, lay, cur, seqs), out.logits
 
 
 def read_back(flat: torch.Tensor, index: list[int], drafter: Drafter, nodes: Nodes) -> list:
@@ -128,8 +129,12 @@ class Decoding:
     def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None,
                  sampler: Sampler | None = None, seq: int = 0, block_batch: int | None = None,
                  dev: Device | None = None, tail: int | None = None, programs=None):
+        if exact and Q < devices.MIN_BLOCK:  # fewer rows would put some on another kernel path (exact.py)
+            raise NanospecError(f"the exact-mode block must have at least {devices.MIN_BLOCK} rows (got Q={Q})")
         self.model, self.cache, self.exact, self.Q = model, cache, exact, Q
-        self.tail = tail or Q      # exact mode: the keys each row gathers in canonical order (sizes.shapes' W)
+        # exact mode: the keys each row gathers in canonical order (generate's: sizes.shapes' W; none given: Q, the
+        # deepest path a block holds)
+        self.tail = tail or Q
         self.block_batch = block_batch if exact else None  # exact forwards run this many sequences' blocks (None: live)
         self.reserved = tuple(reserved.tolist()) if reserved is not None else ()  # the drafter's own cache slots
         self.device = model.embed.weight.device
@@ -161,12 +166,12 @@ class Decoding:
         layout), then the groups of rows the drafter asks for (tree.Groups), laid out once per shape at position 0
         (tree.step_rows) and moved to cur; exact mode pads rows and nodes to Q."""
         n, groups, cur = len(tree), drafter.groups(tree, largest, budget), self.cur
-        b, seq = step_rows(tree.parents + (0,) * (largest - n), groups, self.reserved, self.cache.capacity, None)
+        b, moves = step_rows(tree.parents + (0,) * (largest - n), groups, self.reserved, self.cache.capacity, None)
         tokens, real = torch.as_tensor(tree.tokens, device=HOST), torch.ones(n, dtype=torch.bool)
         ids = F.pad(tokens, (0, len(b) - n))
         if groups.tokens:  # the group rows' own ids (else 0: the forward embeds them)
             ids[largest:largest + len(groups.tokens)] = torch.as_tensor(groups.tokens)
-        extra = torch.where(seq, b.extra + cur, b.extra)
+        extra = torch.where(moves, b.extra + cur, b.extra)
         block = Block(ids[None], b.pos + cur, b.slots + cur, b.committed + cur, extra)
         # rows write slots cur..cur+len-1: past the capacity lie the reserved slots and the trash slot
         assert len(block) <= self.room, f"a step of {len(block)} rows overruns the cache ({self.room} slots left)"
@@ -194,19 +199,19 @@ class Decoding:
         block = self.fixed(block) if self.exact else block
         if embeds is not None and self.exact:
             embeds = F.pad(embeds, (0, 0, 0, self.Q - n))
-        seqs, row = self.seqs, 0
+        seqs, b = self.seqs, 0  # b: its sequence in the batch
         if self.block_batch:  # the block batch's sequences' blocks, this one's at its cache row
             padding = Nodes.idle(self.Q, self.cache.trash, self.cache.n_slots)
-            (block, _, seqs), row = stack([self], [block], [padding[1]]), self.seq
-            embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, row, self.block_batch - 1 - row))
+            (block, _, seqs), b = stack([self], [block], [padding[1]]), self.seq
+            embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, b, self.block_batch - 1 - b))
         flat, spec = packed([block.tokens, block.pos, block.slots, block.committed, block.extra, seqs])
 
         def run(flat, embeds):
-            *b, seqs = unpacked(flat, spec)
-            f = Forward.on_cache(self.model, Block(*b), self.cache, self.exact, seqs, self.tail, self.dev)
+            *blk, seqs = unpacked(flat, spec)
+            f = Forward.on_cache(self.model, Block(*blk), self.cache, self.exact, seqs, self.tail, self.dev)
             x = f.embed() if embeds is None else embeds
             return f.logits(f.norm(f.layers(x)), len(f.block))
-        return self.launch(("run", spec), run, (flat, embeds))[row, :n]
+        return self.launch(("run", spec), run, (flat, embeds))[b, :n]
 
     def launch(self, key, fn, args):  # fn(*args) on the device: eagerly, or as the generation's Programs run it
         if self.programs is None:

@@ -118,7 +118,7 @@ def attend(q, kv, ctx):
     """q (B, T, Hkv, G, D), query head h * G + g using key head h; kv (2, B', Hkv, S, D') keys and values (D' >= D: a
     cache's head width may be padded); ctx: the forward's (forward.Context: its cache rows, and its Canonical). Each
     row's scores: the S slots read in place, then its W gathered keys (module docstring)."""
-    (B, T, Hkv, G, D), (S, Dc), c = q.shape, kv.shape[-2:], ctx.order
+    (B, T, Hkv, G, D), (S, Dc), c = q.shape, kv.shape[-2:], ctx.canonical
     W = c.tail_slots.shape[-1]
     q = F.pad(q.transpose(1, 2), (0, Dc - D)) if Dc > D else q.transpose(1, 2).contiguous()  # (B, Hkv, T, G, D')
     k_tail, v_tail = kv[:, ctx.cache_rows, c.heads, c.tail_slots]  # (B, Hkv, T, W, D') each: the tails, canonical order

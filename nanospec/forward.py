@@ -42,10 +42,10 @@ class Context:
     exact: bool
     cache_rows: torch.Tensor | None = None  # (B, 1, 1, 1) each sequence's cache row: where its rows write and read
     seqs: torch.Tensor | None = None   # (B,) the same, or None: the cache's rows in order
-    order: Canonical | None = None     # exact: each row's keys in canonical order (exact.py)
+    canonical: Canonical | None = None  # exact: each row's keys in canonical order (exact.py)
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
-    delta: object = None               # delta(layer, x, y): a product's update on some rows (SDSAT's adaptive rows)
+    delta: object = None               # delta(proj, x, y): a product's update on some rows (SDSAT's adaptive rows)
     dev: Device = Device()             # the device's layout and speed (devices.py)
 
     def layer(self, layer, x, kv):
@@ -55,19 +55,19 @@ class Context:
             return layer(x, self, kv)
         return (self.dev.call or exact_layer)(layer, x, self, kv)
 
-    def linear(self, layer, x, add=None):
-        """A layer's product (with its bias, if any). Exact mode: the rows as the device's products need them
-        (devices.Device.aligned), folded into one matrix: F.linear, or addmm with add (a residual) in its epilogue.
-        Fast mode: the device's form of the product (devices.Device.kernels: a tuned one, else F.linear)."""
+    def linear(self, proj, x, add=None):
+        """proj(x), a layer's product (with its bias, if any). Exact mode: the rows as the device's products need
+        them (devices.Device.aligned), folded into one matrix: F.linear, or addmm with add (a residual) in its
+        epilogue. Fast mode: the device's form of the product (devices.Device.kernels: a tuned one, else F.linear)."""
         if not self.exact:
-            y = F.linear(x, layer.weight, layer.bias) if self.dev.kernels is None else self.dev.kernels(layer, x)
+            y = F.linear(x, proj.weight, proj.bias) if self.dev.kernels is None else self.dev.kernels(proj, x)
         else:
             x = self.dev.aligned(x)
             rows = x.flatten(0, -2)
-            y = F.linear(rows, layer.weight, layer.bias) if add is None else \
-                torch.addmm(add.flatten(0, -2), rows, layer.weight.t())
+            y = F.linear(rows, proj.weight, proj.bias) if add is None else \
+                torch.addmm(add.flatten(0, -2), rows, proj.weight.t())
             y = y.view(*x.shape[:-1], -1)
-        return y if self.delta is None else self.delta(layer, x, y)
+        return y if self.delta is None else self.delta(proj, x, y)
 
     def elementwise(self, fn, x):
         """fn(x); in exact mode each row's result independent of its index (devices.Device.elementwise)."""
@@ -147,7 +147,7 @@ def context(model: Llama, block: Block, n_slots: int, exact: bool, seqs=None, ta
         extra = extra.masked_fill(pos.gather(1, extra.clamp(min=0).flatten(1)).view_as(extra) <= gone, -1)
     if exact:
         a, dt = model.args, model.embed.weight.dtype
-        ctx.order = canonical(committed, extra, gone, n_slots, W, a.kv_heads, a.n_heads // a.kv_heads, arange, dt)
+        ctx.canonical = canonical(committed, extra, gone, n_slots, W, a.kv_heads, a.n_heads // a.kv_heads, arange, dt)
         return ctx
     ctx.L = L = max(int(block.committed.max()), int(extra.max()) + 1)  # fast: SDPA over slots 0..L-1, masked
     # scatter the extra slots into a (B, T, L+1) mask; column L collects the -1 padding

@@ -1,19 +1,26 @@
-"""Fused projections: several of a layer's products (q, k and v; gate and up) as one nn.Linear, one kernel.
+"""A layer's products as nn.Linear, each tagged with its role; fused ones (q, k and v; gate and up) one kernel.
 
-Checkpoints keep the parts, as HF names them: the module's state dict splits the fused weight on save and joins
-the parts on load, so a checkpoint never sees the fusion.
+A product's role is its name in its layer, by which a method finds its own update of it (sdsat.Update); a fused
+product also knows how its parts' rows interleave. Checkpoints keep the parts, as HF names them: the module's state
+dict splits the fused weight on save and joins the parts on load, so a checkpoint never sees the fusion.
 """
 import torch
 import torch.nn as nn
+
+
+class Product(nn.Linear):
+    """An nn.Linear that knows its role in its layer and its parts' interleave (1: unfused or plainly stacked)."""
+
+    def __init__(self, dim: int, out: int, role: str, interleave: int = 1, bias: bool = False):
+        super().__init__(dim, out, bias=bias)
+        self.role, self.interleave = role, interleave
 
 
 def fuse(module, name: str, dim: int, parts: dict[str, int], interleave: int = 1, bias: bool = False):
     """module.<name>: one product for the projections `parts` (name: output size), their weights' rows (and biases)
     interleaved in `interleave` blocks (each part's rows split in as many: a key head's q, k and v together): one
     kernel, not len(parts)."""
-    setattr(module, name, nn.Linear(dim, sum(parts.values()), bias=bias))
-    fused = getattr(module, name)
-    fused.interleave, fused.role = interleave, name  # role: the product's name in its layer
+    setattr(module, name, Product(dim, sum(parts.values()), name, interleave, bias))
     sizes, leaves = [n // interleave for n in parts.values()], (".weight", ".bias")[:1 + bias]
 
     def split(mod, state, prefix, meta):

@@ -4,7 +4,7 @@ The families beside Llama are data in ModelArgs: Qwen2's q/k/v biases, Qwen3's p
 window. A forward's rows come with `ctx` (forward.Context, made from a Block of rows with explicit positions, cache
 slots and visibility): the one object through which the model reaches what is not a Llama's math, as gpt-fast's model
 is compiled from outside. It holds each row's RoPE angles (ctx.cos, ctx.sin) and runs, in the form a device or a
-method needs, each product (ctx.linear: `layer(x)`), each elementwise kernel (ctx.elementwise), the cache write
+method needs, each product (ctx.linear: `proj(x)`), each elementwise kernel (ctx.elementwise), the cache write
 (ctx.write), attention over the keys each row sees (ctx.attend: exact mode's canonical order, exact.py, or SDPA) and
 each layer (ctx.layer: exact mode adds a residual inside its product's kernel, forward.exact_layer).
 """
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fused import fuse
+from .fused import Product, fuse
 from .rope import KINDS, inv_freq
 
 
@@ -88,8 +88,7 @@ class Attention(nn.Module):
         # per key head: its G query heads, its key, its value (q and k then rotate at once)
         fuse(self, "qkv", args.dim, {"q_proj": H, "k_proj": Hkv, "v_proj": Hkv}, args.kv_heads, args.qkv_bias)
         self.q_norm, self.k_norm = (RMSNorm(args.hd, args.norm_eps) for _ in "qk") if args.qk_norm else (None, None)
-        self.o_proj = nn.Linear(H, args.dim, bias=False)
-        self.o_proj.role = "o_proj"
+        self.o_proj = Product(H, args.dim, "o_proj")
 
     def heads(self, x, ctx, kv):
         """The query heads' attention outputs (B, T, H * D), before o_proj; kv: the layer's keys and values."""
@@ -111,8 +110,7 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         fuse(self, "gate_up", args.dim, {"gate_proj": args.hidden_dim, "up_proj": args.hidden_dim})
-        self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
-        self.down_proj.role = "down_proj"
+        self.down_proj = Product(args.hidden_dim, args.dim, "down_proj")
 
     def hidden(self, x, ctx):
         """SwiGLU's hidden state, before down_proj."""

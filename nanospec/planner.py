@@ -14,7 +14,7 @@ drafts ride on one node (SDSAT's adaptive tokens) has none after a step that sto
 good run of acceptance meets the run's end. The estimates per depth stay the paper's; the ratio prices what they
 leave out, so a drafter the planner trusted goes to AR where its drafts do not pay.
 
-Prices are the live batch's: a step is priced at the number of sequences live, as the batch's tail runs
+Prices are the live batch's: a step is priced at the number of sequences live, as the batch's last sequences run
 too, and a cost model that learns prices each size and budget by what its steps really took (costs.CostModel's
 table, tuning/costs.Measured's realized price), so a method whose step is not the planner's tree (pruned rows,
 adaptive rows, masks) is priced at what it costs. Acceptance is the sequences': one estimate serves every size.
@@ -69,8 +69,7 @@ class Planner:
         self.drafter = drafter
         if self.P is None and drafter.topk:  # the prior: the trainer's held-out accuracies, if any
             K, R = len(drafter.topk), max(drafter.topk)
-            acc = getattr(drafter, "acc", None) or [[0.6 * 0.7 ** d if r == 0 else 0.02 for r in range(R)]
-                                                    for d in range(K)]
+            acc = drafter.acc or [[0.6 * 0.7 ** d if r == 0 else 0.02 for r in range(R)] for d in range(K)]
             self.P = [[sum(row[:r + 1]) for r in range(R)] for row in acc]
         self.pending = {}  # per sequence: the candidate lists still to score
         self.at, self.size, self.tree = None, None, None
@@ -122,7 +121,7 @@ class Planner:
                 self.cost.update(*self.steps.pop(0))  # rows, seconds, batch, ar, budget (None: not the price's key)
             B = self.batch
             if self.cost.estimate(B, B) is None:  # an online cost model has no line yet: two sizes first
-                first = len(self.drafter.template) - 1 if getattr(self.drafter, "template", None) else self.sizes[-1]
+                first = len(self.drafter.template) - 1 if self.drafter.template else self.sizes[-1]
                 return next((s for s in (first, 1) if (B, B * self.drafter.size(s + 1, s)) not in self.cost.perf), 1)
             lengths = self.lengths()
             self.expect = {s: (n, self.seconds(s)) for s, n in lengths.items()}

@@ -67,7 +67,7 @@ class Show:
     def header(self, dec, step) -> str:
         own, b = step.rows - len(step.tree), step.budget
         plan = "no planner" if b is None else f"budget {b}" + (" (an AR step)" if b == 0 else "")
-        if b is not None and hasattr(self.drafter.planner, "priced"):  # the price the plan used (planner.py)
+        if b is not None:  # the price the plan used (planner.py)
             plan += f", {self.drafter.planner.priced(b)}"
         rows = f"{step.rows} rows" + (f" ({len(step.tree)} tree, {own} {self.drafter.own_rows})" if own else "")
         parts = [rows, plan, f"{len(step.path) - 1} of {len(step.tree) - 1} drafts accepted",

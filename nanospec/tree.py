@@ -66,22 +66,22 @@ class Tree:
 class Groups:
     """A step's rows after its tree, as a drafter asks for them (Drafter.groups): a group of M rows after each host
     node (group_rows: BiTA's mask tokens, Hidden Transfer's pseudo states, SDSAT's adaptive tokens)."""
-    hosts: tuple = ()       # the tree nodes that carry a group
-    M: int = 0              # rows per group (0: none, the tree alone)
-    reserved: bool = False  # the groups also see the drafter's reserved slots (BiTA's prompt keys)
-    chained: bool = True    # a group's row i sees its rows 0..i (False: itself only)
-    tokens: tuple = ()      # the group rows' token ids (a fine-tuned model's adaptive ids); none: 0, embedded apart
+    hosts: tuple = ()            # the tree nodes that carry a group
+    M: int = 0                   # rows per group (0: none, the tree alone)
+    sees_reserved: bool = False  # the groups also see the drafter's reserved slots (BiTA's prompt keys)
+    chained: bool = True         # a group's row i sees its rows 0..i (False: itself only)
+    tokens: tuple = ()           # the group rows' ids (a fine-tuned model's adaptive ids); none: 0, embedded apart
 
 
 @functools.lru_cache(maxsize=4096)
 def step_rows(parents: tuple, groups: Groups, reserved: tuple, capacity: int, device):
     """A step's rows at position 0, built once per shape (Decoding.prepare moves them to the current
     position): the tree's rows, then its groups (group_rows), which also see the reserved slots if
-    asked. seq marks the visible slots that move with the position (the sequence's; reserved slots
+    asked. moves marks the visible slots that move with the position (the sequence's; reserved slots
     stay where they are)."""
     b = Tree([0] * len(parents), parents).block(0, device)
     if groups.M:
-        seen = torch.tensor(reserved, dtype=torch.long) if groups.reserved and reserved else None
+        seen = torch.tensor(reserved, dtype=torch.long) if groups.sees_reserved and reserved else None
         b = Block.cat(b, group_rows(b, list(groups.hosts), groups.M, seen, groups.chained))
     return b, (b.extra >= 0) & (b.extra < capacity)
 

@@ -1,10 +1,11 @@
 """Verification and sampling: which of a tree's drafts AR would have emitted, and what a step hands back.
 
-Greedy verification runs on the device for every tree of a batch at once (`verify_on_device`: `accept`, the commit
-of the accepted keys, the next candidates), so a step needs one read-back: the accepted path and, for a method that
-drafts, the next candidates, packed as one tensor (`pack_results`, `unpack_results`). Sampling verifies on the host
-(`verify_on_host`, walking each tree with `sample_verify`), each output position with its own uniform of a seeded
-stream (`Sampler`), so that accepting a draft is AR drawing it.
+A step settles where it verifies: the accepted path found, its keys committed, the drafts at its end proposed.
+Greedy, on the device for every tree of a batch at once (`settle_on_device`: `accept`, KVCache.commit, the next
+candidates), so a step needs one read-back: the accepted path and, for a method that drafts, the next candidates,
+packed as one tensor (`pack_results`, `unpack_results`). Sampling settles on the host (`settle_on_host`, walking each
+tree with `sample_verify`), each output position with its own uniform of a seeded stream (`Sampler`), so that
+accepting a draft is AR drawing it.
 """
 from typing import NamedTuple
 
@@ -123,39 +124,41 @@ def sample_verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int
     return walk(0, n_out)
 
 
-def verify_on_device(d, drafter, out, tokens, lay: Layout, cur, seqs):
-    """A greedy step's verification inside its device program, every sequence of the batch at once: the accepted
-    path (accept), its keys committed (KVCache.commit), and the drafts at its end proposed, as one tensor for the
-    one read-back (pack_results). d: the group's first Decoding; out: the method's forward's Out."""
+def settle_on_device(cache, kernels, drafter, out, tokens, lay: Layout, cur, seqs):
+    """A greedy step settled inside its device program, every sequence of the batch at once: the accepted path
+    (accept), its keys committed (KVCache.commit), and the drafts at its end proposed, as one tensor for the one
+    read-back (pack_results). kernels: the device's products (None: plain); out: the method's forward's Out; cur,
+    seqs: each sequence's cursor and cache row (seqs None: the cache's own order)."""
     if drafter.is_ar:  # its path is its root alone, accepted, its key already in place
         path, emitted = lay.anc[:, 0], out.logits[:, :1].argmax(-1)
     else:
         path, emitted = accept(tokens, lay, out.logits, out.alive)  # (B, E) each
-        d.cache.commit(d.cache.arange[:len(cur)] if seqs is None else seqs, cur, path)
+        cache.commit(cache.arange[:len(cur)] if seqs is None else seqs, cur, path)
     if out.draft_inputs is None:
         return pack_results(path, emitted, alive=out.alive)
-    end, b = path.max(-1).values, d.cache.arange[:len(path)]  # each path's deepest node (indices grow along a path)
-    cands = drafter.propose(out.draft_inputs[b, end], d.dev.kernels or plain).topk(max(drafter.topk), dim=-1).indices
+    end, b = path.max(-1).values, cache.arange[:len(path)]  # each path's deepest node (indices grow along a path)
+    cands = drafter.propose(out.draft_inputs[b, end], kernels or plain).topk(max(drafter.topk), dim=-1).indices
     depth = out.depths[b, end] if out.depths is not None else torch.full_like(end, cands.shape[1])  # cands (B, K, R)
     return pack_results(path, emitted, depth, cands, out.alive)
 
 
-def verify_on_host(decs: list, drafter, trees: list[Tree], res, index: list[int]) -> list:
-    """A sampling step's verification, on the host: each tree walked with its sequence's uniforms (sample_verify),
-    the accepted keys committed (KVCache.commit, as verify_on_device does), and the drafts at each path's end
-    proposed, one product for the batch. res: the step program's (logits, draft_inputs, depths, alive); index: each
-    sequence's row in the batch. Per sequence: (path, emitted, cands (D, R), cands as lists, nodes pruned)."""
+def settle_on_host(cache, kernels, drafter, decs: list, trees: list[Tree], res, index: list[int]) -> list:
+    """A sampling step settled on the host: each tree walked with its sequence's uniforms (sample_verify), the
+    accepted keys committed (KVCache.commit, as settle_on_device does), and the drafts at each path's end proposed,
+    one product for the cohort. decs: the cohort's sequences (each its sampler, tokens out, cache row seq, cursor
+    cur); res: the step program's (logits, draft_inputs, depths, alive); index: each sequence's row in the batch.
+    Per sequence: (path, emitted, cands (D, R), cands as lists, nodes pruned)."""
     logits, draft_inputs, depths, alive = res
     paths = [sample_verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
              for b, x, t in zip(index, decs, trees)]
-    d, E = decs[0], max(len(p) for p, _ in paths)
-    keep = lambda v: torch.tensor(v, device=d.cache.kv.device)
-    d.cache.commit(keep([x.seq for x in decs]), keep([x.cur for x in decs]),
-                   keep([p + [-1] * (E - len(p)) for p, _ in paths]))
+    E = max(len(p) for p, _ in paths)
+    keep = lambda v: torch.tensor(v, device=cache.kv.device)
+    cache.commit(keep([x.seq for x in decs]), keep([x.cur for x in decs]),
+                 keep([p + [-1] * (E - len(p)) for p, _ in paths]))
     depth = [0] * len(decs)  # the depths each path's end drafted
     if draft_inputs is not None:
         b, ends = keep(index), keep([p[-1] for p, _ in paths])
-        top = drafter.propose(draft_inputs[b, ends], d.dev.kernels or plain).topk(max(drafter.topk), -1).indices.cpu()
+        top = drafter.propose(draft_inputs[b, ends], kernels or plain).topk(max(drafter.topk), -1).indices.cpu()
         depth = depths[b, ends].tolist() if depths is not None else [top.shape[1]] * len(decs)
     return [(p, e, top[i, :k], top[i, :k].tolist(), []) if k else (p, e, None, None, [])
             for i, ((p, e), k) in enumerate(zip(paths, depth))]

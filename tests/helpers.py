@@ -222,7 +222,7 @@ def rows_by_index(model, seed: int, T: int, device="cpu"):
 def keys_in_order(ctx, b: int, t: int) -> list[int]:
     """The cache slots exact row t of sequence b reduces over, in order (exact.attend): those it reads in place, in
     slot order, then its gathered tail; key head 0's (every key head's alike)."""
-    c = ctx.order
+    c = ctx.canonical
     (B, _, T, W), Hkv = c.tail_slots.shape, c.heads.numel()
     in_place = c.in_place.reshape(B, Hkv, T, -1, c.in_place.shape[-1])[b, 0, t, 0] == 0
     gathered = c.gathered.reshape(B, Hkv, T, W)[b, 0, t] == 0
@@ -426,7 +426,7 @@ class Adversary(Drafter):
         e, r = self.extra_rows, self.rng
         if not e:
             return Groups()
-        return Groups((r.randrange(len(tree)),), e, reserved=bool(self.reserved_slots), chained=r.random() < 0.5,
+        return Groups((r.randrange(len(tree)),), e, sees_reserved=bool(self.reserved_slots), chained=r.random() < 0.5,
                       tokens=tuple(r.randrange(self.V) for _ in range(e)))
 
 

@@ -90,9 +90,16 @@ def test_cache_full_stops_cleanly(device):
 
 
 def test_exact_block_below_the_minimum_is_refused():
-    """Blocks under 16 rows would put rows on MKL's small-GEMM tail path (see sizes.MIN_BLOCK)."""
+    """Blocks under 16 rows would put rows on MKL's small-GEMM tail path (see sizes.MIN_BLOCK): refused by generate,
+    and by a Decoding made directly (fast mode has no block, so any Q)."""
     from nanospec import NanospecError
+    from nanospec.cache import KVCache
+    from nanospec.engine import Decoding
     from nanospec.model import ModelArgs
     model = random_model(ModelArgs(dim=24, n_layers=1, n_heads=2, vocab_size=30, hidden_dim=30))
     with pytest.raises(NanospecError, match="at least 16 rows"):
         generate(model, [1, 2, 3], max_new_tokens=4, exact=True, Q=8)
+    cache = KVCache.for_model(model, 64)
+    with pytest.raises(NanospecError, match="at least 16 rows"):
+        Decoding(model, cache, True, 8, [1, 2, 3])
+    assert Decoding(model, cache, True, 16, [1, 2, 3]).Q == Decoding(model, cache, False, 8, [1, 2, 3]).Q * 2

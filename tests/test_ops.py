@@ -61,7 +61,7 @@ def test_counting_leaves_exact_mode_as_it_found_it():
     def exact_mode():
         with AlignedProducts():
             logits = full_logits(model, [3, 9, 4, 1, 7, 12, 5, 8], True)
-        keys = forward.context(model, Tree.chain(3).block(0), 40, True).order.tail_slots.shape
+        keys = forward.context(model, Tree.chain(3).block(0), 40, True).canonical.tail_slots.shape
         return dict(devices.DEVICES), keys, logits
     programs, keys, logits = exact_mode()
     step_ops(model)

@@ -141,7 +141,7 @@ class BiTA(Ranked):
             dec.run(Block(z, torch.arange(P)[None], slots, z, extra[None]), embeds=self.tune.prompt[None])
 
     def groups(self, tree, n, budget=None):
-        return Groups(tuple(range(self.hosts(n))), self.masks(budget), reserved=True)
+        return Groups(tuple(range(self.hosts(n))), self.masks(budget), sees_reserved=True)
 
     def forward(self, f, nodes):
         """One forward: the tree (verified) and a mask group on each node (or the root) that drafts next."""

@@ -106,7 +106,7 @@ class Heads(nn.Module):
         return torch.stack(x)
 
     def forward(self, h, e=None, linear=plain, narrow: nn.Linear | None = None):
-        """(..., D) -> (K, ..., V): every head's logits. linear(layer, x): the products' form (propose: the device's).
+        """(..., D) -> (K, ..., V): every head's logits. linear(proj, x): the products' form (propose: the device's).
         narrow (Heads.narrowed): only the draft vocabulary's tokens scored, the others -inf."""
         x = self.states(h, e)
         if narrow is not None:
@@ -117,13 +117,13 @@ class Heads(nn.Module):
         return torch.stack([linear(p, y) for p, y in zip(self.proj, x)])
 
     def narrowed(self) -> nn.Linear | None:
-        """The shared lm_head's rows of the draft vocabulary, as a layer of their own (None: no draft vocabulary)."""
+        """The shared lm_head's rows of the draft vocabulary, as a product of their own (None: no draft vocabulary)."""
         if self.vocab is None:
             return None
         w = self.shared[0].weight
-        layer = nn.Linear(w.shape[1], len(self.vocab), bias=False, device=w.device, dtype=w.dtype)
-        layer.weight = nn.Parameter(w.detach()[self.vocab], requires_grad=False)
-        return layer
+        proj = nn.Linear(w.shape[1], len(self.vocab), bias=False, device=w.device, dtype=w.dtype)
+        proj.weight = nn.Parameter(w.detach()[self.vocab], requires_grad=False)
+        return proj
 
 
 class Medusa(Ranked):
@@ -134,7 +134,7 @@ class Medusa(Ranked):
         self.heads, self.acc = heads, acc  # acc: held-out accuracy per head and rank (the planner's prior)
         self.template = Template(paths)
         self.max_rows, self.topk = len(self.template), self.template.topk
-        self.narrow = heads.narrowed()  # the draft vocabulary's product, a layer a device layer may tune
+        self.narrow = heads.narrowed()  # the draft vocabulary's product, which a device's kernels may tune
 
     @classmethod
     def load(cls, model, weights, tree_size=0) -> "Medusa":
@@ -163,8 +163,8 @@ class Medusa(Ranked):
             return Out(logits, draft_inputs=h[:, :N, None])
         return Out(logits, draft_inputs=torch.stack([h[:, :N], f.model.embed(logits.argmax(-1))], 2))
 
-    def propose(self, drafts, linear=plain):  # (B, K, V): head k guesses the token k+1 after the next
-        return self.heads(*drafts.unbind(1), linear=linear, narrow=self.narrow).transpose(0, 1)
+    def propose(self, draft_inputs, linear=plain):  # (B, K, V): head k guesses the token k+1 after the next
+        return self.heads(*draft_inputs.unbind(1), linear=linear, narrow=self.narrow).transpose(0, 1)
 
 
 # --- weights on disk ---------------------------------------------------------------------------

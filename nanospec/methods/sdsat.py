@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from .. import NanospecError
 from ..drafter import Out, Ranked, noisy
 from ..forward import Forward
+from ..fused import Product
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
@@ -40,14 +41,14 @@ from ..training.pretrain import windows
 from ..tree import Groups, Template, Tree, chain_end
 
 TRAIN = "python train.py --method sdsat"
-# A layer's products, by the role the model gives each (model.py), and the parts they fuse, as checkpoints name them
+# A layer's products, by the role each has (fused.Product), and the parts they fuse, as checkpoints name them
 PROJECTIONS = {"qkv": ("attn.q_proj", "attn.k_proj", "attn.v_proj"), "o_proj": ("attn.o_proj",),
                "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down_proj": ("mlp.down_proj",)}
 
 
 class Delta(nn.Module):
     """The adaptive tokens' embeddings and a rank-r update W + B A of each product of every layer, by the product's
-    role (model.py); a fused product (q, k and v; gate and up) takes its parts' (A stacked, B block-diagonal)."""
+    role (fused.Product); a fused product (q, k and v; gate and up) takes its parts' (A stacked, B block-diagonal)."""
 
     def __init__(self, model, rank: int = 8, tokens: int = 1):
         super().__init__()
@@ -59,7 +60,7 @@ class Delta(nn.Module):
                                    for k, (_, i) in parts.items()})
         self.b = nn.ParameterDict({k: nn.Parameter(torch.zeros(self.n, o, rank)) for k, (o, _) in parts.items()})
         self.keys = {role: [p.replace(".", "_") for p in ps] for role, ps in PROJECTIONS.items()}
-        self.interleave = {m.role: getattr(m, "interleave", 1) for m in layer.modules() if hasattr(m, "role")}
+        self.interleave = {m.role: m.interleave for m in layer.modules() if isinstance(m, Product)}
 
     def factors(self) -> list[dict]:
         """Per layer, {a product's role: (A^T, B^T)}, made of the parameters (gradients flow). B^T's columns follow

@@ -55,11 +55,11 @@ class Kernels:
     def __deepcopy__(self, memo):  # a copied layer (a drafter copied for another run) shares the table
         return self
 
-    def __call__(self, layer, x):
-        """layer(x) in its shape's and row count's form (a layer with a bias: F.linear)."""
-        M, w = x.shape[:-1].numel(), layer.weight
-        if layer.bias is not None:
-            return F.linear(x, w, layer.bias)
+    def __call__(self, proj, x):
+        """proj(x) in its shape's and row count's form (a product with a bias: F.linear)."""
+        M, w = x.shape[:-1].numel(), proj.weight
+        if proj.bias is not None:
+            return F.linear(x, w, proj.bias)
         b = next((b for b in BUCKETS if b >= M), None)
         form, rows = self.table.get((*w.shape, b), ("linear", M)) if b else ("linear", M)
         if form == "linear" and rows == M:
