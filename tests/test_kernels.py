@@ -1,6 +1,6 @@
 """Fast mode's tuned products (tuning/products.py: Kernels, tuned by tune, handed over as a device's `kernels`):
-every form, padded or not, computes the linear layer, a table survives its cache file, and tune() fills every
-(shape, bucket) with a valid choice."""
+every form, padded or not, computes the linear layer, a table survives its cache file, each weight shape is tuned once
+per machine, and tune() fills every (shape, bucket) with a valid choice."""
 from dataclasses import replace
 
 import pytest
@@ -72,6 +72,35 @@ def test_tuned_table_round_trips_and_keeps_fast_mode_close():
     plain = full_logits(model, ids, False)
     torch.testing.assert_close(full_logits(model, ids, False, tuned(table)), plain, rtol=1e-4, atol=1e-4)
     assert torch.equal(full_logits(model, ids, False), plain)  # no model attribute changed
+
+
+
+def test_the_cache_tunes_each_weight_shape_once(monkeypatch, tmp_path):
+    """A drafter bringing a product shape the model lacks tunes that shape alone, added to the model's file; a set of
+    methods whose shapes are all known tunes nothing; each call gets its own shapes' rows, as tuned."""
+    from nanospec.methods.medusa import Heads, Medusa
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    asked = []
+
+    def tune(*owners):  # each call's rows carry a form of their own, to tell whose rows survive
+        shapes = {tuple(m.weight.shape) for m in kernels.layers(*owners)}
+        asked.append(shapes)
+        return Kernels({(*s, b): (("linear", "weight-first")[len(asked) - 1], b) for s in shapes for b in BUCKETS})
+
+    monkeypatch.setattr(kernels, "tune", tune)
+    model = random_model(TINY, seed=3)
+    medusa = Medusa(Heads(TINY.dim, TINY.vocab_size, 2, model.lm_head, draft_vocab=7), [(0,), (0, 0)])
+    own = {tuple(m.weight.shape) for m in kernels.layers(model)}
+    alone = kernels.tuned(model)
+    assert asked == [own] and (7, TINY.dim) not in own
+    both = kernels.tuned(model, medusa)
+    assert asked[1:] == [{(7, TINY.dim)}]  # the model's shapes are not tuned again
+    assert kernels.tuned(model, medusa).table == both.table and kernels.tuned(model).table == alone.table
+    assert len(asked) == 2
+    expect = {(*s, b): ("linear" if s in own else "weight-first", b) for s in own | {(7, TINY.dim)} for b in BUCKETS}
+    assert both.table == expect and alone.table == {k: v for k, v in expect.items() if k[:2] in own}
+    [path] = (tmp_path / "kernels").iterdir()  # one file: the model's and the drafter's shapes
+    assert kernels.from_json(path.read_text()).table == expect
 
 
 @pytest.mark.parametrize("seed", [0, 1])

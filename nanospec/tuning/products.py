@@ -1,5 +1,5 @@
 """Fast mode's matrix products by row count (`--kernels tuned`, the default on a CPU): each product's
-fastest form on this machine, tuned once and cached, handed to the model as the device's `kernels`
+fastest form on this machine, tuned once per weight shape and cached, handed to the model as the device's `kernels`
 (devices.Device.kernels: forward.Context.linear calls it for each product of a fast forward).
 
 A forward of a few rows on a CPU is bound by reading the weights, yet eager `F.linear` handles
@@ -7,8 +7,10 @@ a small row count almost row by row. The same product written weight-first, `(W 
 against a transposed copy of the weight, `x @ W.T`, can cost a fraction of that at a few rows.
 Which wins depends on the shape, the row count and the machine, so nothing is assumed: tune()
 times each form on the model's own weights (every layer of a shape, streamed, as a forward reads
-them) and on the drafters' own products (a draft vocabulary's rows of the lm_head), per row bucket,
-once, and the table is cached beside the cost measurements.
+them) and on the drafters' own products (a draft vocabulary's rows of the lm_head), per row bucket.
+The table is cached beside the cost measurements, one file per model, machine, dtype and set of forms, with each
+weight shape's rows: a shape is tuned the first time a model or drafter brings it, so a new set of methods tunes only
+the shapes it adds, not the model's again.
 
 A row count can also be slow in every form (BLAS kernels favour some widths). So a product may
 run on more rows than it has, zero rows added and their results dropped, when tune() measured
@@ -80,27 +82,37 @@ def layers(*owners) -> list[torch.nn.Linear]:
 
 
 def to_json(k: Kernels) -> str:
-    return json.dumps([[*key, *v] for key, v in k.table.items()])
+    """The table as {"NxK": [[bucket, form, rows], ...]}, sorted: one table, one text (costs.measure hashes it)."""
+    shapes = {}
+    for (N, K, b), v in sorted(k.table.items()):
+        shapes.setdefault(f"{N}x{K}", []).append([b, *v])
+    return json.dumps(shapes)
 
 
 def from_json(text: str) -> Kernels:
-    return Kernels({tuple(row[:3]): tuple(row[3:]) for row in json.loads(text)})
+    return Kernels({(*map(int, s.split("x")), b): (form, rows)
+                    for s, rs in json.loads(text).items() for b, form, rows in rs})
 
 
 def tuned(model, *drafters) -> Kernels:
-    """The table of the model's and drafters' products on this machine: tuned once, then read from the cache root."""
+    """The table of the model's and drafters' products on this machine, read from the cache root; a shape the cache
+    lacks is tuned and added. Two processes may write at once: each write is whole (atomic_write), and a shape the
+    other one added meanwhile may be lost, to be tuned again next time."""
     w = model.embed.weight
-    shapes = sorted({tuple(m.weight.shape) for m in layers(model, *drafters)})
-    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'-'.join(sorted(FORMS))}-{shapes}"  # shapes: fused
+    key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'-'.join(sorted(FORMS))}"
     path = cache_root() / "kernels" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
-    if path.is_file():
-        return from_json(path.read_text())
-    print(f"tuning fast mode's matrix products for this machine (once; cached in {path.parent})...",
-          file=sys.stderr, flush=True)
-    k = tune(model, *drafters)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda p: p.write_text(to_json(k)))
-    return k
+    read = lambda: from_json(path.read_text()).table if path.is_file() else {}
+    table, mine = read(), layers(model, *drafters)
+    known = {k[:2] for k in table}
+    missing = [m for m in mine if tuple(m.weight.shape) not in known]  # every layer of a new shape: tune streams them
+    if missing:
+        print(f"tuning fast mode's matrix products for this machine (once per shape; cached in {path.parent})...",
+              file=sys.stderr, flush=True)
+        table = {**read(), **tune(*missing).table}  # read again: shapes another process added since
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda p: p.write_text(to_json(Kernels(table))))
+    shapes = {tuple(m.weight.shape) for m in mine}
+    return Kernels({k: v for k, v in table.items() if k[:2] in shapes})  # only these: costs.measure keys by it
 
 
 @torch.inference_mode()
