@@ -33,7 +33,19 @@ def pytest_configure(config):
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "cuda" if on_cuda else "default"))
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:  # xdist: share the cores instead of every worker taking all of them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        torch.set_num_threads(max(1, cores() // workers))
+
+
+def cores() -> int:
+    """The cores this process may run on (a container's share, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the README's test command): a worker per core this process may use. Most tests run tiny models,
+    bound by Python rather than arithmetic, so a worker per core of one thread each beats one process of all."""
+    return cores()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -27,7 +27,7 @@ from nanospec.oracle import forced
 
 
 class Stub:
-    def __init__(self, model, tok, shape="vllm", flip_at=None, refuse_ids=False, batch_flip_at=None, hold=2.0,
+    def __init__(self, model, tok, shape="vllm", flip_at=None, refuse_ids=False, batch_flip_at=None, hold=0.5,
                  logit_scale=1.0, max_logprobs=20, echo_rows=False):
         self.model, self.tok, self.shape, self.flip_at, self.refuse_ids = model, tok, shape, flip_at, refuse_ids
         self.logit_scale, self.max_logprobs, self.echo_rows = logit_scale, max_logprobs, echo_rows
