@@ -28,7 +28,7 @@ from nanospec.methods import METHODS as REGISTRY
 from nanospec.methods import split_specs
 from nanospec.model import Llama, ModelArgs
 from nanospec.tree import Groups, Tree
-from nanospec.tuning.costs import Measured
+from nanospec.tuning.measured import Measured
 from nanospec.verify import Sampler
 
 ROOT = Path(__file__).resolve().parents[1]

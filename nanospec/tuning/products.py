@@ -13,7 +13,7 @@ once, and the table is cached beside the cost measurements.
 A row count can also be slow in every form (BLAS kernels favour some widths). So a product may
 run on more rows than it has, zero rows added and their results dropped, when tune() measured
 the larger count faster: a forward's cost then never rises from n rows to n+1 below a bucket
-edge, and the planner gets the rows it pays for (costs.measure sees the padded forward).
+edge, and the planner gets the rows it pays for (measured.measure sees the padded forward).
 
 A fourth form, where PyTorch has oneDNN, runs against a copy of the weight packed once in oneDNN's
 blocked layout: eager products repack the weight on every call, which at 8-64 rows costs as much as
@@ -52,7 +52,7 @@ class Kernels:
     def __init__(self, table: dict):
         self.table, self.prepared = table, {}  # prepared: (id(weight), form) -> the weight as that form wants it
 
-    def __deepcopy__(self, memo):  # a copied layer (a drafter copied for another run) shares the table
+    def __deepcopy__(self, memo):  # a copied product (a drafter copied for another run) shares the table
         return self
 
     def __call__(self, proj, x):
@@ -72,8 +72,8 @@ class Kernels:
         return y.reshape(*x.shape[:-1], -1)
 
 
-def layers(*owners) -> list[torch.nn.Linear]:
-    """The bias-free nn.Linear layers of owners (a model; a drafter: its modules, e.g. its heads)."""
+def products(*owners) -> list[torch.nn.Linear]:
+    """The bias-free products (nn.Linear) of owners (a model; a drafter: its modules, e.g. its heads)."""
     modules = [m for o in owners for m in ([o] if isinstance(o, torch.nn.Module) else
                                             [v for v in vars(o).values() if isinstance(v, torch.nn.Module)])]
     return [m for module in modules for m in module.modules() if isinstance(m, torch.nn.Linear) and m.bias is None]
@@ -90,7 +90,7 @@ def from_json(text: str) -> Kernels:
 def tuned(model, *drafters) -> Kernels:
     """The table of the model's and drafters' products on this machine: tuned once, then read from the cache root."""
     w = model.embed.weight
-    shapes = sorted({tuple(m.weight.shape) for m in layers(model, *drafters)})
+    shapes = sorted({tuple(m.weight.shape) for m in products(model, *drafters)})
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'-'.join(sorted(FORMS))}-{shapes}"  # shapes: fused
     path = cache_root() / "kernels" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     if path.is_file():
@@ -105,10 +105,10 @@ def tuned(model, *drafters) -> Kernels:
 
 @torch.inference_mode()
 def tune(*owners, buckets=BUCKETS, reps: int = 4) -> Kernels:
-    """Time every form for every weight shape of the owners' layers (a model's, drafters') and row bucket;
+    """Time every form for every weight shape of the owners' products (a model's, drafters') and row bucket;
     each bucket keeps the fastest (form, rows) of its own and the larger buckets up to twice its rows."""
     shapes = {}
-    for m in layers(*owners):
+    for m in products(*owners):
         shapes.setdefault(tuple(m.weight.shape), []).append(m.weight)
     table = {}
     for (N, K), ws in shapes.items():

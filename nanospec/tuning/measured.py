@@ -28,7 +28,7 @@ COSTS_VERSION = 4  # bumped when the code changes what a forward costs, or how i
 
 class Measured:
     """A step's seconds at a live batch size: what steps of that size and budget took (its realized price), else a
-    forward's by rows (costs.measure) plus what steps of that size and kind took beyond their forwards.
+    forward's by rows (measured.measure) plus what steps of that size and kind took beyond their forwards.
 
     A forward: a count measured slower than a larger one takes its time (fast mode then runs the product on more
     rows: products.py; else it is noise). Between measured counts a forward is interpolated, or (padded: fast mode's
