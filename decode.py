@@ -32,8 +32,8 @@ from nanospec.oracle.peers import transformers_peers
 from nanospec.show import Show
 from nanospec.sizes import block_batch
 from nanospec.tuning import products as kernels
-from nanospec.tuning.measured import measure as measure_costs
 from nanospec.tuning.counts import step_counts
+from nanospec.tuning.measured import measure as measure_costs
 from nanospec.tuning.probing import Probing, own_sizes
 
 
