@@ -32,9 +32,9 @@ from nanospec.oracle.peers import transformers_peers
 from nanospec.show import Show
 from nanospec.sizes import block_batch
 from nanospec.tuning import products as kernels
-from nanospec.tuning.costs import measure as measure_costs
 from nanospec.tuning.counts import step_counts
-from nanospec.tuning.planner import Tuned, own_sizes
+from nanospec.tuning.measured import measure as measure_costs
+from nanospec.tuning.probing import Probing, own_sizes
 
 
 def parse_args(argv=None):
@@ -171,11 +171,11 @@ def tune(args, model, exact: bool, drafters) -> Device:
         dev = replace(dev, kernels=kernels.tuned(model, *drafters))  # the drafters' products too
     for d in drafters:
         if args.budget is not None and (d.topk or d.nested):  # one size: every step's
-            d.plan(Tuned(measure_costs(model, dev=dev), sizes=(args.budget,)))
+            d.plan(Probing(measure_costs(model, dev=dev), sizes=(args.budget,)))
         elif d.planner is not None:
             own_sizes(d)
         elif args.planner == "measured" and (d.topk or d.nested):
-            d.plan(Tuned(measure_costs(model, dev=dev)))
+            d.plan(Probing(measure_costs(model, dev=dev)))
     return dev
 
 

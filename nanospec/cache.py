@@ -52,20 +52,21 @@ class KVCache:
         self.n_reserved += n
         return torch.arange(self.capacity, self.capacity + n)  # host tensor, like the blocks that use it
 
-    def write_reserved(self, seq: int, slots: torch.Tensor, keys, values) -> None:
-        """Per-layer keys and values (P of them a head) written to sequence seq's slots (a method's reserved ones)."""
+    def write_reserved(self, cache_row: int, slots: torch.Tensor, keys, values) -> None:
+        """Per-layer keys and values (P of them a head) written to cache_row's slots (a method's reserved ones)."""
         for i, kv in enumerate(zip(keys, values)):
             for j, x in enumerate(kv):  # a cache's head width may be padded
-                self.kv[i, j, seq:seq + 1, :, slots.to(self.kv.device), :x.shape[-1]] = x
+                self.kv[i, j, cache_row:cache_row + 1, :, slots.to(self.kv.device), :x.shape[-1]] = x
 
-    def commit(self, seqs: torch.Tensor, cur: torch.Tensor, path: torch.Tensor) -> None:
+    def commit(self, cache_rows: torch.Tensor, cur: torch.Tensor, path: torch.Tensor) -> None:
         """A step's accepted keys kept, on the device, for greedy and sampled steps alike: each sequence's accepted
-        path (node i at slot cur + i, -1 padded) moved to slots cur, cur+1, ... of its cache row (seqs), every layer
-        at once (past the path's end, the trash slot onto itself: a path's padding may reach past the last slot)."""
+        path (node i at slot cur + i, -1 padded) moved to slots cur, cur+1, ... of its cache row (cache_rows), every
+        layer at once (past the path's end, the trash slot onto itself: a path's padding may reach past the last
+        slot)."""
         kept, trash = path >= 0, self.arange[self.trash]
         dst, src = (torch.where(kept, cur[:, None] + i, trash) for i in (self.arange[:path.shape[-1]], path))  # (B, E)
         kv = self.kv  # (layers, 2, B, Hkv, S, D): the gather copies first, so overlap is safe
-        kv[:, :, seqs[:, None], :, dst] = kv[:, :, seqs[:, None], :, src]
+        kv[:, :, cache_rows[:, None], :, dst] = kv[:, :, cache_rows[:, None], :, src]
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """What a step costs, for the planner (planner.py): ProPD's own model of a step's seconds by
 (batch, rows) (section 4.2), learnt online from whole steps. A device layer may hand the planner
-another (tuning/costs.py: a CPU's forwards measured once by rows, plus what each live batch size's
+another (tuning/measured.py: a CPU's forwards measured once by rows, plus what each live batch size's
 steps took).
 """
 import math

@@ -47,9 +47,9 @@ def step(live: list[Decoding], drafter: Drafter, record: bool):
     results = {}
     for s, members in cohorts:
         decs, trees = [m[0] for m in members], [m[1] for m in members]
-        block, nodes, seqs = lay_out(decs, s, trees, budget)
-        res, t0 = launch_step(decs, s, block, nodes, seqs)
-        index = [x.seq for x in decs] if decs[0].block_batch else list(range(len(decs)))  # each one's in the batch
+        block, nodes, cache_rows = lay_out(decs, s, trees, budget)
+        res, t0 = launch_step(decs, s, block, nodes, cache_rows)
+        index = [x.cache_row for x in decs] if decs[0].block_batch else list(range(len(decs)))  # each one's batch index
         if decs[0].sampler.greedy:  # verified on the device: (packed results, logits), read back
             logits, found = res[1], read_back(res[0], index, s, nodes)
         else:
@@ -88,14 +88,14 @@ def lay_out(decs: list[Decoding], drafter: Drafter, trees: list[Tree], budget=No
     return stack(decs, *zip(*(d.prepare(drafter, t, n, budget) for d, t in zip(decs, trees))))
 
 
-def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, seqs):
+def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, cache_rows):
     """A cohort's step program (step_program, batch dim first) launched on one host tensor, and its start time. Exact
     mode: fixed shapes, one program per method, tree size and group rows (one CUDA graph each, on a GPU)."""
     d, lay = decs[0], nodes.lay
-    cursors = {x.seq: x.cur for x in decs} if d.block_batch else dict(enumerate(x.cur for x in decs))
+    cursors = {x.cache_row: x.cur for x in decs} if d.block_batch else dict(enumerate(x.cur for x in decs))
     cur = torch.tensor([cursors.get(r, 0) for r in range(len(block.tokens))])  # idle sequences: slot 0 onto itself
     flat, spec = packed([block.tokens, block.pos, block.slots, block.committed, block.extra, nodes.tokens, lay.parent,
-                         lay.depth, lay.index, lay.anc, nodes.real, cur, seqs])
+                         lay.depth, lay.index, lay.anc, nodes.real, cur, cache_rows])
     shape = (nodes.n, nodes.M) if d.exact and nodes.M else None  # what the forward depends on beyond its inputs
     key = ("step", id(drafter), shape, d.sampler.greedy, spec)
     t0 = time.perf_counter()
@@ -106,13 +106,13 @@ def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nod
 def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, flat: torch.Tensor):
     """A cohort's step on the device: the method's forward, then (greedy) settle_on_device: each sequence's accepted
     path, its keys committed and its end's drafts' top-k, as one tensor; sampling: the forward's outputs as they are."""
-    *blk, tokens, parent, depth, index, anc, real, cur, seqs = unpacked(flat, spec)
-    f = Forward.on_cache(d.model, Block(*blk), d.cache, d.exact, seqs, d.tail, d.dev)
+    *blk, tokens, parent, depth, index, anc, real, cur, cache_rows = unpacked(flat, spec)
+    f = Forward.on_cache(d.model, Block(*blk), d.cache, d.exact, cache_rows, d.tail, d.dev)
     lay = Layout(parent, depth, index, anc)
     out = drafter.forward(f, Nodes(tokens, lay, real.bool(), n, M))
     if not d.sampler.greedy:
         return out.logits, out.draft_inputs, out.depths, out.alive
-    return settle_on_device(d.cache, d.dev.kernels, drafter, out, tokens, lay, cur, seqs), out.logits
+    return settle_on_device(d.cache, d.dev.kernels, drafter, out, tokens, lay, cur, cache_rows), out.logits
 
 
 def read_back(flat: torch.Tensor, index: list[int], drafter: Drafter, nodes: Nodes) -> list:
@@ -124,10 +124,10 @@ def read_back(flat: torch.Tensor, index: list[int], drafter: Drafter, nodes: Nod
 
 class Decoding:
     """The state of one sequence's generation, handed to its drafter at every step. A batch is a Decoding per
-    sequence on one cache, each with its own cache row (seq) and cursor (cur)."""
+    sequence on one cache, each with its own cache row (cache_row) and cursor (cur)."""
 
     def __init__(self, model, cache: KVCache, exact: bool, Q: int, prompt: list[int], reserved=None,
-                 sampler: Sampler | None = None, seq: int = 0, block_batch: int | None = None,
+                 sampler: Sampler | None = None, cache_row: int = 0, block_batch: int | None = None,
                  dev: Device | None = None, tail: int | None = None, programs=None):
         if exact and Q < devices.MIN_BLOCK:  # fewer rows would put some on another kernel path (exact.py)
             raise NanospecError(f"the exact-mode block must have at least {devices.MIN_BLOCK} rows (got Q={Q})")
@@ -140,8 +140,8 @@ class Decoding:
         self.device = model.embed.weight.device
         self.dev = devices.of(dev or self.device)  # the device's layout and speed (devices.py)
         self.sampler, self.prompt = sampler or Sampler(), prompt
-        self.seq = seq             # this sequence's cache row
-        self.seqs = None if cache.kv.shape[2] == 1 else torch.tensor([seq])
+        self.cache_row = cache_row  # this sequence's cache row
+        self.cache_rows = None if cache.kv.shape[2] == 1 else torch.tensor([cache_row])  # as a forward takes it
         self.out: list[int] = []   # tokens emitted so far
         self.root = prompt[-1]     # the root of the next tree: emitted, not yet in the cache
         self.cur = 0               # committed slots 0..cur-1 hold the sequence before `root`
@@ -199,16 +199,16 @@ class Decoding:
         block = self.fixed(block) if self.exact else block
         if embeds is not None and self.exact:
             embeds = F.pad(embeds, (0, 0, 0, self.Q - n))
-        seqs, b = self.seqs, 0  # b: its sequence in the batch
+        cache_rows, b = self.cache_rows, 0  # b: its sequence in the batch
         if self.block_batch:  # the block batch's sequences' blocks, this one's at its cache row
             padding = Nodes.idle(self.Q, self.cache.trash, self.cache.n_slots)
-            (block, _, seqs), b = stack([self], [block], [padding[1]]), self.seq
+            (block, _, cache_rows), b = stack([self], [block], [padding[1]]), self.cache_row
             embeds = None if embeds is None else F.pad(embeds, (0, 0, 0, 0, b, self.block_batch - 1 - b))
-        flat, spec = packed([block.tokens, block.pos, block.slots, block.committed, block.extra, seqs])
+        flat, spec = packed([block.tokens, block.pos, block.slots, block.committed, block.extra, cache_rows])
 
         def run(flat, embeds):
-            *blk, seqs = unpacked(flat, spec)
-            f = Forward.on_cache(self.model, Block(*blk), self.cache, self.exact, seqs, self.tail, self.dev)
+            *blk, cache_rows = unpacked(flat, spec)
+            f = Forward.on_cache(self.model, Block(*blk), self.cache, self.exact, cache_rows, self.tail, self.dev)
             x = f.embed() if embeds is None else embeds
             return f.logits(f.norm(f.layers(x)), len(f.block))
         return self.launch(("run", spec), run, (flat, embeds))[b, :n]
@@ -239,14 +239,14 @@ def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tupl
     cache's own order). With a block batch, every cache row's sequence, in order: the cohort's, and idle ones."""
     d, n, M = decs[0], nodes[0].n, nodes[0].M  # every sequence's tree laid out for the cohort's largest
     if d.block_batch:
-        own, idle = dict(zip((x.seq for x in decs), zip(blocks, nodes))), (d.Q, d.cache.trash, d.cache.n_slots)
+        own, idle = dict(zip((x.cache_row for x in decs), zip(blocks, nodes))), (d.Q, d.cache.trash, d.cache.n_slots)
         blocks, nodes = zip(*(own.get(r) or Nodes.idle(*idle) for r in range(d.block_batch)))
     elif len(decs) == 1:
         x = nodes[0]
-        return blocks[0], Nodes(x.tokens[None], x.lay.batched(), x.real[None], n, M), d.seqs
-    seqs = list(range(d.block_batch)) if d.block_batch else [x.seq for x in decs]  # a block batch: every row, in order
-    in_order = seqs == list(range(d.cache.kv.shape[2]))
-    return Block.stack(blocks, d.cache.trash), Nodes.stack(nodes, n, M), None if in_order else torch.tensor(seqs)
+        return blocks[0], Nodes(x.tokens[None], x.lay.batched(), x.real[None], n, M), d.cache_rows
+    cache_rows = list(range(d.block_batch)) if d.block_batch else [x.cache_row for x in decs]  # block batch: 0, 1, ...
+    in_order = cache_rows == list(range(d.cache.kv.shape[2]))
+    return Block.stack(blocks, d.cache.trash), Nodes.stack(nodes, n, M), None if in_order else torch.tensor(cache_rows)
 
 
 @dataclass
@@ -300,13 +300,13 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
     waiting, outs, logits, began, prefill_s = iter(prompts), {}, {}, {}, 0.0
     clock = lambda: time.perf_counter() - prefill_s  # decoding time: prefills, even of refilled rows, left out
 
-    def admit(seq: int) -> list[Decoding]:
-        """The next prompt, if any, into cache row seq: prefilled, and the drafter started on it."""
+    def admit(cache_row: int) -> list[Decoding]:
+        """The next prompt, if any, into cache row cache_row: prefilled, and the drafter started on it."""
         nonlocal prefill_s
         p, t = next(waiting, None), time.perf_counter()
         if p is None:
             return []
-        d = Decoding(model, cache, exact, Q, p, reserved, seq=seq, block_batch=block_batch, dev=dev, tail=W,
+        d = Decoding(model, cache, exact, Q, p, reserved, cache_row=cache_row, block_batch=block_batch, dev=dev, tail=W,
                      programs=programs, sampler=Sampler(temperature, top_k, top_p, seed, n=max_new_tokens + Q + 1))
         d.prefill(p[:-1])
         drafter.start(d)
@@ -315,7 +315,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
         began[d] = clock()
         return [d]
 
-    live = [d for seq in range(batch) for d in admit(seq)]
+    live = [d for r in range(batch) for d in admit(r)]
     if (planner := drafter.planner) is not None:
         planner.start(drafter, live[0])
     while live:
@@ -340,7 +340,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
                 done.append(d)
                 drafter.finish(d)
         # a stopped sequence's refill takes its place: cache-row order, so a full batch reads the cache in place
-        live = [n for d in live for n in (admit(d.seq) if d in done else [d])]
+        live = [n for d in live for n in (admit(d.cache_row) if d in done else [d])]
     for d, r in outs.items():
         r.prefill_s, r.forward_s = prefill_s, d.forward_s
         n = min(len(d.out), max_new_tokens)

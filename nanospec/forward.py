@@ -40,8 +40,8 @@ class Context:
     sin: torch.Tensor                  # signed: -sin on the first half of a head (model.apply_rope)
     slots: torch.Tensor                # (T,) or per sequence (B, T): the cache slot each row writes
     exact: bool
-    cache_rows: torch.Tensor | None = None  # (B, 1, 1, 1) each sequence's cache row: where its rows write and read
-    seqs: torch.Tensor | None = None   # (B,) the same, or None: the cache's rows in order
+    cache_rows: torch.Tensor | None = None   # (B,) each sequence's cache row, or None: the cache's rows in order
+    cache_index: torch.Tensor | None = None  # (B, 1, 1, 1) cache_rows (0..B-1 for None) as an index into kv
     canonical: Canonical | None = None  # exact: each row's keys in canonical order (exact.py)
     mask: torch.Tensor | None = None   # fast: (B, T, L) visible slots; None = all of 0..L-1
     L: int = 0                         # fast: number of cache slots in use
@@ -80,10 +80,10 @@ class Context:
         if kv is None:
             return new.transpose(2, 3)
         c = kv[..., :k.shape[-1]]  # a cache's head width may be padded
-        if self.seqs is None and self.slots.dim() == 1:  # one row of slots for the batch: the faster copy
+        if self.cache_rows is None and self.slots.dim() == 1:  # one row of slots for the batch: the faster copy
             c.index_copy_(3, self.slots, new.transpose(2, 3))
         else:
-            c[:, self.cache_rows.view(-1, 1), :, self.slots] = new.permute(1, 2, 0, 3, 4)  # (B, T, 2, Hkv, D)
+            c[:, self.cache_index.view(-1, 1), :, self.slots] = new.permute(1, 2, 0, 3, 4)  # (B, T, 2, Hkv, D)
         return kv
 
     def attend(self, q, kv):
@@ -94,7 +94,7 @@ class Context:
         """The context of a subset of rows (e.g. survivors of pruning), sliced rather than rebuilt (fast mode)."""
         pick = lambda t: None if t is None else t[:, rows]
         return Context(pick(self.cos), pick(self.sin), self.slots[..., rows], self.exact, self.cache_rows,
-                       self.seqs, mask=pick(self.mask), L=self.L, dev=self.dev)
+                       self.cache_index, mask=pick(self.mask), L=self.L, dev=self.dev)
 
 
 def exact_layer(layer, x, ctx: Context, kv):
@@ -107,8 +107,8 @@ def exact_layer(layer, x, ctx: Context, kv):
 def attend_fast(q, kv, ctx: Context):
     """SDPA over cache slots 0..L-1; query heads folded into rows so GQA needs no key copy."""
     B, T, Hkv, G, D = q.shape
-    seqs = slice(None) if ctx.seqs is None else ctx.seqs
-    k, v = kv[:, seqs, :, :ctx.L, :D]  # (B, Hkv, L, D) each: a cache's head width may be padded
+    cache_rows = slice(None) if ctx.cache_rows is None else ctx.cache_rows
+    k, v = kv[:, cache_rows, :, :ctx.L, :D]  # (B, Hkv, L, D) each: a cache's head width may be padded
     q = q.permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
     mask = ctx.mask
     if mask is not None:
@@ -127,8 +127,8 @@ def angles(model: Llama, pos: torch.Tensor, dev: Device | None = None):
     return f(torch.cos, freqs).to(dt), (f(torch.sin, freqs) * signs).to(dt)
 
 
-def context(model: Llama, block: Block, n_slots: int, exact: bool, seqs=None, tail: int = 1, dev=None,
-            arange=None) -> Context:
+def context(model: Llama, block: Block, n_slots: int, exact: bool, cache_rows=None, tail: int = 1,
+            dev=None, arange=None) -> Context:
     """The block's Context. n_slots: the cache's (its physical slots); tail: in exact mode the keys each row gathers in
     canonical order (at least the deepest row's ancestors and itself; the rest it reads in place); dev: the device's
     layout and speed (default: devices.of the block's device); arange: 0, 1, ... on the device, at least n_slots + 1
@@ -137,8 +137,8 @@ def context(model: Llama, block: Block, n_slots: int, exact: bool, seqs=None, ta
     W = tail - tail % -dev.slot_grain  # whole rows of the device's grain
     n = max(n_slots + 1, W, len(block.extra), block.extra.shape[-1] + 1, model.args.kv_heads)
     arange = torch.arange(n, device=block.extra.device) if arange is None or len(arange) < n else arange
-    rows = (arange[:len(block.extra)] if seqs is None else seqs)[:, None, None, None]
-    ctx = Context(*angles(model, block.pos, dev if exact else None), block.slots, exact, rows, seqs, dev=dev)
+    index = (arange[:len(block.extra)] if cache_rows is None else cache_rows)[:, None, None, None]
+    ctx = Context(*angles(model, block.pos, dev if exact else None), block.slots, exact, cache_rows, index, dev=dev)
     committed, extra, win = block.committed[..., None], block.extra, model.args.sliding_window
     gone = None if win is None else block.pos[..., None] - win  # keys at positions <= gone: out of the window
     if gone is not None:
@@ -181,10 +181,10 @@ class Forward:
         self.model, self.block, self.ctx, self.kv, self.exact = model, block, ctx, kv, ctx.exact
 
     @classmethod
-    def on_cache(cls, model: Llama, block: Block, cache, exact: bool, seqs=None, tail: int = 1, dev=None):
-        """seqs (B,): the cache rows of the block's sequences (None: the cache's rows in order); tail: exact mode's
-        keys gathered per row (sizes.shapes' W); dev: the device's layout and speed (devices.py)."""
-        ctx = context(model, block, cache.kv.shape[-2], exact, seqs, tail, dev, cache.arange)
+    def on_cache(cls, model: Llama, block: Block, cache, exact: bool, cache_rows=None, tail: int = 1, dev=None):
+        """cache_rows (B,): the cache rows of the block's sequences (None: the cache's rows in order); tail: exact
+        mode's keys gathered per row (sizes.shapes' W); dev: the device's layout and speed (devices.py)."""
+        ctx = context(model, block, cache.kv.shape[-2], exact, cache_rows, tail, dev, cache.arange)
         return cls(model, block, ctx, cache.kv)
 
     @classmethod

@@ -3,7 +3,7 @@
 ProPD's section 4.2 (Shuzhang Zhong, Zebin Yang, Meng Li, Ruihao Gong, Runsheng Wang, Ru Huang, "ProPD: Dynamic
 Token Tree Pruning and Generation for LLM Parallel Decoding", 2024, arXiv:2402.13485), in the core so every ranked
 method gets it: a cost model of a step's seconds by (batch, rows) that the planner is given (ProPD's own online
-costs.CostModel, or a device layer's: tuning/costs.Measured), acceptance per depth and rank, the expected accepted
+costs.CostModel, or a device layer's: tuning/measured.Measured), acceptance per depth and rank, the expected accepted
 length of a tree (1, plus each node's path probability: Figure 6), and the size with the most expected tokens per
 second, replanned every `replan` tokens of the planner's clock (not a cursor, which a refill restarts) and whenever
 the batch size changes. The cost model learns at each plan, from the steps since. Two generalisations: - Size 0, an
@@ -16,12 +16,12 @@ leave out, so a drafter the planner trusted goes to AR where its drafts do not p
 
 Prices are the live batch's: a step is priced at the number of sequences live, as the batch's last sequences run
 too, and a cost model that learns prices each size and budget by what its steps really took (costs.CostModel's
-table, tuning/costs.Measured's realized price), so a method whose step is not the planner's tree (pruned rows,
+table, tuning/measured.Measured's realized price), so a method whose step is not the planner's tree (pruned rows,
 adaptive rows, masks) is priced at what it costs. Acceptance is the sequences': one estimate serves every size.
 A ledger keeps, per live size, what the planner expected of its AR and drafting steps and what they got
 (`profile`, decode.py --bench --profile); `priced` names a step's price (decode.py --show).
 
-A device layer may hand a drafter a planner that adds to this one (tuning/planner.py: probes,
+A device layer may hand a drafter a planner that adds to this one (tuning/probing.py: probes,
 unranked drafters' gains, sizes that fill a CPU's row buckets), and sizes of its own.
 """
 import itertools

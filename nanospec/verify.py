@@ -124,16 +124,16 @@ def sample_verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int
     return walk(0, n_out)
 
 
-def settle_on_device(cache, kernels, drafter, out, tokens, lay: Layout, cur, seqs):
+def settle_on_device(cache, kernels, drafter, out, tokens, lay: Layout, cur, cache_rows):
     """A greedy step settled inside its device program, every sequence of the batch at once: the accepted path
     (accept), its keys committed (KVCache.commit), and the drafts at its end proposed, as one tensor for the one
     read-back (pack_results). kernels: the device's products (None: plain); out: the method's forward's Out; cur,
-    seqs: each sequence's cursor and cache row (seqs None: the cache's own order)."""
+    cache_rows: each sequence's cursor and cache row (cache_rows None: the cache's own order)."""
     if drafter.is_ar:  # its path is its root alone, accepted, its key already in place
         path, emitted = lay.anc[:, 0], out.logits[:, :1].argmax(-1)
     else:
         path, emitted = accept(tokens, lay, out.logits, out.alive)  # (B, E) each
-        cache.commit(cache.arange[:len(cur)] if seqs is None else seqs, cur, path)
+        cache.commit(cache.arange[:len(cur)] if cache_rows is None else cache_rows, cur, path)
     if out.draft_inputs is None:
         return pack_results(path, emitted, alive=out.alive)
     end, b = path.max(-1).values, cache.arange[:len(path)]  # each path's deepest node (indices grow along a path)
@@ -145,15 +145,15 @@ def settle_on_device(cache, kernels, drafter, out, tokens, lay: Layout, cur, seq
 def settle_on_host(cache, kernels, drafter, decs: list, trees: list[Tree], res, index: list[int]) -> list:
     """A sampling step settled on the host: each tree walked with its sequence's uniforms (sample_verify), the
     accepted keys committed (KVCache.commit, as settle_on_device does), and the drafts at each path's end proposed,
-    one product for the cohort. decs: the cohort's sequences (each its sampler, tokens out, cache row seq, cursor
-    cur); res: the step program's (logits, draft_inputs, depths, alive); index: each sequence's row in the batch.
+    one product for the cohort. decs: the cohort's sequences (each its sampler, tokens out, cache row cache_row,
+    cursor cur); res: the step program's (logits, draft_inputs, depths, alive); index: each sequence's row in the batch.
     Per sequence: (path, emitted, cands (D, R), cands as lists, nodes pruned)."""
     logits, draft_inputs, depths, alive = res
     paths = [sample_verify(t, logits[b, :len(t)], x.sampler, len(x.out), None if alive is None else alive[b, :len(t)])
              for b, x, t in zip(index, decs, trees)]
     E = max(len(p) for p, _ in paths)
     keep = lambda v: torch.tensor(v, device=cache.kv.device)
-    cache.commit(keep([x.seq for x in decs]), keep([x.cur for x in decs]),
+    cache.commit(keep([x.cache_row for x in decs]), keep([x.cur for x in decs]),
                  keep([p + [-1] * (E - len(p)) for p, _ in paths]))
     depth = [0] * len(decs)  # the depths each path's end drafted
     if draft_inputs is not None:

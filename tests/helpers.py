@@ -28,7 +28,7 @@ from nanospec.methods import METHODS as REGISTRY
 from nanospec.methods import split_specs
 from nanospec.model import Llama, ModelArgs
 from nanospec.tree import Groups, Tree
-from nanospec.tuning.costs import Measured
+from nanospec.tuning.measured import Measured
 from nanospec.verify import Sampler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,8 +238,8 @@ def one_forward(model, drafter, tree, prompt, exact, plain=False):
     dec.prefill(prompt[:-1])
     drafter.start(dec)
     d = Drafter() if plain else drafter
-    block, nodes, seqs = lay_out([dec], d, [tree])
-    (logits, drafts, _, _), _ = launch_step([dec], d, block, nodes, seqs)
+    block, nodes, cache_rows = lay_out([dec], d, [tree])
+    (logits, drafts, _, _), _ = launch_step([dec], d, block, nodes, cache_rows)
     return logits[0, :len(tree)], None if drafts is None else drafts[0, :len(tree)]
 
 
@@ -270,8 +270,8 @@ def check_exact(model, prompt, drafter, n: int, sampling=None, fast: bool = True
 
 
 def decoding_state(dec) -> tuple:
-    """What a Decoding holds that the engine alone may change: its text, cursor, row and next candidates."""
-    return (list(dec.prompt), list(dec.out), dec.root, dec.cur, dec.seq, dec.room,
+    """What a Decoding holds that the engine alone may change: its text, cursor, cache row and next candidates."""
+    return (list(dec.prompt), list(dec.out), dec.root, dec.cur, dec.cache_row, dec.room,
             None if dec.cands is None else dec.cands.tolist(), copy.deepcopy(dec.lists))
 
 

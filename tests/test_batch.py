@@ -78,10 +78,10 @@ def test_rows_one_position_off_are_caught(monkeypatch, device):
     lay_out = engine.lay_out
 
     def shifted(decs, drafter, trees, budget=None):
-        block, batch, seqs = lay_out(decs, drafter, trees, budget)
+        block, batch, cache_rows = lay_out(decs, drafter, trees, budget)
         if block.pos.shape[0] > 1:
             block.pos[1] += 1
-        return block, batch, seqs
+        return block, batch, cache_rows
     monkeypatch.setattr(engine, "lay_out", shifted)
     with pytest.raises(AssertionError, match="sequence 1"):
         check_batch(model, prompts, None, 12)
@@ -108,8 +108,8 @@ def test_a_refilled_row_that_sees_its_predecessors_key_is_caught(monkeypatch, de
 
     def stale(self, tokens):  # a refilled row starts one slot in: slot 0 keeps its predecessor's key
         if batching[0]:  # the batch's rows, not a lone run's
-            self.cur = int(self.seq in used)
-            used.add(self.seq)
+            self.cur = int(self.cache_row in used)
+            used.add(self.cache_row)
         prefill(self, tokens)
     monkeypatch.setattr(helpers, "generate", tell)  # check_batch's runs
     monkeypatch.setattr(Decoding, "prefill", stale)
@@ -148,17 +148,17 @@ def test_trees_of_different_sizes_share_one_forward(monkeypatch, device, name):
 
 def test_a_full_batch_reads_its_cache_in_place(monkeypatch, device):
     """After refills, a step over every cache row keeps the rows in cache order, so attention reads
-    each sequence's keys where they lie (seqs None) instead of gathering a copy of the whole cache
+    each sequence's keys where they lie (cache_rows None) instead of gathering a copy of the whole cache
     per layer, which slowed a full batch's steps (RESULTS.md, "Why the heuristics stay")."""
     model = random_model(ARGS, seed=2, device=device)
     prompts = [[1 + i, 2 + i] * (1 + i) for i in range(7)]
     full, lay_out = [], engine.lay_out
 
     def spy(decs, drafter, trees, budget=None):
-        block, batch, seqs = lay_out(decs, drafter, trees, budget)
+        block, batch, cache_rows = lay_out(decs, drafter, trees, budget)
         if len(decs) == 3:
-            full.append(seqs)
-        return block, batch, seqs
+            full.append(cache_rows)
+        return block, batch, cache_rows
     monkeypatch.setattr(engine, "lay_out", spy)
     outs = check_batch(model, prompts, drafter("lookahead", model), 16, peeking=0.9, rows=3)
     assert len({o.steps for o in outs}) > 1, "the sequences stopped together: no refill out of order"

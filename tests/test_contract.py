@@ -54,7 +54,7 @@ def test_a_drafting_hook_changing_the_decoding_state_is_caught(name, monkeypatch
 @pytest.mark.parametrize("name", METHODS)
 def test_a_drafting_hook_writing_the_cache_outside_its_slots_is_caught(name, monkeypatch):
     def writes(dec, tree):
-        dec.cache.kv[:, :, dec.seq, :, 0] += 1.0  # slot 0: the prompt's first key, which every later row reads
+        dec.cache.kv[:, :, dec.cache_row, :, 0] += 1.0  # slot 0: the prompt's first key, which every later row reads
         return tree
     model = random_model(ARGS, seed=2)  # unplanted, the same check passes: test_edges.py, test_batch.py
     planted(monkeypatch, name, writes)

@@ -1,5 +1,5 @@
 """Fast mode's tuned products (tuning/products.py: Kernels, tuned by tune, handed over as a device's `kernels`):
-every form, padded or not, computes the linear layer, a table survives its cache file, each weight shape is tuned once
+every form, padded or not, computes the product, a table survives its cache file, each weight shape is tuned once
 per machine, and tune() fills every (shape, bucket) with a valid choice."""
 from dataclasses import replace
 
@@ -23,16 +23,16 @@ TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hid
 
 
 @given(form=st.sampled_from(sorted(FORMS)), M=st.integers(1, 70), extra=st.integers(0, 8), lead=st.booleans())
-def test_every_form_and_padding_computes_the_layer(form, M, extra, lead):
+def test_every_form_and_padding_computes_the_product(form, M, extra, lead):
     torch.manual_seed(M)
-    layer = torch.nn.Linear(24, 33, bias=False)
+    proj = torch.nn.Linear(24, 33, bias=False)
     x = torch.randn(1, M, 24) if lead else torch.randn(M, 24)
     b = next((b for b in BUCKETS if b >= M), None)
     k = Kernels({(33, 24, b): (form, M + extra)} if b else {})
-    y = k(layer, x)
+    y = k(proj, x)
     assert y.shape == (*x.shape[:-1], 33)
     assert y.is_contiguous()  # row-major, as F.linear's: a transposed layout slows the ops after it
-    torch.testing.assert_close(y, layer(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, proj(x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_drafters_own_products_are_tuned_with_the_models():
@@ -51,13 +51,13 @@ def test_padding_runs_the_product_on_more_rows():
     seen = []
     FORMS["spy"] = lambda x, w, wt: seen.append(x.shape[0]) or x @ w.T
     try:
-        layer = torch.nn.Linear(8, 5, bias=False)
+        proj = torch.nn.Linear(8, 5, bias=False)
         x = torch.randn(3, 8)
-        y = Kernels({(5, 8, 3): ("spy", 4)})(layer, x)
+        y = Kernels({(5, 8, 3): ("spy", 4)})(proj, x)
     finally:
         del FORMS["spy"]
     assert seen == [4] and y.shape == (3, 5)
-    torch.testing.assert_close(y, layer(x))
+    torch.testing.assert_close(y, proj(x))
 
 
 def test_tuned_table_round_trips_and_keeps_fast_mode_close():
@@ -83,14 +83,14 @@ def test_the_cache_tunes_each_weight_shape_once(monkeypatch, tmp_path):
     asked = []
 
     def tune(*owners):  # each call's rows carry a form of their own, to tell whose rows survive
-        shapes = {tuple(m.weight.shape) for m in kernels.layers(*owners)}
+        shapes = {tuple(m.weight.shape) for m in kernels.products(*owners)}
         asked.append(shapes)
         return Kernels({(*s, b): (("linear", "weight-first")[len(asked) - 1], b) for s in shapes for b in BUCKETS})
 
     monkeypatch.setattr(kernels, "tune", tune)
     model = random_model(TINY, seed=3)
     medusa = Medusa(Heads(TINY.dim, TINY.vocab_size, 2, model.lm_head, draft_vocab=7), [(0,), (0, 0)])
-    own = {tuple(m.weight.shape) for m in kernels.layers(model)}
+    own = {tuple(m.weight.shape) for m in kernels.products(model)}
     alone = kernels.tuned(model)
     assert asked == [own] and (7, TINY.dim) not in own
     both = kernels.tuned(model, medusa)
@@ -141,15 +141,15 @@ def test_tuned_forms_reach_the_heads_and_never_exact_modes_forward(exact, monkey
 
 def test_the_packed_form_is_offered_where_onednn_is():
     """The packed form (a weight reordered once for oneDNN) is a choice wherever PyTorch has oneDNN;
-    it computes the layer (the property test above draws it) and never touches the weight itself."""
+    it computes the product (the property test above draws it) and never touches the weight itself."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this PyTorch has no oneDNN")
     assert "packed" in FORMS
-    layer = torch.nn.Linear(24, 33, bias=False)
-    before = layer.weight.detach().clone()
+    proj = torch.nn.Linear(24, 33, bias=False)
+    before = proj.weight.detach().clone()
     with torch.inference_mode():
-        y = Kernels({(33, 24, 8): ("packed", 8)})(layer, torch.randn(8, 24))
-    assert y.shape == (8, 33) and torch.equal(layer.weight, before)
+        y = Kernels({(33, 24, 8): ("packed", 8)})(proj, torch.randn(8, 24))
+    assert y.shape == (8, 33) and torch.equal(proj.weight, before)
 
 
 def test_a_drafter_copied_runs_the_tuned_forms():

@@ -15,7 +15,7 @@ LAYERS = [
     {"io.checkpoint", "io.tokenizer", "io.chat", "io.gguf_export", "io.convert",  # weights and text in and out
      "io.sources", "io.fetch", "oracle.calibration", "oracle.trace", "oracle.verdict"},
     {"drafter", "verify", "sizes", "engine"},                                   # the contract and the loop
-    {"costs", "tuning.costs", "tuning.planner", "tuning.counts", "training.data",
+    {"costs", "tuning.measured", "tuning.probing", "tuning.counts", "training.data",
      "training.loop", "training.pretrain", "training.forced",
      "methods"},                                    # drafters and their trainers (METHOD: each methods/*.py file)
     {"bench", "oracle.peers", "methods.analysis", "oracle.engines", "oracle.engines.hf", "oracle.engines.llamacpp",

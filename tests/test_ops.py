@@ -117,7 +117,7 @@ def test_an_eager_op_in_the_advance_is_counted(monkeypatch):
     advance = Decoding.advance
 
     def eager(self, *a, **k):  # planted: a device op per sequence and step outside the program
-        self.cache.kv[0, 0, self.seq, 0, 0].add_(0)
+        self.cache.kv[0, 0, self.cache_row, 0, 0].add_(0)
         return advance(self, *a, **k)
     model = random_model(ARGS, seed=0)
     before = host_work(model, lambda m: drafter("medusa", m), 1, steps=(3, 6))

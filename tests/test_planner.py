@@ -22,8 +22,8 @@ from nanospec.methods.medusa import Heads, Medusa
 from nanospec.model import ModelArgs
 from nanospec.planner import best, expected_lengths, tree_lengths
 from nanospec.tree import choose_tree, product_paths
-from nanospec.tuning.costs import Measured
-from nanospec.tuning.planner import LONGEST, PROBE, SETTLE, SHARE, Tuned
+from nanospec.tuning.measured import Measured
+from nanospec.tuning.probing import LONGEST, PROBE, SETTLE, SHARE, Probing
 from nanospec.tuning.products import BUCKETS
 
 ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=41, hidden_dim=40)
@@ -76,7 +76,7 @@ def test_expected_length_matches_figure_6():
 
 def test_acceptance_ema_and_rank_probabilities():
     """P[d][k] is an EMA of "depth d's true token was in its top k+1"; p() the chance of rank k."""
-    planner = Tuned(FixedCost(0.01, 0.001), alpha=0.5)
+    planner = Probing(FixedCost(0.01, 0.001), alpha=0.5)
     planner.start(SimpleNamespace(topk=[3], acc=[[0.0, 0.0, 0.0]]), None)
     dec = SimpleNamespace(out=[9])
     for out, cands, P in (([9, 7], [5, 7, 8], [0.0, 0.5, 0.5]),  # right at rank 2: top-2 and top-3
@@ -123,10 +123,10 @@ def test_fast_modes_padded_products_cost_their_bucket():
 
 
 def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp_path):
-    """costs.measure prices rows by bucket where fast mode's tuned products pad them, and by a line
+    """measured.measure prices rows by bucket where fast mode's tuned products pad them, and by a line
     in exact mode and under plain products; a cached measure reads back the same."""
     from nanospec.tuning import products as kernels
-    from nanospec.tuning.costs import measure
+    from nanospec.tuning.measured import measure
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     model = random_model(ARGS)
     rows = BUCKETS[:4]
@@ -137,11 +137,32 @@ def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp
         assert not measure(model, exact=True, rows=rows, context=8, reps=1, dev=dev).padded
 
 
+def test_a_drafters_own_product_shapes_leave_the_row_costs_measured(monkeypatch, tmp_path):
+    """measure keys its cache by the forms of the model's own products: a table with a drafter's shape added (a draft
+    vocabulary's head) reads the measure back; a model product's form changed measures again."""
+    from nanospec.tuning import measured
+    from nanospec.tuning import products as kernels
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    model, runs = random_model(ARGS), []
+    table = kernels.tune(model, buckets=BUCKETS[:2], reps=1).table
+    dev = lambda t: replace(devices.of("cpu"), kernels=kernels.Kernels(t))
+    run = measured.Decoding.run
+    monkeypatch.setattr(measured.Decoding, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
+    first = measured.measure(model, rows=BUCKETS[:2], context=8, reps=1, dev=dev(table)).forward(1)
+    n = len(runs)
+    assert measured.measure(model, rows=BUCKETS[:2], context=8, reps=1,
+                            dev=dev({**table, (7, ARGS.dim, 1): ("linear", 1)})).forward(1) == first
+    assert len(runs) == n  # read back, not measured
+    key = next(iter(table))
+    measured.measure(model, rows=BUCKETS[:2], context=8, reps=1, dev=dev({**table, key: ("linear", 2)}))
+    assert len(runs) > n
+
+
 def test_measured_row_costs_keep_their_shape_through_a_slow_spell(monkeypatch, tmp_path):
-    """costs.measure prices a row count by its median share of a round, scaled to the fastest round: a slow spell
+    """measured.measure prices a row count by its median share of a round, scaled to the fastest round: a slow spell
     over the last rounds, and one slow forward of the fastest round, leave the shape as it is (the fastest time of
     each count would price that forward's count 30% high). A fake clock: a forward of n rows takes 1 + n/4."""
-    from nanospec.tuning import costs
+    from nanospec.tuning import measured
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     clock, calls, rows = [0.0], [], (1, 2, 4, 8)
 
@@ -151,9 +172,9 @@ def test_measured_row_costs_keep_their_shape_through_a_slow_spell(monkeypatch, t
         pace = 1.0 if 0 <= k < len(rows) and len(block) != 8 else 1.3  # round 1 fast but for 8 rows; then slow
         clock[0] += pace * (1 + len(block) / 4)
 
-    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(costs.Decoding, "run", run)
-    m = costs.measure(random_model(ARGS), rows=rows, context=8, reps=4)
+    monkeypatch.setattr(measured.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(measured.Decoding, "run", run)
+    m = measured.measure(random_model(ARGS), rows=rows, context=8, reps=4)
     assert len(calls) == 1 + 5 * len(rows)
     assert [round(m.forward(n) / m.forward(1), 6) for n in rows] == [1.0, 1.2, 1.6, 2.4]
 
@@ -163,7 +184,7 @@ def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
     its forward: the median of the last steps, so one stall does not move it; bare leaves it out. A
     drafter's one-row step counts as drafting. A batch size not seen is priced at its forward alone,
     never at another size's excess; a size and budget seen OWN times, at what its steps took."""
-    from nanospec.tuning.costs import OWN
+    from nanospec.tuning.measured import OWN
     c = Measured({1: 0.010, 4: 0.016, 16: 0.040})
     assert c.estimate(4) == pytest.approx(0.016)  # nothing seen: the forward
     for _ in range(3):
@@ -199,7 +220,7 @@ def test_the_cost_model_learns_at_each_plan_and_a_kind_of_step_known_replans():
     learnt = []
     cost = FixedCost(0.01, 0.001)
     cost.update = lambda *step: learnt.append(step)
-    planner = Tuned(cost, replan=1000)
+    planner = Probing(cost, replan=1000)
     planner.start(ranked([[0.5, 0.1, 0.1]]), None)
     dec = SimpleNamespace(out=[], cur=0)
     for i in range(2 * SETTLE):
@@ -215,7 +236,7 @@ def test_the_cost_model_learns_at_each_plan_and_a_kind_of_step_known_replans():
 def test_a_refill_does_not_stop_the_replans():
     """Continuous batching gives a stopped sequence's row to a new prompt, whose cursor starts at its
     prompt's length: the planner still replans every `replan` tokens (its own clock, not a cursor)."""
-    planner = Tuned(FixedCost(0.01, 0.001), replan=8)
+    planner = Probing(FixedCost(0.01, 0.001), replan=8)
     planner.start(ranked([[0.5, 0.1, 0.1]]), None)
     plans = []
     lengths = planner.lengths
@@ -264,7 +285,7 @@ def test_drafting_that_costs_more_than_its_forward_goes_to_ar():
     drafts get 0.6 tokens per step: worth a forward, not that. The planner learns the excess from
     the steps' times and plans AR; priced at the forward alone (no excess learnt), it drafts on."""
     for cost, ar in ((Measured({1: 0.010, 64: 0.020}), True), (FixedCost(0.00984, 0.00016), False)):
-        planner = Tuned(cost, replan=8)
+        planner = Probing(cost, replan=8)
         drive(planner, [[0.6, 0.1, 0.1], [0.4, 0.1, 0.1]], 100, lambda step, i: (i - 1) % 5 < 3,
               lambda rows, size: cost.forward(rows) + (0.03 if size else 0.0))
         assert (planner.size == 0) == ar and (planner.used[0] > 50) == ar
@@ -285,7 +306,7 @@ def test_budgets_follow_what_a_row_costs(base, row_cost, expect):
     """Cheap rows: big trees; a step that costs only its rows (no tree beats AR even if every draft
     is right, so no probe either): AR steps (budget 0), and a planned method runs no extra rows."""
     model = random_model(ARGS, 1)
-    d = medusa(model).plan(Tuned(FixedCost(base, row_cost), replan=8))
+    d = medusa(model).plan(Probing(FixedCost(base, row_cost), replan=8))
     out = generate(model, [3, 4, 5], d, max_new_tokens=40, eos_id=-1)
     sizes = d.planner.used
     if expect == "big":
@@ -299,7 +320,7 @@ def test_a_planned_ranked_drafter_may_use_every_rank_it_was_measured_at():
     (7 here), not to its number of heads (3)."""
     acc = [[0.5, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02]] * 3
     d = Medusa(Heads(ARGS.dim, ARGS.vocab_size, 3), [(0,), (0, 0), (0, 0, 0)], acc)
-    assert d.plan(Tuned(FixedCost(0.01, 1e-5))).topk == [7, 7, 7]
+    assert d.plan(Probing(FixedCost(0.01, 1e-5))).topk == [7, 7, 7]
 
 
 def test_ar_steps_reuse_one_drafter(monkeypatch):
@@ -307,7 +328,7 @@ def test_ar_steps_reuse_one_drafter(monkeypatch):
     program), not a new one per step."""
     from nanospec import engine
     model = random_model(ARGS, 1)
-    d = medusa(model).plan(Tuned(FixedCost(0.0, 1.0), replan=8))
+    d = medusa(model).plan(Probing(FixedCost(0.0, 1.0), replan=8))
     seen, program = [], engine.launch_step
     monkeypatch.setattr(engine, "launch_step",
                         lambda dec, drafter, *a: seen.append(drafter) or program(dec, drafter, *a))
@@ -341,7 +362,7 @@ def test_the_budget_shrinks_to_ar_when_drafts_fail():
     model = random_model(ARGS, 2)
     heads = Heads(ARGS.dim, ARGS.vocab_size, 3)
     torch.nn.init.normal_(heads.proj[0].weight, std=5.0)  # wrong guesses
-    d = Medusa(heads, choose_tree(ACC, 6), [[0.9] * 3] * 3).plan(Tuned(FixedCost(0.01, 0.002), replan=4, alpha=0.3))
+    d = Medusa(heads, choose_tree(ACC, 6), [[0.9] * 3] * 3).plan(Probing(FixedCost(0.01, 0.002), replan=4, alpha=0.3))
     generate(model, [3, 4, 5], d, max_new_tokens=120, eos_id=-1)
     assert d.planner.size == 0 and d.planner.used[0] > 40
 
@@ -357,7 +378,7 @@ def test_probes_cost_at_most_a_share_of_the_time_at_ar(row_cost):
     heads = Heads(ARGS.dim, ARGS.vocab_size, 3)
     torch.nn.init.normal_(heads.proj[0].weight, std=5.0)  # wrong guesses: AR gets planned
     cost = FixedCost(0.01, row_cost)
-    planner = Tuned(cost, replan=16, alpha=0.3)
+    planner = Probing(cost, replan=16, alpha=0.3)
     d = Medusa(heads, choose_tree(ACC, 6), [[0.9] * 3] * 3).plan(planner)
     log = []  # (the step's size, the size planned for the replan period, its rows)
     observe = planner.observe
@@ -386,7 +407,7 @@ def drifting(B: int, seed: int, ar: bool = False) -> float:
         clock[0] += took
         return took
 
-    planner = Tuned(cost, replan=32)
+    planner = Probing(cost, replan=32)
     if ar:
         planner.choose = lambda: 0
     drive(planner, [[0.5, 0.0, 0.0]] * 3, 2000, lambda step, i: hits.setdefault(i, rng.random() < 0.1), seconds, B=B)
@@ -409,13 +430,13 @@ def test_drafting_that_never_pays_costs_its_probes_alone_on_a_drifting_machine(B
     """Alone and in a batch, a drafter that never pays runs within its probes' SHARE (and 1%) of AR's pace while
     the machine's speed drifts: each price is the median of its recent steps, read at the machine's pace now, and a
     run of drafting that a probe's lucky outcomes planned is undone in SETTLE steps. Planted, each caught: alone,
-    a price of its last step alone (costs.WINDOW = 1: 0.950 of AR's pace), or prices that do not decay as the
+    a price of its last step alone (measured.WINDOW = 1: 0.950 of AR's pace), or prices that do not decay as the
     machine drifts (0.963); at B = 4, a drafting run that lasts its replan period (0.956)."""
-    from nanospec.tuning import costs, planner
+    from nanospec.tuning import measured, probing
     paces = lambda: [drifting(B, seed) / drifting(B, seed, ar=True) for seed in range(3)]
     assert min(paces()) >= 1 - SHARE - 0.01
-    plants = [lambda: monkeypatch.setattr(costs, "WINDOW", 1), lambda: unpaced(monkeypatch)] if B == 1 else \
-        [lambda: monkeypatch.setattr(planner, "SETTLE", 10 ** 9)]
+    plants = [lambda: monkeypatch.setattr(measured, "WINDOW", 1), lambda: unpaced(monkeypatch)] if B == 1 else \
+        [lambda: monkeypatch.setattr(probing, "SETTLE", 10 ** 9)]
     for plant in plants:
         plant()
         assert min(paces()) < 1 - SHARE - 0.01
@@ -426,7 +447,7 @@ def test_a_probe_that_finds_good_drafts_brings_drafting_back():
     """A ranked drafter whose candidates are all wrong for a stretch (AR gets planned), then right at
     top-1 on 3 of 5 tokens: a probe's outcomes replace the stale estimates, so drafting comes back at
     the first probe. An EMA nudged by a probe's few outcomes kept a SmolLM2 Medusa at AR for good."""
-    planner = Tuned(FixedCost(0.01, 0.004), sizes=(0, 1, 2, 4), replan=8)  # 3 rows cost 2.2x 1 row
+    planner = Probing(FixedCost(0.01, 0.004), sizes=(0, 1, 2, 4), replan=8)  # 3 rows cost 2.2x 1 row
     sizes = drive(planner, [[0.5, 0.1, 0.1]] * 2, 600, lambda step, i: step >= 300 and i % 5 < 3)
     bad, good = sizes[:300], sizes[300:]
     assert bad[-40:].count(0) >= 30  # wrong drafts: AR
@@ -443,7 +464,7 @@ def test_a_probe_comes_sooner_the_closer_drafting_is_to_paying():
     cost, the old price, probed both alike: 5 probes in 600 tokens)."""
 
     def drafting(hit) -> int:
-        planner = Tuned(FixedCost(0.01, 0.005), sizes=(0, 1, 2, 4), replan=8)  # 2 rows cost 4/3 of 1 row
+        planner = Probing(FixedCost(0.01, 0.005), sizes=(0, 1, 2, 4), replan=8)  # 2 rows cost 4/3 of 1 row
         return sum(s > 0 for s in drive(planner, [[0.25, 0.0, 0.0]] * 2, 600, lambda step, i: hit(i)))
 
     near, far = drafting(lambda i: i % 4 == 0), drafting(lambda i: False)
@@ -455,7 +476,7 @@ def test_a_probe_gathers_probe_candidate_lists_across_the_batch(B):
     """A probe's drafting steps gather PROBE candidate lists per depth, from its batch's sequences
     together: PROBE / B steps, not PROBE whatever the batch (at B = 8 eight times what the estimate
     needs, each step costing about an AR step more)."""
-    planner = Tuned(FixedCost(0.01, 0.0002), sizes=(0, 1, 2, 4), replan=8)
+    planner = Probing(FixedCost(0.01, 0.0002), sizes=(0, 1, 2, 4), replan=8)
     sizes = drive(planner, [[0.2, 0.0, 0.0]] * 2, 1200 // B, lambda step, i: False, B=B)
     runs = [len(r) for r in "".join("d" if s else "." for s in sizes).split(".") if r]
     # the first: drafting at the prior; the last: cut short
@@ -465,7 +486,7 @@ def test_a_probe_gathers_probe_candidate_lists_across_the_batch(B):
 def test_a_probe_weighs_beside_the_history():
     """A probe's outcomes weigh as PROBE steps of the history: 8 right guesses move an estimate of
     0.2 to 0.6, not to 1 (a good stretch that a probe meets would plan drafting as if it always came)."""
-    p = Tuned(FixedCost(0.01, 0.001))
+    p = Probing(FixedCost(0.01, 0.001))
     p.start(SimpleNamespace(topk=[3], acc=[[0.2, 0.0, 0.0]], size=lambda n, budget=None: n, family=None), None)
     dec, p.probed = SimpleNamespace(out=[], cur=0), True
     for i in range(PROBE + 1):
@@ -479,8 +500,8 @@ def test_a_planner_offers_no_more_than_a_methods_largest_draft(name):
     """A method that declares its largest draft (Drafter.max_draft) is never offered a larger budget, and its
     exact block holds that draft's rows, not the planner's largest size's."""
     d = drafter(name, random_model(ARGS, 3))
-    sizes = Tuned(FixedCost(0.01, 1e-5)).sizes
-    d.plan(Tuned(FixedCost(0.01, 1e-5)))
+    sizes = Probing(FixedCost(0.01, 1e-5)).sizes
+    d.plan(Probing(FixedCost(0.01, 1e-5)))
     most = max(sizes) if d.max_draft is None else d.max_draft
     assert d.planner.sizes == sorted({min(s, most) for s in sizes}) and d.max_rows >= d.size(most + 1, most)
     if d.max_draft is not None:
@@ -494,7 +515,7 @@ def test_a_nested_budget_from_its_own_gains(name):
     prompt = [5, 6, 7, 8] * 6
     ar = generate(model, prompt, max_new_tokens=48, eos_id=-1)
     d = feed(REGISTRY[name].load(model, None), [prompt], [ar])  # its context knows the continuation: long drafts pay
-    d.plan(Tuned(FixedCost(0.01, 1e-5), replan=8))
+    d.plan(Probing(FixedCost(0.01, 1e-5), replan=8))
     steps = []
     observe = d.planner.observe
     d.planner.observe = lambda dec, size, rows, *a, **k: steps.append((size, rows)) or observe(dec, size, rows, *a, **k)
@@ -529,12 +550,12 @@ def test_a_nested_draft_is_scored_at_every_budget():
     parents = [-1, 0, 0, 1, 0, 2, 3, 4, 1, 5] + [0] * 7
     tree = Tree([50] + [10 + i for i in range(1, 17)], parents)
     want = {1: 0, 2: 1, 4: 1, 8: 2, 12: 3, 16: 3, 24: 3, 64: 3}
-    p = Tuned(FixedCost(0.01, 1e-4), sizes=(0, *want))
+    p = Probing(FixedCost(0.01, 1e-4), sizes=(0, *want))
     p.start(SimpleNamespace(topk=None, nested=True, match_length=lambda dec: 0), None)
     dec = SimpleNamespace(out=[99, 12, 15, 19, 7])
     p.observe(dec, 16, 17, 0.01, [0, 2, 5, 9], tree)
     assert {s: p.gain[0, s] for s in want} == want and not p.drafts[id(dec)]
-    p = Tuned(FixedCost(0.01, 1e-4), sizes=(0, *want))
+    p = Probing(FixedCost(0.01, 1e-4), sizes=(0, *want))
     p.start(SimpleNamespace(topk=None, nested=True, match_length=lambda dec: 0), None)
     dec = SimpleNamespace(out=[99, 12])
     p.observe(dec, 1, 2, 0.01, [0], tree)  # budget 1: node 1 is wrong; 12 is AR's token
@@ -555,7 +576,7 @@ def test_unlucky_first_steps_do_not_lock_a_budget_out():
         for k, j in enumerate([1, 8, 9, 10, 11, 12, 13] if i >= 3 else []):
             tokens[j], parents[j] = seq[1 + k], [0, 1, 8, 9, 10, 11, 12][k]
         return Tree(tokens, parents)
-    late = [s for _, s in nested_run(Tuned(FixedCost(0.01, 1e-4)), lambda i: 0, whole, steps=400)][200:]
+    late = [s for _, s in nested_run(Probing(FixedCost(0.01, 1e-4)), lambda i: 0, whole, steps=400)][200:]
     assert sum(s >= 13 for s in late) > 0.8 * len(late)
 
 
@@ -565,7 +586,7 @@ def test_a_nested_budget_is_priced_at_the_nodes_its_drafts_run():
     its full budget, drafting loses to AR (1.75 tokens for 5 rows); priced at the 1.75 nodes its
     drafts run, it pays, and the planner drafts."""
     from nanospec.tree import Tree
-    late = [s for _, s in nested_run(Tuned(FixedCost(0.01, 0.004)), lambda i: 0,
+    late = [s for _, s in nested_run(Probing(FixedCost(0.01, 0.004)), lambda i: 0,
                                      lambda i, seq: Tree.chain(seq[0], seq[1:4] if i % 4 == 0 else []),
                                      steps=400)][200:]
     assert sum(s >= 3 for s in late) > 0.8 * 200
@@ -599,7 +620,7 @@ def test_a_trie_match_plans_its_own_budget():
 
     def whole(i, seq):  # a chain of the next 16 tokens, wrong after the first on short matches
         return Tree.chain(seq[0], seq[1:] if i % 2 else seq[1:2] + [-t for t in seq[2:]])
-    steps = nested_run(Tuned(FixedCost(0.01, 0.002)), lambda i: 2 if i % 2 else 1, whole)[50:]
+    steps = nested_run(Probing(FixedCost(0.01, 0.002)), lambda i: 2 if i % 2 else 1, whole)[50:]
     assert all(s == 1 for c, s in steps if c == 1) and all(s >= 16 for c, s in steps if c == 2)
 
 
@@ -609,7 +630,7 @@ def test_a_nested_draft_is_scored_on_ar_steps_too():
     turn right are taken up as soon as the output shows it (16 AR steps), with no probe (a probe runs the smallest
     budget, 1)."""
     from nanospec.tree import Tree
-    p = Tuned(FixedCost(0.01, 0.002))
+    p = Probing(FixedCost(0.01, 0.002))
     p.gain, p.nodes, p.tries = ({(0, s): 0.0 for s in p.sizes}, {(0, s): 1.0 for s in p.sizes},
                                 Counter({(0, s): 99 for s in p.sizes}))
     sizes = [s for _, s in nested_run(p, lambda i: 0, lambda i, seq: Tree.chain(seq[0], seq[1:]), steps=30)]
@@ -622,7 +643,7 @@ def test_planned_trees_are_exact(dtype, row_cost, device):
     """Exact with the planner's trees: big ones where rows are cheap; where a row costs 20% of a step,
     trees whose size changes within the exact run as the acceptance estimates leave the prior (2, then 1)."""
     model = random_model(ARGS, 4, dtype, device)
-    d = medusa(model).plan(Tuned(FixedCost(0.01, row_cost), replan=4))
+    d = medusa(model).plan(Probing(FixedCost(0.01, row_cost), replan=4))
     d.heads.to(device=device, dtype=dtype)
     runs, start, budget = [], d.planner.start, d.planner.budget  # each run's step sizes; runs[0]: exact mode's
     d.planner.start = lambda *a: runs.append([]) or start(*a)
@@ -650,7 +671,7 @@ def test_the_lengths_are_calibrated_by_what_drafting_steps_got(monkeypatch):
 
     def run(b1, p0, calibrated):
         rng, hits, log = random.Random(0), {}, []
-        planner = Tuned(FixedCost(0.01, b1), sizes=(0, 1, 2, 4), replan=8)
+        planner = Probing(FixedCost(0.01, b1), sizes=(0, 1, 2, 4), replan=8)
         if not calibrated:
             monkeypatch.setattr(planner, "calibration", lambda: 1.0)
         observe = planner.observe
@@ -717,7 +738,7 @@ def test_a_drafter_that_pays_alone_and_loses_at_4_drafts_alone_and_takes_ar_step
 
     def run():
         rng, hits = random.Random(1), {}
-        log = shrinking(Tuned(Measured(FORWARD), replan=16), [[0.6, 0.1, 0.1]] * 3, (200, 200, 200, 600),
+        log = shrinking(Probing(Measured(FORWARD), replan=16), [[0.6, 0.1, 0.1]] * 3, (200, 200, 200, 600),
                         lambda i: hits.setdefault(i, rng.random() < 0.6), batched_machine())
         share = lambda B: sum(1 for b, s, probe, *_ in log[10:] if b == B and s and not probe) / \
             sum(1 for b, *_ in log[10:] if b == B)
@@ -740,7 +761,7 @@ def test_a_drafter_whose_step_costs_more_than_its_tree_says_is_caught_by_its_rea
 
     def run():
         rng, hits = random.Random(2), {}
-        log = shrinking(Tuned(Measured(FORWARD), replan=16), [[0.7, 0.1, 0.1]] * 4, (1500,),
+        log = shrinking(Probing(Measured(FORWARD), replan=16), [[0.7, 0.1, 0.1]] * 4, (1500,),
                         lambda i: hits.setdefault(i, rng.random() < 0.7), batched_machine(lambda B, s: 0.008 * s))
         late = Counter(s for _, s, *_ in log[-500:])
         pace = sum(n for *_, n in log) / sum(t for *_, t, _ in log) * FORWARD[1]  # against AR's
@@ -755,14 +776,14 @@ def test_a_drafter_whose_step_costs_more_than_its_tree_says_is_caught_by_its_rea
 
 @pytest.mark.parametrize("B", [1, 4])
 def test_probes_at_a_size_where_drafting_loses_cost_at_most_their_share(B, monkeypatch):
-    """The probes' bound (tuning/planner.py): where drafting loses (drafts right at top-1 on 1 token in 10, their
+    """The probes' bound (tuning/probing.py): where drafting loses (drafts right at top-1 on 1 token in 10, their
     steps 10 ms a sequence beyond their forward), the probes' realized loss against AR (their time, less what AR would
     take for their tokens) is at most SHARE of the time at AR, plus the first probe. Planted: a probe priced at a
     third of its loss, they come three times as often, and cost more."""
 
     def bound() -> tuple[bool, int, float]:
         rng, hits = random.Random(3), {}
-        log = shrinking(Tuned(Measured(FORWARD), replan=16), [[0.6, 0.1, 0.1]] * 3, (800,) * B,
+        log = shrinking(Probing(Measured(FORWARD), replan=16), [[0.6, 0.1, 0.1]] * 3, (800,) * B,
                         lambda i: hits.setdefault(i, rng.random() < 0.1), batched_machine(lambda B, s: 0.01 * B))
         ar, span = FORWARD[B], -(-PROBE // B)  # an AR step's seconds at B (2% noise aside); a probe's steps
         losses = [t - n * ar for _, s, probe, t, n in log if probe]
@@ -771,8 +792,8 @@ def test_probes_at_a_size_where_drafting_loses_cost_at_most_their_share(B, monke
 
     holds, probes, share = bound()
     assert holds and probes >= 3 and share > 0.8  # AR planned but for its first steps and the probes
-    loss = Tuned.loss
-    monkeypatch.setattr(Tuned, "loss", lambda self, size, steps: loss(self, size, steps) / 3)
+    loss = Probing.loss
+    monkeypatch.setattr(Probing, "loss", lambda self, size, steps: loss(self, size, steps) / 3)
     assert not bound()[0]
 
 
@@ -781,7 +802,7 @@ def test_the_ledger_keeps_what_the_planner_expected_and_got_per_live_size():
     those its steps got (--profile prints them): a batch of 4 that takes AR steps and whose tail, alone, drafts;
     where a step's price is its own realized one, the expected speed is near the realized."""
     rng, hits = random.Random(1), {}
-    p = Tuned(Measured(FORWARD), replan=16)
+    p = Probing(Measured(FORWARD), replan=16)
     log = shrinking(p, [[0.6, 0.1, 0.1]] * 3, (100, 100, 100, 400), lambda i: hits.setdefault(i, rng.random() < 0.6),
                     batched_machine())
     for (B, drafting), (steps, tokens, secs, want, want_s) in p.ledger.items():
@@ -802,7 +823,7 @@ def test_profile_and_show_name_the_planners_prices(capsys, monkeypatch):
     from nanospec.show import Show
     model = random_model(ARGS, 1)
     monkeypatch.setattr(bench, "host_profile", lambda *a: "")
-    d = medusa(model).plan(Tuned(Measured(FORWARD), replan=8))
+    d = medusa(model).plan(Probing(Measured(FORWARD), replan=8))
     bench.bench(model, [[3, 4, 5], [6, 7]], [d], max_new_tokens=12, eos_id=-1, profile=True, batch=2)
     err = capsys.readouterr().err
     assert "[profile] medusa's planner, B = 2, " in err and "realized" in err

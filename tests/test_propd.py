@@ -18,7 +18,7 @@ from nanospec.model import ModelArgs
 from nanospec.training.forced import labelled
 from nanospec.tree import Layout, Nodes, Tree
 from nanospec.tree import choose_tree as medusa_tree
-from nanospec.tuning.planner import SIZES, own_sizes
+from nanospec.tuning.probing import SIZES, own_sizes
 from nanospec.tuning.products import BUCKETS
 
 # --- early pruning and the drafter ---------------------------------------------------------------
@@ -154,7 +154,7 @@ def test_the_plan_is_redone_only_when_the_sequence_moves(monkeypatch):
 def test_its_own_planner_drafts_every_step_even_where_drafting_cannot_pay():
     """The paper's ProPD never takes an AR step: with rows so dear that the core planner
     plans AR, its sizes still draft: the core's by default, and those a CPU's layer hands it
-    (tuning.planner.own_sizes), each filling fast mode's row buckets at B = 1, 2, 4, 8."""
+    (tuning.probing.own_sizes), each filling fast mode's row buckets at B = 1, 2, 4, 8."""
     args = ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=13, hidden_dim=24)
     model = random_model(args, 0)
     d = ProPD(Heads(16, 13, 3).init_from(model.lm_head), medusa_tree(ACC, 6), ACC, dynamic=True,

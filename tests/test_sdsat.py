@@ -163,8 +163,8 @@ def test_adaptive_rows_match_decoding_and_training_lowers_their_loss():
         d = SDSAT(delta, k=3)
         dec = Decoding(model, KVCache.for_model(model, 16), False, 8, x[0, :6].tolist())
         dec.prefill(dec.prompt[:-1])
-        block, nodes, seqs = lay_out([dec], d, [Tree.chain(dec.root)])
-        out = d.forward(Forward.on_cache(model, block, dec.cache, False, seqs), nodes)
+        block, nodes, cache_rows = lay_out([dec], d, [Tree.chain(dec.root)])
+        out = d.forward(Forward.on_cache(model, block, dec.cache, False, cache_rows), nodes)
     assert torch.allclose(out.draft_inputs[0, 0], logits[0], atol=1e-3)
     wins = [[(s, 4) for s in range(1, 28, 3)]] * 2
     loss = lambda: F.cross_entropy(*(t.flatten(0, 1) if t.dim() == 3 else t.flatten()

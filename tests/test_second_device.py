@@ -70,10 +70,10 @@ def test_every_method_decodes_on_the_second_device(name):
 
 def test_the_stand_in_catches_a_host_index_in_a_program(monkeypatch):
     """Planted: the commit's moves, inside the step's program, indexed by a tensor made on the host."""
-    def commit(cache, seqs, cur, path):
+    def commit(cache, cache_rows, cur, path):
         dst = cur[:, None] + torch.arange(path.shape[-1])  # the fault: no device
         src = torch.where(path >= 0, cur[:, None] + path, dst)
-        cache.kv[:, :, seqs[:, None], :, dst] = cache.kv[:, :, seqs[:, None], :, src]
+        cache.kv[:, :, cache_rows[:, None], :, dst] = cache.kv[:, :, cache_rows[:, None], :, src]
     monkeypatch.setattr(KVCache, "commit", commit)
     with second_device():
         model = random_model(ARGS, seed=4, device="cuda")

@@ -134,7 +134,7 @@ class BiTA(Ranked):
         its P rows compute, causal among themselves from position 0."""
         slots, P = torch.tensor(dec.reserved), len(dec.reserved)
         if self.tune.prompting == "deep":
-            dec.cache.write_reserved(dec.seq, slots, self.tune.key, self.tune.value)
+            dec.cache.write_reserved(dec.cache_row, slots, self.tune.key, self.tune.value)
         elif self.tune.prompting == "shallow":
             extra = torch.where(torch.arange(P)[None] <= torch.arange(P)[:, None], slots[None], -1)
             z = torch.zeros(1, P, dtype=torch.long)

@@ -24,7 +24,7 @@ Choices where the paper is silent, and why:
 - Iteration time is wall time from one draft to the next (forward, verification, commit, drafting), keyed by the
   tree's size before pruning: pruning shows as cheaper large trees, how the two techniques combine (section 5.4.3).
 - Candidate sizes: the paper names none: the core planner's (1, 3, 7, ..., 63: with the root, powers of two rows), or a
-  device layer's (a CPU's: one under each of fast mode's row buckets, tuning/planner.own_sizes).
+  device layer's (a CPU's: one under each of fast mode's row buckets, tuning/probing.own_sizes).
 - Until two sizes are measured the planner explores: the static tree's size, then the smallest. Each generation's first
   step, one AR row (no hidden state yet), is not timed: a single row takes a faster matrix-vector path on CPU.
 - Whose costs: the paper's online line (`planner=online`) cannot price that AR row, so it never steps aside, and in
@@ -61,7 +61,7 @@ from ..planner import Planner
 from ..training.forced import labelled, targets, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
 from ..tree import choose_tree
-from ..tuning.costs import Measured
+from ..tuning.measured import Measured
 from .medusa import Heads, Medusa, load_heads
 
 SIZES = tuple(s for s in CORE_SIZES if s)  # the core planner's without 0: ProPD always drafts
@@ -113,7 +113,7 @@ def pruned(nodes, x: torch.Tensor, early: EarlyHead, k: int) -> torch.Tensor:
 
 class ProPD(Medusa):
     """Medusa's heads, verified with early pruning (early=None: off) and a dynamic tree size (dynamic=False: Medusa's
-    static tree `paths`) planned from online step times (the paper's; cost=...: another, e.g. costs.Measured)."""
+    static tree `paths`) planned from online step times (the paper's; cost=...: another, e.g. measured.Measured)."""
     name = "propd"
     off = None  # why the loader turned pruning off, for the report
     floor = 1.9  # tokens per step when a test feeds it AR's continuation (tests/helpers.py, reaches_floor)

@@ -15,7 +15,7 @@ the shapes it adds, not the model's again.
 A row count can also be slow in every form (BLAS kernels favour some widths). So a product may
 run on more rows than it has, zero rows added and their results dropped, when tune() measured
 the larger count faster: a forward's cost then never rises from n rows to n+1 below a bucket
-edge, and the planner gets the rows it pays for (costs.measure sees the padded forward).
+edge, and the planner gets the rows it pays for (measured.measure sees the padded forward).
 
 A fourth form, where PyTorch has oneDNN, runs against a copy of the weight packed once in oneDNN's
 blocked layout: eager products repack the weight on every call, which at 8-64 rows costs as much as
@@ -54,7 +54,7 @@ class Kernels:
     def __init__(self, table: dict):
         self.table, self.prepared = table, {}  # prepared: (id(weight), form) -> the weight as that form wants it
 
-    def __deepcopy__(self, memo):  # a copied layer (a drafter copied for another run) shares the table
+    def __deepcopy__(self, memo):  # a copied product (a drafter copied for another run) shares the table
         return self
 
     def __call__(self, proj, x):
@@ -74,15 +74,15 @@ class Kernels:
         return y.reshape(*x.shape[:-1], -1)
 
 
-def layers(*owners) -> list[torch.nn.Linear]:
-    """The bias-free nn.Linear layers of owners (a model; a drafter: its modules, e.g. its heads)."""
+def products(*owners) -> list[torch.nn.Linear]:
+    """The bias-free products (nn.Linear) of owners (a model; a drafter: its modules, e.g. its heads)."""
     modules = [m for o in owners for m in ([o] if isinstance(o, torch.nn.Module) else
                                             [v for v in vars(o).values() if isinstance(v, torch.nn.Module)])]
     return [m for module in modules for m in module.modules() if isinstance(m, torch.nn.Linear) and m.bias is None]
 
 
 def to_json(k: Kernels) -> str:
-    """The table as {"NxK": [[bucket, form, rows], ...]}, sorted: one table, one text (costs.measure hashes it)."""
+    """The table as {"NxK": [[bucket, form, rows], ...]}, sorted: one table, one text (measured.measure hashes it)."""
     shapes = {}
     for (N, K, b), v in sorted(k.table.items()):
         shapes.setdefault(f"{N}x{K}", []).append([b, *v])
@@ -102,7 +102,7 @@ def tuned(model, *drafters) -> Kernels:
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'-'.join(sorted(FORMS))}"
     path = cache_root() / "kernels" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     read = lambda: from_json(path.read_text()).table if path.is_file() else {}
-    table, mine = read(), layers(model, *drafters)
+    table, mine = read(), products(model, *drafters)
     known = {k[:2] for k in table}
     missing = [m for m in mine if tuple(m.weight.shape) not in known]  # every layer of a new shape: tune streams them
     if missing:
@@ -112,15 +112,15 @@ def tuned(model, *drafters) -> Kernels:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda p: p.write_text(to_json(Kernels(table))))
     shapes = {tuple(m.weight.shape) for m in mine}
-    return Kernels({k: v for k, v in table.items() if k[:2] in shapes})  # only these: costs.measure keys by it
+    return Kernels({k: v for k, v in table.items() if k[:2] in shapes})  # only these: measured.measure keys by it
 
 
 @torch.inference_mode()
 def tune(*owners, buckets=BUCKETS, reps: int = 4) -> Kernels:
-    """Time every form for every weight shape of the owners' layers (a model's, drafters') and row bucket;
+    """Time every form for every weight shape of the owners' products (a model's, drafters') and row bucket;
     each bucket keeps the fastest (form, rows) of its own and the larger buckets up to twice its rows."""
     shapes = {}
-    for m in layers(*owners):
+    for m in products(*owners):
         shapes.setdefault(tuple(m.weight.shape), []).append(m.weight)
     table = {}
     for (N, K), ws in shapes.items():

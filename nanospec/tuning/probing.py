@@ -2,7 +2,7 @@
 (RESULTS.md, "Why the heuristics stay"):
 
 - Sizes one under fast mode's row buckets (products.BUCKETS): s + 1 rows a sequence, times a batch of
-  1, 2, 4 or 8, fill one, where a padded costs.Measured prices a count at its bucket's.
+  1, 2, 4 or 8, fill one, where a padded measured.Measured prices a count at its bucket's.
 - Replans once a run of one kind of step (batch size, AR or drafting) reaches SETTLE steps: its price and
   what it gets are then known, so a plan that a probe's lucky outcomes sent drafting is undone in SETTLE
   steps, not a replan period.
@@ -36,7 +36,7 @@ def own_sizes(drafter) -> None:
         drafter.plan(drafter.planner)  # its block fits the sizes
 
 
-class Tuned(Planner):
+class Probing(Planner):
     """The core planner, with probes, SETTLE replans and unranked drafters (see the module docstring)."""
 
     def __init__(self, cost, sizes=SIZES, replan: int = 32, alpha: float = 0.05):
