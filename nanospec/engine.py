@@ -90,7 +90,8 @@ def lay_out(decs: list[Decoding], drafter: Drafter, trees: list[Tree], budget=No
 
 def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nodes, cache_rows):
     """A cohort's step program (step_program, batch dim first) launched on one host tensor, and its start time. Exact
-    mode: fixed shapes, one program per method, tree size and group rows (one CUDA graph each, on a GPU)."""
+    mode: fixed shapes, one program per method (and per tree and group size, for a method with group rows; one CUDA
+    graph each, on a GPU)."""
     d, lay = decs[0], nodes.lay
     cursors = {x.cache_row: x.cur for x in decs} if d.block_batch else dict(enumerate(x.cur for x in decs))
     cur = torch.tensor([cursors.get(r, 0) for r in range(len(block.tokens))])  # idle sequences: slot 0 onto itself

@@ -130,11 +130,12 @@ def angles(model: Llama, pos: torch.Tensor, dev: Device | None = None):
 def context(model: Llama, block: Block, n_slots: int, exact: bool, cache_rows=None, tail: int = 1,
             dev=None, arange=None) -> Context:
     """The block's Context. n_slots: the cache's (its physical slots); tail: in exact mode the keys each row gathers in
-    canonical order (at least the deepest row's ancestors and itself; the rest it reads in place); dev: the device's
-    layout and speed (default: devices.of the block's device); arange: 0, 1, ... on the device, at least n_slots + 1
-    and the batch of them (KVCache.arange: made once, a program's indices are its views)."""
+    canonical order (at least the deepest row's ancestors and itself, rounded up to a multiple of the device's
+    slot_grain; the rest it reads in place); dev: the device's layout and speed (default: devices.of the block's
+    device); arange: 0, 1, ... on the device, at least n_slots + 1 and the batch of them (KVCache.arange: made once, a
+    program's indices are its views)."""
     dev = devices.of(block.extra.device) if dev is None else dev
-    W = tail - tail % -dev.slot_grain  # whole rows of the device's grain
+    W = tail - tail % -dev.slot_grain  # a count of keys, rounded up to a multiple of the device's slot grain
     n = max(n_slots + 1, W, len(block.extra), block.extra.shape[-1] + 1, model.args.kv_heads)
     arange = torch.arange(n, device=block.extra.device) if arange is None or len(arange) < n else arange
     index = (arange[:len(block.extra)] if cache_rows is None else cache_rows)[:, None, None, None]
@@ -182,8 +183,9 @@ class Forward:
 
     @classmethod
     def on_cache(cls, model: Llama, block: Block, cache, exact: bool, cache_rows=None, tail: int = 1, dev=None):
-        """cache_rows (B,): the cache rows of the block's sequences (None: the cache's rows in order); tail: exact
-        mode's keys gathered per row (sizes.shapes' W); dev: the device's layout and speed (devices.py)."""
+        """cache_rows (B,): each sequence's cache row, its index in the cache's batch (None: the cache's rows in
+        order); tail: exact mode's keys gathered per row (sizes.shapes' W); dev: the device's layout and speed
+        (devices.py)."""
         ctx = context(model, block, cache.kv.shape[-2], exact, cache_rows, tail, dev, cache.arange)
         return cls(model, block, ctx, cache.kv)
 

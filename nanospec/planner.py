@@ -6,13 +6,14 @@ method gets it: a cost model of a step's seconds by (batch, rows) that the plann
 costs.CostModel, or a device layer's: tuning/measured.Measured), acceptance per depth and rank, the expected accepted
 length of a tree (1, plus each node's path probability: Figure 6), and the size with the most expected tokens per
 second, replanned every `replan` tokens of the planner's clock (not a cursor, which a refill restarts) and whenever
-the batch size changes. The cost model learns at each plan, from the steps since. Two generalisations: - Size 0, an
-AR step: drafting that does not pay stops. - The expected lengths are calibrated by what drafting steps got: the
-draft tokens accepted over those the model expected (an EMA over the steps after a drafting step; a step after AR
-has no drafts to verify, a switch's price). Figure 6 scores a tree as if every step had drafts: a drafter whose
-drafts ride on one node (SDSAT's adaptive tokens) has none after a step that stops short of it, and a plan made on a
-good run of acceptance meets the run's end. The estimates per depth stay the paper's; the ratio prices what they
-leave out, so a drafter the planner trusted goes to AR where its drafts do not pay.
+the batch size changes. The cost model learns at each plan, from the steps since. Two generalisations:
+- Size 0, an AR step: drafting that does not pay stops.
+- The expected lengths are calibrated by what drafting steps got: the draft tokens accepted over those the model
+  expected (an EMA over the steps after a drafting step; a step after AR has no drafts to verify, a switch's price).
+Figure 6 scores a tree as if every step had drafts: a drafter whose drafts ride on one node (SDSAT's adaptive tokens)
+has none after a step that stops short of it, and a plan made on a good run of acceptance meets the run's end. The
+estimates per depth stay the paper's; the ratio prices what they leave out, so a drafter the planner trusted goes to
+AR where its drafts do not pay.
 
 Prices are the live batch's: a step is priced at the number of sequences live, as the batch's last sequences run
 too, and a cost model that learns prices each size and budget by what its steps really took (costs.CostModel's

@@ -90,7 +90,7 @@ def test_cache_full_stops_cleanly(device):
 
 
 def test_exact_block_below_the_minimum_is_refused():
-    """Blocks under 16 rows would put rows on MKL's small-GEMM tail path (see sizes.MIN_BLOCK): refused by generate,
+    """Blocks under 16 rows would put rows on MKL's small-GEMM tail path (devices.MIN_BLOCK): refused by generate,
     and by a Decoding made directly (fast mode has no block, so any Q)."""
     from nanospec import NanospecError
     from nanospec.cache import KVCache
