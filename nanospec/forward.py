@@ -101,7 +101,7 @@ def exact_layer(layer, x, ctx: Context, kv):
     """model.Layer.forward as exact mode runs it: each residual added in its product's kernel (addmm's epilogue),
     one kernel where `x + ...` is two."""
     x = ctx.linear(layer.attn.o_proj, layer.attn.heads(layer.attn_norm(x), ctx, kv), add=x)
-    return ctx.linear(layer.mlp.down_proj, layer.mlp.hidden(layer.mlp_norm(x), ctx), add=x)
+    return ctx.linear(layer.mlp.down_proj, layer.mlp.inner(layer.mlp_norm(x), ctx), add=x)
 
 
 def attend_fast(q, kv, ctx: Context):

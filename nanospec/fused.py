@@ -17,9 +17,11 @@ class Product(nn.Linear):
 
 
 def fuse(module, name: str, dim: int, parts: dict[str, int], interleave: int = 1, bias: bool = False):
-    """module.<name>: one product for the projections `parts` (name: output size), their weights' rows (and biases)
-    interleaved in `interleave` blocks (each part's rows split in as many: a key head's q, k and v together): one
-    kernel, not len(parts)."""
+    """module.<name>: one product for the projections `parts` (name: output size): one kernel that reads its input
+    once, where HF runs len(parts). Its weight's rows (and bias's) come in `interleave` blocks, block i holding each
+    part's i-th 1/interleave of rows in parts' order (Attention's qkv: a key head's query heads, key and value; 1:
+    the parts stacked, MLP's gate_up). The checkpoint keeps HF's parts (q_proj, k_proj, v_proj; gate_proj, up_proj):
+    the state dict splits the fused weight on save and joins the parts on load."""
     setattr(module, name, Product(dim, sum(parts.values()), name, interleave, bias))
     sizes, leaves = [n // interleave for n in parts.values()], (".weight", ".bias")[:1 + bias]
 

@@ -7,6 +7,10 @@ is compiled from outside. It holds each row's RoPE angles (ctx.cos, ctx.sin) and
 method needs, each product (ctx.linear: `proj(x)`), each elementwise kernel (ctx.elementwise), the cache write
 (ctx.write), attention over the keys each row sees (ctx.attend: exact mode's canonical order, exact.py, or SDPA) and
 each layer (ctx.layer: exact mode adds a residual inside its product's kernel, forward.exact_layer).
+
+Names against HF's: embed = model.embed_tokens, layers[i].attn = self_attn, attn_norm = input_layernorm, mlp_norm =
+post_attention_layernorm, norm = model.norm, lm_head = lm_head; attn.qkv is q_proj, k_proj and v_proj fused and
+mlp.gate_up is gate_proj and up_proj (Attention, MLP); ModelArgs.dim is hidden_size, rms_norm_eps is norm_eps.
 """
 from dataclasses import dataclass
 
@@ -25,9 +29,9 @@ class ModelArgs:
     n_heads: int = 8
     n_kv_heads: int | None = None  # None: n_heads (MHA)
     vocab_size: int = 4096
-    hidden_dim: int = 688  # SwiGLU inner size
+    intermediate_size: int = 688  # SwiGLU's inner width (HF's name; HF's hidden_size is dim)
     head_dim: int | None = None  # None: dim // n_heads
-    norm_eps: float = 1e-5
+    norm_eps: float = 1e-5  # HF's rms_norm_eps: every RMSNorm's, Qwen3's q_norm and k_norm included
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
     tie_embeddings: bool = False
@@ -85,8 +89,12 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = args.n_heads, args.kv_heads, args.hd
         H, Hkv = args.n_heads * args.hd, args.kv_heads * args.hd
-        # per key head: its G query heads, its key, its value (q and k then rotate at once)
+        # qkv is HF's q_proj, k_proj and v_proj as one product (fused.py): for each key head h in turn, its rows are
+        # q_proj's rows of query heads hG..hG+G-1 (G = n_heads // n_kv_heads), then k_proj's rows of head h, then
+        # v_proj's rows of head h (biases alike). Its output viewed (B, T, n_kv, G + 2, hd) holds at [:, :, h] those
+        # query heads, key h, value h: query head i reads key head i // G, as HF's repeat_kv pairs them.
         fuse(self, "qkv", args.dim, {"q_proj": H, "k_proj": Hkv, "v_proj": Hkv}, args.kv_heads, args.qkv_bias)
+        # Qwen3: q_norm and k_norm both take the one norm_eps, as HF's both take rms_norm_eps (heads() merges them)
         self.q_norm, self.k_norm = (RMSNorm(args.hd, args.norm_eps) for _ in "qk") if args.qk_norm else (None, None)
         self.o_proj = Product(H, args.dim, "o_proj")
 
@@ -96,7 +104,7 @@ class Attention(nn.Module):
         G = self.n_heads // self.n_kv
         qkv = ctx.linear(self.qkv, x).view(B, T, self.n_kv, G + 2, self.hd)  # per key head: G queries, key, value
         qk, v = qkv[:, :, :, :G + 1], qkv[:, :, :, G + 1]
-        if self.q_norm is not None:  # Qwen3: each head of q by q_norm's weight, k by k_norm's, before RoPE: one norm
+        if self.q_norm is not None:  # Qwen3: HF's q_norm(q), k_norm(k) as one norm, each at norm_eps, before RoPE
             qk = rms_norm(qk, torch.cat((self.q_norm.weight.expand(G, -1), self.k_norm.weight[None])), self.q_norm.eps)
         qk = apply_rope(qk, ctx.cos, ctx.sin)
         q, k = qk[:, :, :, :G], qk[:, :, :, G]
@@ -109,16 +117,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        fuse(self, "gate_up", args.dim, {"gate_proj": args.hidden_dim, "up_proj": args.hidden_dim})
-        self.down_proj = Product(args.hidden_dim, args.dim, "down_proj")
+        # gate_up is HF's gate_proj's rows, then up_proj's, as one product (fused.py): chunk(2) splits its output
+        fuse(self, "gate_up", args.dim, {"gate_proj": args.intermediate_size, "up_proj": args.intermediate_size})
+        self.down_proj = Product(args.intermediate_size, args.dim, "down_proj")
 
-    def hidden(self, x, ctx):
-        """SwiGLU's hidden state, before down_proj."""
+    def inner(self, x, ctx):
+        """SwiGLU's inner activation, silu(gate) * up (intermediate_size wide), before down_proj."""
         gate, up = ctx.linear(self.gate_up, x).chunk(2, dim=-1)
         return ctx.elementwise(F.silu, gate) * up
 
     def forward(self, x, ctx):
-        return ctx.linear(self.down_proj, self.hidden(x, ctx))
+        return ctx.linear(self.down_proj, self.inner(x, ctx))
 
 
 class Layer(nn.Module):
@@ -130,6 +139,8 @@ class Layer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x, ctx, kv):
+        """HF's decoder layer. Exact mode runs forward.exact_layer instead: this layer with each residual added in
+        its product's epilogue (keep the two in step)."""
         x = x + self.attn(self.attn_norm(x), ctx, kv)
         return x + self.mlp(self.mlp_norm(x), ctx)
 

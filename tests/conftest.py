@@ -78,7 +78,7 @@ def weights(tmp_path_factory):
     spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=buf, vocab_size=400,
                                    model_type="bpe", byte_fallback=True, pad_id=3, minloglevel=2)
     (d / "tok.model").write_bytes(buf.getvalue())
-    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=400, hidden_dim=48))
+    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=400, intermediate_size=48))
     save(model, d, tokenizer_model=d / "tok.model")
     return d
 

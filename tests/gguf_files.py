@@ -44,7 +44,7 @@ def encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, T | None]:
 
 def llama_args(vocab_size: int, tie: bool = True) -> ModelArgs:
     # dim and hidden are multiples of 256, the K-quants' block
-    return ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab_size, hidden_dim=256,
+    return ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab_size, intermediate_size=256,
                      rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=tie, bos_id=1, eos_id=2, pad_id=0)
 
 

@@ -384,7 +384,7 @@ def model_args(draw) -> ModelArgs:
     family, window = draw(st.sampled_from(FAMILIES)), draw(st.integers(1, 24))
     return family_args(ModelArgs(dim=draw(st.integers(4, 20)) * 2 + 1, n_layers=draw(st.integers(1, 3)),
                      n_heads=heads, n_kv_heads=kv, head_dim=draw(st.sampled_from([2, 4, 6, 8, 10])),
-                     vocab_size=draw(st.integers(5, 131)), hidden_dim=draw(st.integers(5, 61)),
+                     vocab_size=draw(st.integers(5, 131)), intermediate_size=draw(st.integers(5, 61)),
                      rope_theta=draw(st.sampled_from([10000.0, 500.0])), rope_scaling=scaling,
                      tie_embeddings=draw(st.booleans()), norm_eps=1e-5), family, window)
 
@@ -584,7 +584,7 @@ METHODS = list(REGISTRY)  # every registered method, AR first: each generic test
 DRAFTING = [n for n in METHODS if n != "ar"]  # the methods that draft (AR, the baseline, does not)
 # the specs run on the default model: those with a figure, and every other method decoding it, by its name alone
 SHIPPED = list(FIGURES) + [n for n in split_specs("all") if n != "ar" and all(s.split(":")[0] != n for s in FIGURES)]
-ARGS = ModelArgs(dim=30, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=6, vocab_size=53, hidden_dim=37)
+ARGS = ModelArgs(dim=30, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=6, vocab_size=53, intermediate_size=37)
 EOS = 5  # check_batch's end of sequence
 
 

@@ -18,7 +18,7 @@ from nanospec.tree import Template, Tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 W = Path(__file__).resolve().parents[1] / "weights" / "pylm"
-TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
+TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, intermediate_size=40)
 
 
 def random_tuning(args, seed, M, P, prompting, dtype, device, scale=1.0):

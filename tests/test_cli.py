@@ -338,7 +338,7 @@ def foreign(tmp_path_factory):
     """The shipped drafters next to base weights they were not trained for (and an sdsat_full record
     of another model beside them)."""
     d = tmp_path_factory.mktemp("foreign") / "w"
-    save(random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=8192, hidden_dim=48)), d,
+    save(random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=8192, intermediate_size=48)), d,
          tokenizer_model=PYLM / "tokenizer.model")
     for f in PYLM.glob("*.safetensors"):
         if f.name != "model.safetensors":

@@ -17,7 +17,7 @@ from nanospec.model import ModelArgs
 from nanospec.oracle import compare, trace
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, hidden_dim=40)
+ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, intermediate_size=40)
 
 
 def run(module_or_script, *args):
@@ -137,7 +137,8 @@ def test_transformers_client(weights, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["def f(x):\n    return", "class A:"]))
     assistant = tmp_path / "assistant"
-    save(random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=400, hidden_dim=24), seed=7), assistant)
+    save(random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=400, intermediate_size=24), seed=7),
+         assistant)
     code, out, err = call(compare.main, "--engine", "transformers", "--weights", weights, "--prompts", prompts,
                           "--max-new-tokens", 12, "--dtype", "float32,bfloat16", "--assistant", assistant, "--json",
                           "--save", tmp_path / "traces")

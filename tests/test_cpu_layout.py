@@ -16,7 +16,7 @@ from nanospec.model import ModelArgs
 
 # rows of odd length; SMALL's hidden rows (23) fit in 32 elements, so row-wise calls padded to 32 rather than 64 (two
 # AVX-512 vectors of bf16) would leave a bf16 remainder
-SMALL = ModelArgs(dim=19, n_layers=1, n_heads=3, n_kv_heads=1, head_dim=10, vocab_size=41, hidden_dim=23)
+SMALL = ModelArgs(dim=19, n_layers=1, n_heads=3, n_kv_heads=1, head_dim=10, vocab_size=41, intermediate_size=23)
 ROWS = [(ARGS, 0, 20), (SMALL, 1, 37)]  # (model args, seed, rows of the block)
 DTYPES = [torch.float32, torch.bfloat16]
 STAND_INS = {"aligned": AlignedProducts, "rowwise": ScalarRemainders}  # the construction each stand-in proves

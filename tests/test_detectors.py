@@ -13,7 +13,7 @@ from nanospec.methods import METHODS
 from nanospec.model import ModelArgs
 from nanospec.oracle import compare, trace
 
-ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, hidden_dim=40)
+ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, intermediate_size=40)
 
 
 @pytest.fixture

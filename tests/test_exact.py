@@ -58,7 +58,7 @@ def test_fast_mode_tokens_equal_ar(device, args, seed, plen, temperature):
 def test_adversary_gets_drafts_accepted(device):
     """The exactness tests would be vacuous if no draft token were ever accepted."""
     from nanospec.model import ModelArgs
-    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, hidden_dim=48),
+    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, intermediate_size=48),
                          device=device)
     ar, adv = run_pair(model, list(range(10)), True, draft_seed=1, n_new=40)
     assert adv.mean_accepted > 1.5 and adv.steps < ar.steps
@@ -66,7 +66,7 @@ def test_adversary_gets_drafts_accepted(device):
 
 def test_stops_on_eos_like_ar(device):
     from nanospec.model import ModelArgs
-    args = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=12, hidden_dim=30)
+    args = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=12, intermediate_size=30)
     model = random_model(args, seed=3, device=device)
     ref = generate(model, [1, 2, 3], max_new_tokens=60, eos_id=-1)
     eos = ref.tokens[7]  # a token AR emits: stop there
@@ -81,7 +81,7 @@ def test_stops_on_eos_like_ar(device):
 
 def test_cache_full_stops_cleanly(device):
     from nanospec.model import ModelArgs
-    model = random_model(ModelArgs(dim=24, n_layers=1, n_heads=2, vocab_size=30, hidden_dim=30), device=device)
+    model = random_model(ModelArgs(dim=24, n_layers=1, n_heads=2, vocab_size=30, intermediate_size=30), device=device)
     ref = generate(model, [1, 2, 3], max_new_tokens=40, eos_id=-1)
     for drafter in (None, Adversary(ref.tokens, 30, 2)):
         out = generate(model, [1, 2, 3], drafter, max_new_tokens=40, n_slots=20, Q=16, eos_id=-1, exact=True)
@@ -96,7 +96,7 @@ def test_exact_block_below_the_minimum_is_refused():
     from nanospec.cache import KVCache
     from nanospec.engine import Decoding
     from nanospec.model import ModelArgs
-    model = random_model(ModelArgs(dim=24, n_layers=1, n_heads=2, vocab_size=30, hidden_dim=30))
+    model = random_model(ModelArgs(dim=24, n_layers=1, n_heads=2, vocab_size=30, intermediate_size=30))
     with pytest.raises(NanospecError, match="at least 16 rows"):
         generate(model, [1, 2, 3], max_new_tokens=4, exact=True, Q=8)
     cache = KVCache.for_model(model, 64)

@@ -124,8 +124,8 @@ def test_planted_faults_are_caught(checkpoints, monkeypatch):
 @pytest.mark.parametrize("name, window", [(f, 8) for f in FAMILIES] + [("qwen2", None), ("qwen3", None)])
 def test_our_checkpoints_of_each_family_load_in_transformers(tmp_path, name, window):
     """save() writes the family's config.json (Qwen's window: every layer's), which transformers loads unchanged."""
-    args = family_args(ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=33, hidden_dim=30),
-                       name, window)
+    args = family_args(ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=33,
+                                 intermediate_size=30), name, window)
     args = replace(args, sliding_window=window if name != "llama" else None)
     assert from_hf_config(to_hf_config(args)) == args
     model = random_model(args)

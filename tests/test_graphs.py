@@ -17,7 +17,7 @@ from nanospec.methods import hidden_transfer
 from nanospec.model import ModelArgs
 
 cuda = pytest.mark.cuda
-ARGS = ModelArgs(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=80)
+ARGS = ModelArgs(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, intermediate_size=80)
 
 
 def run(model, prompt, drafter=None, n=24):

@@ -15,7 +15,7 @@ from nanospec.methods import METHODS as REGISTRY
 from nanospec.model import ModelArgs
 from nanospec.tree import Tree
 
-ARGS = ModelArgs(dim=24, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
+ARGS = ModelArgs(dim=24, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=37, intermediate_size=40)
 OWN_ROWS = [n for n in METHODS if REGISTRY[n].groups is not Drafter.groups]  # rows after the tree
 
 

@@ -15,7 +15,7 @@ from nanospec.training.forced import labelled
 from nanospec.tree import Template, Tree, choose_tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TINY = ModelArgs(dim=24, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
+TINY = ModelArgs(dim=24, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=37, intermediate_size=40)
 ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
 
 

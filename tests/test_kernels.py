@@ -19,7 +19,7 @@ def tuned(table: Kernels):
     """The CPU's defaults with table as fast mode's products."""
     return replace(devices.of("cpu"), kernels=table)
 
-TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
+TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, intermediate_size=40)
 
 
 @given(form=st.sampled_from(sorted(FORMS)), M=st.integers(1, 70), extra=st.integers(0, 8), lead=st.booleans())

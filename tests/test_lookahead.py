@@ -190,7 +190,7 @@ def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, str
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_drafts_get_accepted(device, strategy):
     """The exactness property would be vacuous if no draft were ever accepted."""
-    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, hidden_dim=48),
+    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, intermediate_size=48),
                          device=device)
     prompt = list(range(10)) * 3
     d = Lookahead(decoding_length=8, strategy=strategy)

@@ -17,7 +17,7 @@ from nanospec.training.forced import labelled
 from nanospec.tree import choose_tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, hidden_dim=48)
+TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, intermediate_size=48)
 
 
 def test_untrained_heads_repeat_the_next_token_guess():
@@ -201,7 +201,7 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_its_ids_on_disk(tmp
     """--draft-vocab: shared heads score only the tokens their training targets use most (ties and unseen ones:
     the lowest ids), as the whole lm_head would; no other token is ever a candidate, in decoding or in the
     trainer's accuracies; decoding stays AR's; the file keeps the ids exactly (bf16 holds integers only to 256)."""
-    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=600, hidden_dim=48)
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=600, intermediate_size=48)
     model = random_model(args)
     save(model, tmp_path)
     y = torch.tensor([[599, 300], [599, -100], [300, 7], [599, 3]])

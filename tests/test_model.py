@@ -7,11 +7,11 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import full_logits, keys_in_order, model_args, random_model, rows_by_index
+from helpers import FAMILIES, family_args, full_logits, keys_in_order, model_args, random_model, rows_by_index
 from nanospec import NanospecError, devices
 from nanospec.cache import Block, KVCache
 from nanospec.engine import generate
-from nanospec.forward import angles, context, run
+from nanospec.forward import Forward, angles, context, exact_layer, run
 from nanospec.io.checkpoint import from_hf_config, load, load_args, save, to_hf_config
 from nanospec.model import Llama, ModelArgs
 from nanospec.tree import Tree
@@ -78,7 +78,7 @@ def test_sharded_checkpoint_loads(tmp_path):
 @pytest.mark.parametrize("tied", [False, True])
 def test_our_checkpoint_loads_in_transformers(tmp_path, tied):
     transformers = pytest.importorskip("transformers")
-    model = random_model(ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=33, hidden_dim=30,
+    model = random_model(ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=33, intermediate_size=30,
                                    rope_scaling=dict(LLAMA3), tie_embeddings=tied))
     save(model, tmp_path)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
@@ -88,7 +88,7 @@ def test_our_checkpoint_loads_in_transformers(tmp_path, tied):
 
 
 def test_save_load_roundtrip_bf16_is_exact_upcast(tmp_path):
-    model = random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=20, hidden_dim=24))
+    model = random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=20, intermediate_size=24))
     save(model, tmp_path, dtype=torch.bfloat16)
     back = load(tmp_path, torch.float32)
     for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
@@ -103,7 +103,8 @@ def test_a_bf16_model_rotates_with_fp32_rope_constants(tmp_path, cast):
     logits stay within bf16's noise of the same weights computed in fp32. Constants cast with the weights pass
     every test that compares the cast model with itself (its AR run shares them), and move late positions'
     logits far beyond that noise."""
-    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, hidden_dim=48, rope_scaling=LLAMA3)
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, intermediate_size=48,
+                     rope_scaling=LLAMA3)
     ref = random_model(args, seed=1).to(torch.bfloat16).float()  # bf16's weights, computed in fp32
     if cast == "to":
         model = random_model(args, seed=1, dtype=torch.bfloat16)
@@ -141,7 +142,7 @@ def test_config_styles_and_errors(tmp_path):
 
 
 def test_weights_that_do_not_match_config(tmp_path):
-    model = random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=20, hidden_dim=24))
+    model = random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=20, intermediate_size=24))
     save(model, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 25}))
@@ -151,7 +152,7 @@ def test_weights_that_do_not_match_config(tmp_path):
 
 def test_batch_rows_are_independent():
     """The model keeps a batch dimension: each sequence of a batch gets its own result."""
-    model = random_model(ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40, hidden_dim=30))
+    model = random_model(ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40, intermediate_size=30))
     a, b = list(range(1, 13)), list(range(20, 32))
     one = [full_logits(model, ids, False) for ids in (a, b)]
     blk = Tree.chain(a[0], a[1:]).block(0)
@@ -162,11 +163,26 @@ def test_batch_rows_are_independent():
     torch.testing.assert_close(both[1], one[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_layer_is_the_layer(family):
+    """forward.exact_layer, the layer exact mode runs (each residual added in its product's kernel), is model.Layer's
+    forward to rounding: both over one exact context and cache, on a random GQA layer of each family."""
+    args = ModelArgs(dim=24, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=40, intermediate_size=30)
+    model = random_model(family_args(args, family))
+    ids = list(range(3, 23))
+    block = Tree.chain(ids[0], ids[1:]).block(0)
+    f = Forward.on_cache(model, block, KVCache.for_model(model, 24), True)
+    layer, x = model.layers[0], model.embed(block.tokens)
+    with torch.no_grad():
+        ours, ref = exact_layer(layer, x, f.ctx, f.kv[0]), layer(x, f.ctx, f.kv[0])
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_exact_rows_read_their_keys_in_canonical_order():
     """Each exact row reduces over the committed slots 0..committed-1 in order, then its extra slots as given (a tree
     node's ancestors by depth, itself last), whatever its tail: a root and two children after 5 committed slots,
     and the same tree after 2, its rows seeing a reserved slot (9) first."""
-    model = random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=20, hidden_dim=24))
+    model = random_model(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=20, intermediate_size=24))
     tree = Tree([9, 4, 8], [-1, 0, 0]).block(5)
     paths = [[5], [5, 6], [5, 7]]
     assert tree.extra[0].tolist() == [p + [-1] * (2 - len(p)) for p in paths]

@@ -71,7 +71,7 @@ def test_counting_leaves_exact_mode_as_it_found_it():
 
 # --- what a step writes, and what it launches outside its program ------------------------------------------------
 
-MB_ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=32, vocab_size=64, hidden_dim=64)
+MB_ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=32, vocab_size=64, intermediate_size=64)
 
 
 def written_per_row_and_slot(name) -> float:

@@ -26,7 +26,7 @@ from nanospec.tuning.measured import Measured
 from nanospec.tuning.probing import LONGEST, PROBE, SETTLE, SHARE, Probing
 from nanospec.tuning.products import BUCKETS
 
-ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=41, hidden_dim=40)
+ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=41, intermediate_size=40)
 ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
 NESTED = [n for n in METHODS if REGISTRY[n].nested]  # unranked drafters whose budget-s draft is a prefix (Lookahead's)
 

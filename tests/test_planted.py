@@ -19,7 +19,7 @@ from nanospec.oracle import floors, forced, noise, plants, trace, whole
 
 gguf = pytest.importorskip("gguf")
 
-BASE = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, hidden_dim=96, bos_id=1, eos_id=2)
+BASE = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, intermediate_size=96, bos_id=1, eos_id=2)
 VARIANTS = {"llama": BASE, "scaled": replace(BASE, rope_scaling={"rope_type": "linear", "factor": 4.0}),
             "qwen3": replace(BASE, qk_norm=True), "mistral": replace(BASE, sliding_window=12)}
 OF = {"rope_scaling": "scaled", "qk_norm": "qwen3", "window": "mistral"}  # the rest plant in the plain Llama

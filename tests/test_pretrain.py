@@ -14,7 +14,7 @@ from nanospec.training import loop, pretrain
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--method", "base", "--tokenizer", str(ROOT / "weights" / "pylm" / "tokenizer.model"),
         "--max-files", "6", "--dim", "32", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
-        "--hidden-dim", "48", "--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--warmup", "4"]
+        "--intermediate-size", "48", "--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--warmup", "4"]
 
 
 def test_tiny_training_run_reduces_loss(tmp_path):

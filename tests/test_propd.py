@@ -137,7 +137,7 @@ def test_acceptance_resolves_each_prediction_when_its_token_arrives():
 
 
 def test_the_plan_is_redone_only_when_the_sequence_moves(monkeypatch):
-    args = ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=13, hidden_dim=24)
+    args = ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=13, intermediate_size=24)
     model = random_model(args, 0)
     d = ProPD(Heads(16, 13, 3).init_from(model.lm_head), medusa_tree(ACC, 6), ACC, dynamic=True,
               sizes=(1, 2, 6), replan=16)
@@ -155,7 +155,7 @@ def test_its_own_planner_drafts_every_step_even_where_drafting_cannot_pay():
     """The paper's ProPD never takes an AR step: with rows so dear that the core planner
     plans AR, its sizes still draft: the core's by default, and those a CPU's layer hands it
     (tuning.probing.own_sizes), each filling fast mode's row buckets at B = 1, 2, 4, 8."""
-    args = ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=13, hidden_dim=24)
+    args = ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=13, intermediate_size=24)
     model = random_model(args, 0)
     d = ProPD(Heads(16, 13, 3).init_from(model.lm_head), medusa_tree(ACC, 6), ACC, dynamic=True,
               cost=FixedCost(1e-3, 1.0))
@@ -171,7 +171,7 @@ def test_its_own_planner_drafts_every_step_even_where_drafting_cannot_pay():
 
 
 def test_early_head_training_reduces_the_loss():
-    args = ModelArgs(dim=16, n_layers=3, n_heads=2, vocab_size=31, hidden_dim=24)
+    args = ModelArgs(dim=16, n_layers=3, n_heads=2, vocab_size=31, intermediate_size=24)
     model = random_model(args, 0)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -215,7 +215,7 @@ def test_early_heads_for_another_layer_are_refused():
 def test_regression_last_row_of_the_block():
     """Found by hypothesis: the accepted node at the block's last row took silu's scalar tail
     path on CPU, 1.9e-6 off AR's logits (fixed by devices.CPU.elementwise)."""
-    args = ModelArgs(dim=27, n_layers=3, n_heads=3, n_kv_heads=3, vocab_size=115, hidden_dim=35, head_dim=8,
+    args = ModelArgs(dim=27, n_layers=3, n_heads=3, n_kv_heads=3, vocab_size=115, intermediate_size=35, head_dim=8,
                      rope_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_embeddings=True)
     seed = 3487
     model = random_model(args, seed)

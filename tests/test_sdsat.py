@@ -17,7 +17,7 @@ from nanospec.training.forced import targets
 from nanospec.tree import Tree
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
+TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, intermediate_size=40)
 
 
 def delta_for(model, seed, tokens=1, rank=4):
@@ -203,7 +203,7 @@ class EveryThirdAR:
 
 def test_report_counts_its_own_first_steps_not_the_planners_ar_steps():
     """A draft step 1 (the root alone, k adaptive rows) counts; an AR step, its tree the root alone too, does not."""
-    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, hidden_dim=48))
+    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, intermediate_size=48))
     d = SDSAT(noisy(Delta(model, 4), 5, 0.3), k=3)
     d.planner, steps = EveryThirdAR(3), []
     generate(model, [3, 14, 15, 9, 2, 6], d, max_new_tokens=30, eos_id=-1, on_step=lambda dec, s: steps.append(s))

@@ -15,7 +15,7 @@ from nanospec.methods.sdsat import SDSAT
 from nanospec.methods.sdsat_full import mask, sdsat_loss
 from nanospec.model import ModelArgs
 
-TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, hidden_dim=40)
+TINY = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=37, intermediate_size=40)
 
 
 @given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 24), k=st.integers(1, 5),

@@ -25,7 +25,7 @@ def test_drawn_tree_is_the_verified_one(monkeypatch, exact):
     """On a planted drafter (random trees mixing AR's continuation with wrong branches), the tree on_step gets is the
     one the step laid out and verified, its drawing has a line per drafted node, and the marked nodes are the tokens
     the step committed, then the bonus: every step's, in order, make the output."""
-    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, hidden_dim=48))
+    model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, intermediate_size=48))
     prompt, n = [3, 14, 15, 9, 2, 6], 24
     truth = generate(model, prompt, max_new_tokens=n, exact=exact, eos_id=-1).tokens
     verified, shown, real = [], [], engine.lay_out

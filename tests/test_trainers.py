@@ -33,7 +33,7 @@ def train_all(tmp_path, monkeypatch, device, *more) -> list[set[str]]:
     """train.py for every drafter on a tiny base model written to tmp_path; the devices of each module a trainer
     writes: medusa's heads and its early head, propd's, bita's, the maps, sdsat's update."""
     from nanospec.io import checkpoint
-    model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
+    model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, intermediate_size=24), 0)
     save(model, tmp_path, tokenizer_model=TOKENIZER)
     trained_on = []
     for m in (medusa, propd, bita, hidden_transfer, sdsat):
@@ -103,7 +103,7 @@ def test_an_interrupted_drafter_trainer_resumes_exactly(tmp_path, monkeypatch, m
     weights as an uninterrupted one, and its metadata counts the time spent before the stop. (sdsat_full
     writes a model directory of its own.)"""
     from nanospec.training import loop as training
-    model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
+    model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, intermediate_size=24), 0)
     save(model, tmp_path / "m", tokenizer_model=TOKENIZER)
     full = tmp_path / "m-sdsat"
     written = full / "model.safetensors" if method == "sdsat_full" else tmp_path / "m" / f"{method}.safetensors"
@@ -191,7 +191,7 @@ def test_a_time_limit_cuts_the_schedule_to_fit(tmp_path, monkeypatch):
 def test_a_trainer_writes_what_fits_its_time_limit(tmp_path, monkeypatch):
     """train.py --time-limit end to end: the drafter is written with the steps that fit, and says so."""
     from nanospec.training import loop as training
-    model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
+    model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, intermediate_size=24), 0)
     save(model, tmp_path, tokenizer_model=TOKENIZER)
     clock = iter(range(0, 10**9))  # a second a reading: a step takes a few
     monkeypatch.setattr(training, "time", SimpleNamespace(time=lambda: next(clock)))
@@ -215,7 +215,7 @@ def test_the_held_out_set_leaves_out_what_trained_another_run(tmp_path, monkeypa
     from nanospec.training.data import distill, distill_prompts
     monkeypatch.setattr(data, "CACHE", tmp_path)
     monkeypatch.setattr(data, "train_functions", lambda n: [(" ".join(["a"] * (99 - i)), None) for i in range(n)])
-    model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, hidden_dim=24), 0)
+    model = random_model(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=8192, intermediate_size=24), 0)
     tok = load_tokenizer(TOKENIZER.parent)
     every = distill(model, tok, 60, 4)[::10]
     held = analysis.held_out(model, tok, 60, 4, also=[25])

@@ -39,7 +39,7 @@ def test_block_rows_see_exactly_prefix_ancestors_and_self(branches, cur, tail):
     t = from_branches(9, branches)
     blk = t.block(cur)
     assert blk.slots.tolist() == list(range(cur, cur + len(t)))
-    model = Llama(ModelArgs(dim=8, n_layers=1, n_heads=2, vocab_size=10, hidden_dim=8))
+    model = Llama(ModelArgs(dim=8, n_layers=1, n_heads=2, vocab_size=10, intermediate_size=8))
     S = cur + len(t) + 1
     exact, fast = context(model, blk, S, True, tail=tail), context(model, blk, S, False)
     for i in range(len(t)):

@@ -86,7 +86,7 @@ def from_hf_config(cfg: dict) -> ModelArgs:
     return ModelArgs(
         dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
         n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
-        vocab_size=cfg["vocab_size"], hidden_dim=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"], intermediate_size=cfg["intermediate_size"],
         head_dim=cfg.get("head_dim", 128 if kind == "qwen3" else None), norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling=scaling,
         tie_embeddings=cfg.get("tie_word_embeddings", False),
@@ -105,7 +105,7 @@ def to_hf_config(args: ModelArgs) -> dict:
         "architectures": [FAMILIES[kind]], "model_type": kind, **slides,
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads,
-        "vocab_size": args.vocab_size, "intermediate_size": args.hidden_dim,
+        "vocab_size": args.vocab_size, "intermediate_size": args.intermediate_size,
         "head_dim": args.hd, "rms_norm_eps": args.norm_eps, "hidden_act": "silu",
         "rope_theta": args.rope_theta, "rope_scaling": None if rope["rope_type"] == "default" else rope,
         "rope_parameters": {"rope_theta": args.rope_theta, **rope},

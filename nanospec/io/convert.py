@@ -83,7 +83,7 @@ def model_args(meta: dict, tensor_names: set) -> ModelArgs:
     try:
         return ModelArgs(
             dim=dim, n_layers=get("block_count"), n_heads=n_heads, n_kv_heads=get("attention.head_count_kv", n_heads),
-            vocab_size=get("vocab_size") or len(tokens or []), hidden_dim=get("feed_forward_length"),
+            vocab_size=get("vocab_size") or len(tokens or []), intermediate_size=get("feed_forward_length"),
             head_dim=head_dim, norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
             tie_embeddings="output.weight" not in tensor_names, max_seq_len=get("context_length", 2048),
@@ -116,8 +116,9 @@ def layer_shapes(args: ModelArgs) -> dict:
     shapes = {"input_layernorm.weight": (args.dim,), "post_attention_layernorm.weight": (args.dim,),
               "self_attn.q_proj.weight": (H, args.dim), "self_attn.k_proj.weight": (Hkv, args.dim),
               "self_attn.v_proj.weight": (Hkv, args.dim), "self_attn.o_proj.weight": (args.dim, H),
-              "mlp.gate_proj.weight": (args.hidden_dim, args.dim), "mlp.up_proj.weight": (args.hidden_dim, args.dim),
-              "mlp.down_proj.weight": (args.dim, args.hidden_dim)}
+              "mlp.gate_proj.weight": (args.intermediate_size, args.dim),
+              "mlp.up_proj.weight": (args.intermediate_size, args.dim),
+              "mlp.down_proj.weight": (args.dim, args.intermediate_size)}
     if args.qkv_bias:
         shapes.update({"self_attn.q_proj.bias": (H,), "self_attn.k_proj.bias": (Hkv,), "self_attn.v_proj.bias": (Hkv,)})
     if args.qk_norm:

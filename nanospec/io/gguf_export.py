@@ -63,7 +63,7 @@ def add_hyperparameters(w, args: ModelArgs, layers: int, context: int) -> None:
     w.add_block_count(layers)
     w.add_context_length(context)
     w.add_embedding_length(args.dim)
-    w.add_feed_forward_length(args.hidden_dim)
+    w.add_feed_forward_length(args.intermediate_size)
     w.add_head_count(args.n_heads)
     w.add_head_count_kv(args.kv_heads)
     w.add_rope_freq_base(args.rope_theta)

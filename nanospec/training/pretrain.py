@@ -36,7 +36,7 @@ def add_args(p):
     p.add_argument("--n-layers", type=int, default=8)
     p.add_argument("--n-heads", type=int, default=8)
     p.add_argument("--n-kv-heads", type=int, default=2)
-    p.add_argument("--hidden-dim", type=int, default=688)
+    p.add_argument("--intermediate-size", type=int, default=688)
     p.add_argument("--steps", type=int, default=1100)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
@@ -113,7 +113,7 @@ def train_base(args):
     torch.manual_seed(args.seed)
     dev = torch.device(args.device)
     margs = ModelArgs(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                      vocab_size=tok.vocab_size, hidden_dim=args.hidden_dim, tie_embeddings=True,
+                      vocab_size=tok.vocab_size, intermediate_size=args.intermediate_size, tie_embeddings=True,
                       max_seq_len=2048, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
     train_ids = token_stream(tok, "train", args.max_files)
     val_ids = token_stream(tok, "val", args.max_files)
