@@ -31,7 +31,7 @@ from nanospec.oracle import trace
 from nanospec.oracle.peers import transformers_peers
 from nanospec.show import Show
 from nanospec.sizes import block_batch
-from nanospec.tuning import products as kernels
+from nanospec.tuning import products
 from nanospec.tuning.counts import step_counts
 from nanospec.tuning.measured import measure as measure_costs
 from nanospec.tuning.probing import Probing, own_sizes
@@ -85,8 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--peers", choices=["transformers"], help="--bench: also time transformers' greedy, prompt lookup "
                    "and assisted generation on the same prompts, interleaved with the methods")
     p.add_argument("--kernels", choices=["tuned", "eager"], default="tuned",
-                   help="fast mode's matrix products: the form fastest for each row count on this machine "
-                   "(timed once, cached), or always F.linear")
+                   help="fast mode's product forms: each matrix product's form fastest for its row count on this "
+                   "machine (timed once, cached), or always F.linear")
     p.add_argument("--planner", choices=["measured", "none"], default="measured",
                    help="measured (fast mode): the core planner sizes each step's tree (0: an AR step) from what a "
                    "row costs on this machine (measured once, cached) and how the method's drafts fare; none: "
@@ -168,7 +168,7 @@ def tune(args, model, exact: bool, drafters) -> Device:
     if exact:
         return replace(dev, call=compiled.layer) if args.compile else dev
     if args.kernels == "tuned" and args.device == "cpu":
-        dev = replace(dev, kernels=kernels.tuned(model, *drafters))  # the drafters' products too
+        dev = replace(dev, forms=products.tuned(model, *drafters))  # the drafters' products too
     for d in drafters:
         if args.budget is not None and (d.topk or d.nested):  # one size: every step's
             d.plan(Probing(measure_costs(model, dev=dev), sizes=(args.budget,)))

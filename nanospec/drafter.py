@@ -157,7 +157,7 @@ class Drafter:
 
     def propose(self, draft_inputs: torch.Tensor, linear=plain) -> torch.Tensor:
         """Logits per draft depth (B, K, V) from each sequence's last accepted node's draft inputs (B, K', D);
-        linear(proj, x): the device's form of a product (devices.Device.kernels, else plain: a draft's need not be
+        linear(proj, x): the device's form of a product (devices.Device.forms, else plain: a draft's need not be
         AR's)."""
         return draft_inputs
 

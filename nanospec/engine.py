@@ -53,7 +53,7 @@ def step(live: list[Decoding], drafter: Drafter, record: bool):
         if decs[0].sampler.greedy:  # verified on the device: (packed results, logits), read back
             logits, found = res[1], read_back(res[0], index, s, nodes)
         else:
-            logits, found = res[0], settle_on_host(decs[0].cache, decs[0].dev.kernels, s, decs, trees, res, index)
+            logits, found = res[0], settle_on_host(decs[0].cache, decs[0].dev.forms, s, decs, trees, res, index)
         took = time.perf_counter() - t0  # from the launch to the read-back, shared by the cohort
         for b, (d, tree, whole), (path, emitted, cands, lists, pruned) in zip(index, members, found):
             d.advance(path, emitted, cands, lists, took / len(decs))
@@ -112,7 +112,7 @@ def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, fla
     out = drafter.forward(f, Nodes(tokens, lay, real.bool(), n, M))
     if not d.sampler.greedy:
         return out.logits, out.draft_inputs, out.depths, out.alive
-    return settle_on_device(d.cache, d.dev.kernels, drafter, out, tokens, lay, cur, cache_rows), out.logits
+    return settle_on_device(d.cache, d.dev.forms, drafter, out, tokens, lay, cur, cache_rows), out.logits
 
 
 def read_back(flat: torch.Tensor, index: list[int], drafter: Drafter, nodes: Nodes) -> list:

@@ -125,13 +125,13 @@ def test_fast_modes_padded_products_cost_their_bucket():
 def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp_path):
     """measured.measure prices rows by bucket where fast mode's tuned products pad them, and by a line
     in exact mode and under plain products; a cached measure reads back the same."""
-    from nanospec.tuning import products as kernels
+    from nanospec.tuning import products
     from nanospec.tuning.measured import measure
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     model = random_model(ARGS)
     rows = BUCKETS[:4]
     assert not measure(model, rows=rows, context=8, reps=1).padded  # no tuned products
-    dev = replace(devices.of("cpu"), kernels=kernels.tune(model, reps=1))
+    dev = replace(devices.of("cpu"), forms=products.tune(model, reps=1))
     for again in (False, True):
         assert measure(model, rows=rows, context=8, reps=1, dev=dev).padded
         assert not measure(model, exact=True, rows=rows, context=8, reps=1, dev=dev).padded
@@ -140,12 +140,11 @@ def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp
 def test_a_drafters_own_product_shapes_leave_the_row_costs_measured(monkeypatch, tmp_path):
     """measure keys its cache by the forms of the model's own products: a table with a drafter's shape added (a draft
     vocabulary's head) reads the measure back; a model product's form changed measures again."""
-    from nanospec.tuning import measured
-    from nanospec.tuning import products as kernels
+    from nanospec.tuning import measured, products
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     model, runs = random_model(ARGS), []
-    table = kernels.tune(model, buckets=BUCKETS[:2], reps=1).table
-    dev = lambda t: replace(devices.of("cpu"), kernels=kernels.Kernels(t))
+    table = products.tune(model, buckets=BUCKETS[:2], reps=1).table
+    dev = lambda t: replace(devices.of("cpu"), forms=products.Forms(t))
     run = measured.Decoding.run
     monkeypatch.setattr(measured.Decoding, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
     first = measured.measure(model, rows=BUCKETS[:2], context=8, reps=1, dev=dev(table)).forward(1)

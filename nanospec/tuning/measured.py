@@ -18,7 +18,7 @@ from ..engine import Decoding
 from ..io.files import atomic_write, cache_root, fingerprint, hardware
 from ..sizes import MIN_BLOCK
 from ..tree import Tree
-from .products import BUCKETS, Kernels, products, to_json
+from .products import BUCKETS, Forms, products, to_json
 
 COST_ROWS = BUCKETS + (96, 128)  # every bucket of fast mode's products, and beyond them
 WINDOW = 16  # the steps of a key (a size and kind, a size and budget) whose median is taken
@@ -103,12 +103,12 @@ def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps
     of a shared machine slows a whole round, which its shares do not see, and one slow forward moves one share of
     one round, where the fastest time of each count would price a count by its luckiest forward against the
     others' (their shape, which the planner's choices read, then varies from one measure to the next). dev: the
-    device's layout and speed (devices.py; its kernels: fast mode's product forms, the model's part of the key)."""
+    device's layout and speed (devices.py; its forms: fast mode's product forms, the model's part of the key)."""
     w = model.embed.weight
-    table = None if exact or dev is None else dev.kernels
+    table = None if exact or dev is None else dev.forms
     if table is not None:  # the forms of the model's own products (a drafter's own shapes do not run here)
         own = {tuple(m.weight.shape) for m in products(model)}
-        table = Kernels({k: v for k, v in table.table.items() if k[:2] in own})
+        table = Forms({k: v for k, v in table.table.items() if k[:2] in own})
     forms = "" if table is None else "-" + hashlib.sha256(to_json(table).encode()).hexdigest()[:8]
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}-{COSTS_VERSION}"
     path = cache_root() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
