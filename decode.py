@@ -34,7 +34,7 @@ from nanospec.sizes import block_batch
 from nanospec.tuning import products
 from nanospec.tuning.counts import step_counts
 from nanospec.tuning.measured import measure as measure_costs
-from nanospec.tuning.probing import Probing, own_sizes
+from nanospec.tuning.probing import Probing, own_budgets
 
 
 def parse_args(argv=None):
@@ -161,7 +161,7 @@ def tune(args, model, exact: bool, drafters) -> Device:
     CPU, --kernels tuned gives the model's products each its fastest form by row count (tuning/products.py);
     --planner measured hands every drafter without a planner of its own the core planner with a CPU's additions, on
     this machine's measured row costs (a drafter it can plan: ranked, or nested), and a method's own planner gets
-    the sizes that fill the row buckets; --budget N hands every drafter it can plan one of a single size, N."""
+    the budgets that fill the row buckets; --budget N hands every drafter it can plan one of a single budget, N."""
     dev = devices.of(model.embed.weight)  # the device the weights are on
     if exact and args.budget is not None:
         raise NanospecError("--budget N plans fast mode's steps: exact mode runs each method's own tree (--mode fast)")
@@ -170,10 +170,10 @@ def tune(args, model, exact: bool, drafters) -> Device:
     if args.kernels == "tuned" and args.device == "cpu":
         dev = replace(dev, forms=products.tuned(model, *drafters))  # the drafters' products too
     for d in drafters:
-        if args.budget is not None and (d.topk or d.nested):  # one size: every step's
-            d.plan(Probing(measure_costs(model, dev=dev), sizes=(args.budget,)))
+        if args.budget is not None and (d.topk or d.nested):  # one budget: every step's
+            d.plan(Probing(measure_costs(model, dev=dev), budgets=(args.budget,)))
         elif d.planner is not None:
-            own_sizes(d)
+            own_budgets(d)
         elif args.planner == "measured" and (d.topk or d.nested):
             d.plan(Probing(measure_costs(model, dev=dev)))
     return dev

@@ -59,7 +59,7 @@ def step(live: list[Decoding], drafter: Drafter, record: bool):
             d.advance(path, emitted, cands, lists, took / len(decs))
             drafter.accepted(d, tree, path)
             kept = logits[b, path].float().cpu() if record else None
-            results[d] = Step(tree, path, emitted, budget, s.size(len(tree), budget),
+            results[d] = Step(tree, path, emitted, budget, s.rows(len(tree), budget),
                               [i for i in pruned if i < len(tree)], kept, whole)
     return budget, results, sum(r.rows for r in results.values())
 
@@ -156,9 +156,9 @@ class Decoding:
     def fit(self, drafter: Drafter, tree: Tree, budget=None) -> tuple[Drafter, Tree]:
         """The tree trimmed to the cache's room; with no room even for the root's own rows, an AR step."""
         m = len(tree)
-        while m > 1 and drafter.size(m, budget) > self.room:
+        while m > 1 and drafter.rows(m, budget) > self.room:
             m -= 1
-        return (AR, tree.prefix(1)) if drafter.size(m, budget) > self.room else (drafter, tree.prefix(m))
+        return (AR, tree.prefix(1)) if drafter.rows(m, budget) > self.room else (drafter, tree.prefix(m))
 
     def prepare(self, drafter: Drafter, tree: Tree, largest: int, budget=None) -> tuple[Block, Nodes]:
         """A step's rows and nodes, on the host, laid out for its cohort's largest tree: the tree's rows at the current

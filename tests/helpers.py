@@ -419,7 +419,7 @@ class Adversary(Drafter):
         tree = from_branches(dec.root, branches)
         return tree.prefix(min(len(tree), self.max_nodes))  # the engine trims it to the cache's room
 
-    def size(self, n, budget=None):
+    def rows(self, n, budget=None):
         return n + self.extra_rows
 
     def groups(self, tree, n, budget=None):

@@ -101,7 +101,7 @@ def test_draft_tree_shapes():
     assert len(draft(full)) == 1 + 3 + 9 + 27
     assert draft(straight).tokens.tolist() == [5, 10, 20, 30]
     assert eff.max_rows == 10 + 10 * 3 and straight.max_rows == 4 + 3
-    assert eff.size(4) == 4 + 4 * 3 and straight.size(4) == 4 + 3
+    assert eff.rows(4) == 4 + 4 * 3 and straight.rows(4) == 4 + 3
 
 
 def test_straightforward_drops_used_masks():

@@ -117,7 +117,7 @@ class HiddenTransfer(Ranked):
         if self.template.depth > tr.k:
             raise NanospecError(f"the tree is {self.template.depth} deep but there are {tr.k} transfer steps")
         self.ahead = tr.k  # pseudo rows per node: k, or a planner's budget's worth (Ranked.own_depths)
-        self.max_rows = self.size(len(self.template))
+        self.max_rows = self.rows(len(self.template))
         self.topk = self.template.topk
 
     @classmethod
@@ -134,7 +134,7 @@ class HiddenTransfer(Ranked):
         tr = noisy(Transfer(model.args.dim, layers), seed, 0.3).to(model.embed.weight)
         return cls(tr, choose_tree(RANDOM_ACC[:len(layers)], 8), chained=seed % 2 == 0)
 
-    def size(self, n, budget=None):
+    def rows(self, n, budget=None):
         return n * (1 + self.own_depths(budget))  # every node carries a group of pseudo rows
 
     def groups(self, tree, n, budget=None):
