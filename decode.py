@@ -347,7 +347,7 @@ def report_one(args, tok, text, prompt, out, ref, S, info, exact, meta, entries)
     else:
         print((text + new_text) if tok and args.prompt_ids is None else out.tokens, flush=True)
     print(f"[{args.method}] {len(out.tokens)} tokens in {out.decode_s:.2f}s ({out.tokens_per_s:.1f} tok/s), "
-          f"{out.steps} steps, {out.mean_accepted:.2f} tokens/step, stop: {out.stop}", file=sys.stderr)
+          f"{out.steps} steps, {out.tokens_per_step:.2f} tokens/step, stop: {out.stop}", file=sys.stderr)
     if out.stop == "cache_full":
         print(f"note: stopped early: the cache of {S} slots is full; raise --max-len", file=sys.stderr)
     identical = None
@@ -362,7 +362,7 @@ def report_one(args, tok, text, prompt, out, ref, S, info, exact, meta, entries)
     if args.json:
         print(json.dumps({"method": args.method, **info, "prompt": text if args.prompt_ids is None else None,
                           "text": new_text, "token_ids": out.tokens, "new_tokens": len(out.tokens),
-                          "steps": out.steps, "mean_accepted": round(out.mean_accepted, 3),
+                          "steps": out.steps, "mean_accepted": round(out.tokens_per_step, 3),
                           "tokens_per_s": round(out.tokens_per_s, 2), "seconds": round(out.decode_s, 4),
                           "identical_to_ar": identical}))
     return 0 if identical is not False else 1

@@ -519,7 +519,7 @@ def test_a_nested_budget_from_its_own_gains(name):
     observe = d.planner.observe
     d.planner.observe = lambda dec, size, rows, *a, **k: steps.append((size, rows)) or observe(dec, size, rows, *a, **k)
     out = generate(model, prompt, d, max_new_tokens=48, eos_id=-1)
-    assert out.tokens == ar.tokens and max(d.planner.used) >= min(8, d.max_draft) and out.mean_accepted > 3
+    assert out.tokens == ar.tokens and max(d.planner.used) >= min(8, d.max_draft) and out.tokens_per_step > 3
     assert all(rows <= size + 1 for size, rows in steps if size)  # a budget caps the draft
     assert max(d.planner.gain.values()) > 3  # what a large budget got accepted
 
@@ -537,7 +537,7 @@ def test_a_planned_nested_drafter_is_exact(name, dtype, device):
     d.planner, steps = Budgets([1, 3, 0, 7, 16, 2]), []
     out = check_exact(model, prompt, d, 32, fast=dtype == torch.float32,
                       on_step=lambda dec, step: steps.append((step.budget, len(step.tree), len(step.whole))))
-    assert out.mean_accepted > 1.5 and {b for b, _, _ in steps} == {0, 1, 2, 3, 7, 16}
+    assert out.tokens_per_step > 1.5 and {b for b, _, _ in steps} == {0, 1, 2, 3, 7, 16}
     assert all(n <= b + 1 for b, n, _ in steps) and any(n < whole for _, n, whole in steps)  # prefixes ran
 
 
@@ -648,7 +648,7 @@ def test_planned_trees_are_exact(dtype, row_cost, device):
     d.planner.start = lambda *a: runs.append([]) or start(*a)
     d.planner.budget = lambda *a: (b := budget(*a), runs[-1].append(b[0]))[0]
     out = check_exact(model, [1, 2, 3, 4], d, 32, fast=dtype == torch.float32, peeking=0.9, seed=1)
-    assert out.mean_accepted >= 1.5 and (max(runs[0]) >= 16 if row_cost < 1e-3 else len(set(runs[0])) >= 2)
+    assert out.tokens_per_step >= 1.5 and (max(runs[0]) >= 16 if row_cost < 1e-3 else len(set(runs[0])) >= 2)
 
 
 @settings(max_examples=50, deadline=None)
