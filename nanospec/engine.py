@@ -96,11 +96,11 @@ def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nod
     cur = torch.tensor([cursors.get(r, 0) for r in range(len(block.tokens))])  # idle sequences: slot 0 onto itself
     flat, spec = packed([block.tokens, block.pos, block.slots, block.committed, block.extra, nodes.tokens, lay.parent,
                          lay.depth, lay.index, lay.anc, nodes.real, cur, cache_rows])
-    shape = (nodes.n, nodes.M) if d.exact and nodes.M else None  # what the forward depends on beyond its inputs
+    shape = (nodes.largest, nodes.M) if d.exact and nodes.M else None  # what the forward depends on beyond its inputs
     key = ("step", id(drafter), shape, d.sampler.greedy, spec)
     t0 = time.perf_counter()
     # the program binds d and drafter, and a capture keeps it: it reads only what the cohort shares (model, cache)
-    return d.launch(key, functools.partial(step_program, d, drafter, nodes.n, nodes.M, spec), (flat,)), t0
+    return d.launch(key, functools.partial(step_program, d, drafter, nodes.largest, nodes.M, spec), (flat,)), t0
 
 
 def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, flat: torch.Tensor):
@@ -237,7 +237,7 @@ class Decoding:
 def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
     """A cohort's rows and nodes as one batch, on the host (Block.stack, Nodes.stack), and its cache rows (None: the
     cache's own order). With a block batch, every cache row's sequence, in order: the cohort's, and idle ones."""
-    d, n, M = decs[0], nodes[0].n, nodes[0].M  # every sequence's tree laid out for the cohort's largest
+    d, n, M = decs[0], nodes[0].largest, nodes[0].M  # every sequence's tree laid out for the cohort's largest
     if d.block_batch:
         own, idle = dict(zip((x.cache_row for x in decs), zip(blocks, nodes))), (d.Q, d.cache.trash, d.cache.n_slots)
         blocks, nodes = zip(*(own.get(r) or Nodes.idle(*idle) for r in range(d.block_batch)))

@@ -145,7 +145,7 @@ class BiTA(Ranked):
 
     def forward(self, f, nodes):
         """One forward: the tree (verified) and a mask group on each node (or the root) that drafts next."""
-        n, M, N = nodes.n, nodes.M, nodes.N
+        n, M, N = nodes.largest, nodes.M, nodes.N
         G = self.hosts(n)
         x = f.embed()
         x[:, n:n + G * M] = self.tune.mask[:M].to(x.dtype).repeat(G, 1)

@@ -141,7 +141,7 @@ class HiddenTransfer(Ranked):
         return Groups(tuple(range(n)), self.own_depths(budget), chained=self.chained)
 
     def forward(self, f, nodes):
-        n, k, device = nodes.n, nodes.M, f.block.tokens.device
+        n, k, device = nodes.largest, nodes.M, f.block.tokens.device
         x = f.embed()  # every node hosts a group: pseudo row i of each is tree.group_row_index's row i
         pos = torch.arange(n, device=device).expand(len(x), n)
         h = transfer(f, self.tr, x, pos, list(group_row_index(n, n, k, device)))

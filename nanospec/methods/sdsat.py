@@ -142,7 +142,7 @@ class SDSAT(Ranked):
     def forward(self, f, nodes):
         """Either step's forward: the tree's rows, verified (eq. 3), then k adaptive rows, whose logits draft for a
         path that ends at the top-1 chain's end (the next step is a step 2) and no other (the next is a step 1)."""
-        n, k, N = nodes.n, nodes.M, nodes.N
+        n, k, N = nodes.largest, nodes.M, nodes.N
         adaptive = slice(n, n + k)
         x, update = f.embed(), None  # sdsat_full: the rows hold a fine-tuned model's own adaptive ids
         if self.delta is not None:
