@@ -31,10 +31,10 @@ from nanospec.oracle import trace
 from nanospec.oracle.peers import transformers_peers
 from nanospec.show import Show
 from nanospec.sizes import block_batch
-from nanospec.tuning import products as kernels
+from nanospec.tuning import products
 from nanospec.tuning.counts import step_counts
 from nanospec.tuning.measured import measure as measure_costs
-from nanospec.tuning.probing import Probing, own_sizes
+from nanospec.tuning.probing import Probing, own_budgets
 
 
 def parse_args(argv=None):
@@ -85,8 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--peers", choices=["transformers"], help="--bench: also time transformers' greedy, prompt lookup "
                    "and assisted generation on the same prompts, interleaved with the methods")
     p.add_argument("--kernels", choices=["tuned", "eager"], default="tuned",
-                   help="fast mode's matrix products: the form fastest for each row count on this machine "
-                   "(timed once, cached), or always F.linear")
+                   help="fast mode's product forms: each matrix product's form fastest for its row count on this "
+                   "machine (timed once, cached), or always F.linear")
     p.add_argument("--planner", choices=["measured", "none"], default="measured",
                    help="measured (fast mode): the core planner sizes each step's tree (0: an AR step) from what a "
                    "row costs on this machine (measured once, cached) and how the method's drafts fare; none: "
@@ -161,19 +161,19 @@ def tune(args, model, exact: bool, drafters) -> Device:
     CPU, --kernels tuned gives the model's products each its fastest form by row count (tuning/products.py);
     --planner measured hands every drafter without a planner of its own the core planner with a CPU's additions, on
     this machine's measured row costs (a drafter it can plan: ranked, or nested), and a method's own planner gets
-    the sizes that fill the row buckets; --budget N hands every drafter it can plan one of a single size, N."""
+    the budgets that fill the row buckets; --budget N hands every drafter it can plan one of a single budget, N."""
     dev = devices.of(model.embed.weight)  # the device the weights are on
     if exact and args.budget is not None:
         raise NanospecError("--budget N plans fast mode's steps: exact mode runs each method's own tree (--mode fast)")
     if exact:
         return replace(dev, call=compiled.layer) if args.compile else dev
     if args.kernels == "tuned" and args.device == "cpu":
-        dev = replace(dev, kernels=kernels.tuned(model, *drafters))  # the drafters' products too
+        dev = replace(dev, forms=products.tuned(model, *drafters))  # the drafters' products too
     for d in drafters:
-        if args.budget is not None and (d.topk or d.nested):  # one size: every step's
-            d.plan(Probing(measure_costs(model, dev=dev), sizes=(args.budget,)))
+        if args.budget is not None and (d.topk or d.nested):  # one budget: every step's
+            d.plan(Probing(measure_costs(model, dev=dev), budgets=(args.budget,)))
         elif d.planner is not None:
-            own_sizes(d)
+            own_budgets(d)
         elif args.planner == "measured" and (d.topk or d.nested):
             d.plan(Probing(measure_costs(model, dev=dev)))
     return dev
@@ -347,7 +347,7 @@ def report_one(args, tok, text, prompt, out, ref, S, info, exact, meta, entries)
     else:
         print((text + new_text) if tok and args.prompt_ids is None else out.tokens, flush=True)
     print(f"[{args.method}] {len(out.tokens)} tokens in {out.decode_s:.2f}s ({out.tokens_per_s:.1f} tok/s), "
-          f"{out.steps} steps, {out.mean_accepted:.2f} tokens/step, stop: {out.stop}", file=sys.stderr)
+          f"{out.steps} steps, {out.tokens_per_step:.2f} tokens/step, stop: {out.stop}", file=sys.stderr)
     if out.stop == "cache_full":
         print(f"note: stopped early: the cache of {S} slots is full; raise --max-len", file=sys.stderr)
     identical = None
@@ -362,7 +362,7 @@ def report_one(args, tok, text, prompt, out, ref, S, info, exact, meta, entries)
     if args.json:
         print(json.dumps({"method": args.method, **info, "prompt": text if args.prompt_ids is None else None,
                           "text": new_text, "token_ids": out.tokens, "new_tokens": len(out.tokens),
-                          "steps": out.steps, "mean_accepted": round(out.mean_accepted, 3),
+                          "steps": out.steps, "mean_accepted": round(out.tokens_per_step, 3),
                           "tokens_per_s": round(out.tokens_per_s, 2), "seconds": round(out.decode_s, 4),
                           "identical_to_ar": identical}))
     return 0 if identical is not False else 1

@@ -153,7 +153,7 @@ def bench(model, prompts: list[list[int]], drafters: list[Drafter], *, exact=Fal
             o.append(Output(tokens, "", steps=peer.steps, decode_s=time.perf_counter() - ts))
         done = time.perf_counter() - t0
         print(f"[bench] prompt {i + 1}/{len(prompts)}: " + ", ".join(
-            f"{d.name} {o[-1].mean_accepted:.2f}" for d, o in zip(drafters, outs)) + " tokens/step, "
+            f"{d.name} {o[-1].tokens_per_step:.2f}" for d, o in zip(drafters, outs)) + " tokens/step, "
             f"{done:.0f}s, about {done / (i + 1) * (len(prompts) - i - 1):.0f}s left", file=sys.stderr, flush=True)
         ar_tps, baseline, _ = ar_speeds(base, drafters, outs, exact)  # so far: a run cut short says where it stood
         print(f"[bench] so far, {i + 1}/{len(prompts)}: {baseline} {ar_tps:.1f} tok/s; " + ", ".join(

@@ -10,7 +10,7 @@ the batch. Each device's kernels keep that promise on their own terms, and what 
 - block_batch: the sequences' blocks every exact forward runs by default (CUDA: cuBLAS picks a kernel by total rows);
 - sync(device): how the host waits for the device (timing, a step's read-back needs none).
 Its speed rides along, as values too: `programs` (how exact mode's device programs run, programs.py; None: the device
-type's default there, CUDA graphs on a GPU), `call` (exact mode's layer as one callable: compiled.py) and `kernels`
+type's default there, CUDA graphs on a GPU), `call` (exact mode's layer as one callable: compiled.py) and `forms`
 (the product forms of fast mode's forwards and of every mode's proposals, whose bits need not be AR's:
 tuning/products.py). `of(device)` gives a device type's defaults; a caller passes another with dataclasses.replace.
 The base class is a GPU's view: one kernel applies the same code to every row and element of a fixed shape.
@@ -29,7 +29,7 @@ MIN_BLOCK = 16
 class Device:
     programs: object = None     # how exact mode's programs (a step, a prefill) run (programs.Programs; None: default)
     call: object = None         # exact mode's layer as fn(layer, x, ctx, kv) (None: the layer's own forward)
-    kernels: object = None      # products as kernels(proj, x): fast mode's, and every mode's proposals (None: F.linear)
+    forms: object = None        # products as forms(proj, x): fast mode's, and every mode's proposals (None: F.linear)
     block_batch = None          # sequences' blocks per exact forward by default (None: the live ones)
     slot_grain = 1              # a cache's slots, and exact mode's gathered keys, in multiples of this
 

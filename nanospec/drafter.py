@@ -5,7 +5,7 @@
   template the tree shape over them (the method's own or the planner's), budget the draft nodes
   a planner allows. Ranked drafters share one draft (Ranked).
 - groups(tree, n, budget) says which rows the method adds after the tree (mask tokens, pseudo
-  states, adaptive tokens), as a tree.Groups the engine lays out; size(n, budget) says how many
+  states, adaptive tokens), as a tree.Groups the engine lays out; rows(n, budget) says how many
   rows an n-node tree's step runs. The engine lays the rows out: no hook calls back into it.
 - forward(f, nodes) is the verification forward on a forward.Forward f (nodes: tree.Nodes, with
   the groups' M); it returns an Out: the nodes' logits, and per node the drafts that node would
@@ -119,12 +119,12 @@ class Drafter:
         """Size each step's tree with planner, whose budgets go no higher than max_draft: ranked drafters may then
         use any of their top-R ranks."""
         if self.max_draft is not None:
-            planner.sizes = sorted({min(s, self.max_draft) for s in planner.sizes})
+            planner.budgets = sorted({min(s, self.max_draft) for s in planner.budgets})
         self.planner = planner
         if self.topk and self.family is None:
             R = len(self.acc[0]) if self.acc else 10
             self.topk = [max(R, *self.topk)] * len(self.topk)
-        self.max_rows = max(self.max_rows, self.size(1 + max(planner.sizes), max(planner.sizes)))
+        self.max_rows = max(self.max_rows, self.rows(1 + max(planner.budgets), max(planner.budgets)))
         return self
 
     def start(self, dec) -> None:
@@ -142,7 +142,7 @@ class Drafter:
         suffix its trie matches): the planner keeps its gains per match length."""
         return 0
 
-    def size(self, n: int, budget: int | None = None) -> int:
+    def rows(self, n: int, budget: int | None = None) -> int:
         """Rows a step over a tree of n nodes runs at `budget` (None: no planner; a method's own rows
         may follow the budget: SDSAT's adaptive tokens)."""
         return n
@@ -157,7 +157,7 @@ class Drafter:
 
     def propose(self, draft_inputs: torch.Tensor, linear=plain) -> torch.Tensor:
         """Logits per draft depth (B, K, V) from each sequence's last accepted node's draft inputs (B, K', D);
-        linear(proj, x): the device's form of a product (devices.Device.kernels, else plain: a draft's need not be
+        linear(proj, x): the device's form of a product (devices.Device.forms, else plain: a draft's need not be
         AR's)."""
         return draft_inputs
 

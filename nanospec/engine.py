@@ -53,13 +53,13 @@ def step(live: list[Decoding], drafter: Drafter, record: bool):
         if decs[0].sampler.greedy:  # verified on the device: (packed results, logits), read back
             logits, found = res[1], read_back(res[0], index, s, nodes)
         else:
-            logits, found = res[0], settle_on_host(decs[0].cache, decs[0].dev.kernels, s, decs, trees, res, index)
+            logits, found = res[0], settle_on_host(decs[0].cache, decs[0].dev.forms, s, decs, trees, res, index)
         took = time.perf_counter() - t0  # from the launch to the read-back, shared by the cohort
         for b, (d, tree, whole), (path, emitted, cands, lists, pruned) in zip(index, members, found):
             d.advance(path, emitted, cands, lists, took / len(decs))
             drafter.accepted(d, tree, path)
             kept = logits[b, path].float().cpu() if record else None
-            results[d] = Step(tree, path, emitted, budget, s.size(len(tree), budget),
+            results[d] = Step(tree, path, emitted, budget, s.rows(len(tree), budget),
                               [i for i in pruned if i < len(tree)], kept, whole)
     return budget, results, sum(r.rows for r in results.values())
 
@@ -97,11 +97,11 @@ def launch_step(decs: list[Decoding], drafter: Drafter, block: Block, nodes: Nod
     cur = torch.tensor([cursors.get(r, 0) for r in range(len(block.tokens))])  # idle sequences: slot 0 onto itself
     flat, spec = packed([block.tokens, block.pos, block.slots, block.committed, block.extra, nodes.tokens, lay.parent,
                          lay.depth, lay.index, lay.anc, nodes.real, cur, cache_rows])
-    shape = (nodes.n, nodes.M) if d.exact and nodes.M else None  # what the forward depends on beyond its inputs
+    shape = (nodes.largest, nodes.M) if d.exact and nodes.M else None  # what the forward depends on beyond its inputs
     key = ("step", id(drafter), shape, d.sampler.greedy, spec)
     t0 = time.perf_counter()
     # the program binds d and drafter, and a capture keeps it: it reads only what the cohort shares (model, cache)
-    return d.launch(key, functools.partial(step_program, d, drafter, nodes.n, nodes.M, spec), (flat,)), t0
+    return d.launch(key, functools.partial(step_program, d, drafter, nodes.largest, nodes.M, spec), (flat,)), t0
 
 
 def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, flat: torch.Tensor):
@@ -113,7 +113,7 @@ def step_program(d: Decoding, drafter: Drafter, n: int, M: int, spec: tuple, fla
     out = drafter.forward(f, Nodes(tokens, lay, real.bool(), n, M))
     if not d.sampler.greedy:
         return out.logits, out.draft_inputs, out.depths, out.alive
-    return settle_on_device(d.cache, d.dev.kernels, drafter, out, tokens, lay, cur, cache_rows), out.logits
+    return settle_on_device(d.cache, d.dev.forms, drafter, out, tokens, lay, cur, cache_rows), out.logits
 
 
 def read_back(flat: torch.Tensor, index: list[int], drafter: Drafter, nodes: Nodes) -> list:
@@ -157,9 +157,9 @@ class Decoding:
     def fit(self, drafter: Drafter, tree: Tree, budget=None) -> tuple[Drafter, Tree]:
         """The tree trimmed to the cache's room; with no room even for the root's own rows, an AR step."""
         m = len(tree)
-        while m > 1 and drafter.size(m, budget) > self.room:
+        while m > 1 and drafter.rows(m, budget) > self.room:
             m -= 1
-        return (AR, tree.prefix(1)) if drafter.size(m, budget) > self.room else (drafter, tree.prefix(m))
+        return (AR, tree.prefix(1)) if drafter.rows(m, budget) > self.room else (drafter, tree.prefix(m))
 
     def prepare(self, drafter: Drafter, tree: Tree, largest: int, budget=None) -> tuple[Block, Nodes]:
         """A step's rows and nodes, on the host, laid out for its cohort's largest tree: the tree's rows at the current
@@ -238,7 +238,7 @@ class Decoding:
 def stack(decs: list[Decoding], blocks: list[Block], nodes: list[Nodes]) -> tuple[Block, Nodes, torch.Tensor | None]:
     """A cohort's rows and nodes as one batch, on the host (Block.stack, Nodes.stack), and its cache rows (None: the
     cache's own order). With a block batch, every cache row's sequence, in order: the cohort's, and idle ones."""
-    d, n, M = decs[0], nodes[0].n, nodes[0].M  # every sequence's tree laid out for the cohort's largest
+    d, n, M = decs[0], nodes[0].largest, nodes[0].M  # every sequence's tree laid out for the cohort's largest
     if d.block_batch:
         own, idle = dict(zip((x.cache_row for x in decs), zip(blocks, nodes))), (d.Q, d.cache.trash, d.cache.n_slots)
         blocks, nodes = zip(*(own.get(r) or Nodes.idle(*idle) for r in range(d.block_batch)))
@@ -255,7 +255,7 @@ class Output:
     tokens: list[int]
     stop: str                   # "eos", "max_new_tokens" or "cache_full"
     steps: int = 0
-    accepted: list[int] = field(default_factory=list)  # tokens emitted per step
+    emitted: list[int] = field(default_factory=list)  # tokens emitted per step
     ar_steps: list[tuple[int, float]] = field(default_factory=list)  # each AR step's sequences and seconds
     forward_s: float = 0.0      # time in the steps' forwards (device-synchronised)
     prefill_s: float = 0.0      # the call's: every prompt's, in a batch
@@ -263,7 +263,7 @@ class Output:
     logits: torch.Tensor | None = None  # (new tokens, V) fp32: the logits each token came from
 
     @property
-    def mean_accepted(self) -> float:
+    def tokens_per_step(self) -> float:
         return len(self.tokens) / max(self.steps, 1)
 
     @property
@@ -331,7 +331,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
                 planner.observe(d, budget, rows if i == 0 else 0, secs, r.path, r.whole, d.lists)
             logits[d].append(r.logits)  # None unless record_logits
             outs[d].steps += 1
-            outs[d].accepted.append(len(toks))
+            outs[d].emitted.append(len(toks))
             if budget == 0 or drafter.is_ar:  # an AR step: the planner's (a budget of 0), or AR's own
                 outs[d].ar_steps.append((len(live), secs))
             stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \

@@ -10,7 +10,7 @@ Context once; every layer shares it. Two modes:
   (devices.Device.elementwise), each residual added in its product's kernel (exact_layer), a layer compiled if the
   device's `call` says so (compiled.py): in a fixed block of Q rows per sequence, a node's logits are bitwise AR's.
 - fast: SDPA over the used part of the cache with a boolean mask, each product in the device's form
-  (devices.Device.kernels: a tuned one, tuning/products.py, else F.linear), and the layers as model.py writes them.
+  (devices.Device.forms: a tuned one, tuning/products.py, else F.linear), and the layers as model.py writes them.
 Mistral's window is visibility, in both modes: a row at position p sees keys at positions > p - window, as transformers
 does. Committed slot j holds position j, a slot the block writes its row's position (trees of any depth); slots of a
 method's own keys (BiTA's prompt) hold none and stay visible.
@@ -58,9 +58,9 @@ class Context:
     def linear(self, proj, x, add=None):
         """proj(x), a layer's product (with its bias, if any). Exact mode: the rows as the device's products need
         them (devices.Device.aligned), folded into one matrix: F.linear, or addmm with add (a residual) in its
-        epilogue. Fast mode: the device's form of the product (devices.Device.kernels: a tuned one, else F.linear)."""
+        epilogue. Fast mode: the device's form of the product (devices.Device.forms: a tuned one, else F.linear)."""
         if not self.exact:
-            y = F.linear(x, proj.weight, proj.bias) if self.dev.kernels is None else self.dev.kernels(proj, x)
+            y = F.linear(x, proj.weight, proj.bias) if self.dev.forms is None else self.dev.forms(proj, x)
         else:
             x = self.dev.aligned(x)
             rows = x.flatten(0, -2)

@@ -89,12 +89,12 @@ def step_rows(parents: tuple, groups: Groups, reserved: tuple, capacity: int, de
 @dataclass
 class Nodes:
     """A step's trees as the forward sees them, on the device: one per sequence of the batch, padded to N nodes (Q in
-    exact mode), then groups of M rows (Groups) from row n for every sequence (a smaller tree's rows up to n are
-    filler: Decoding.prepare)."""
+    exact mode), then groups of M rows (Groups) from row `largest` for every sequence (a smaller tree's rows up to
+    largest are filler: Decoding.prepare)."""
     tokens: torch.Tensor  # (B, N) -1 for padding (one sequence's alone: (N,))
     lay: "Layout"         # each field with the batch dim first
     real: torch.Tensor    # (B, N) bool
-    n: int                # the largest tree's nodes
+    largest: int          # the largest tree's nodes
     M: int = 0            # rows per group after the trees (Groups.M)
 
     @property
@@ -102,12 +102,12 @@ class Nodes:
         return self.tokens.shape[-1]
 
     @staticmethod
-    def stack(nodes: list["Nodes"], n: int, M: int) -> "Nodes":
-        """Sequences' nodes as one batch, each padded to the most nodes (token -1, not real); n, M: the step's."""
+    def stack(nodes: list["Nodes"], largest: int, M: int) -> "Nodes":
+        """Sequences' nodes as one batch, each padded to the most nodes (token -1, not real); largest, M: the step's."""
         N = max(x.N for x in nodes)
         pad = lambda t, v: torch.stack([F.pad(x, (0, N - len(x)), value=v) for x in t])
         return Nodes(pad([x.tokens for x in nodes], -1), Layout.stack([x.lay for x in nodes], N),
-                     pad([x.real for x in nodes], False), n, M)
+                     pad([x.real for x in nodes], False), largest, M)
 
     @staticmethod
     @functools.lru_cache(maxsize=16)

@@ -124,10 +124,10 @@ def sample_verify(tree: Tree, logits: torch.Tensor, sampler: Sampler, n_out: int
     return walk(0, n_out)
 
 
-def settle_on_device(cache, kernels, drafter, out, tokens, lay: Layout, cur, cache_rows):
+def settle_on_device(cache, forms, drafter, out, tokens, lay: Layout, cur, cache_rows):
     """A greedy step settled inside its device program, every sequence of the batch at once: the accepted path
     (accept), its keys committed (KVCache.commit), and the drafts at its end proposed, as one tensor for the one
-    read-back (pack_results). kernels: the device's products (None: plain); out: the method's forward's Out; cur,
+    read-back (pack_results). forms: the device's product forms (None: plain); out: the method's forward's Out; cur,
     cache_rows: each sequence's cursor and cache row (cache_rows None: the cache's own order)."""
     if drafter.is_ar:  # its path is its root alone, accepted, its key already in place
         path, emitted = lay.anc[:, 0], out.logits[:, :1].argmax(-1)
@@ -137,12 +137,12 @@ def settle_on_device(cache, kernels, drafter, out, tokens, lay: Layout, cur, cac
     if out.draft_inputs is None:
         return pack_results(path, emitted, alive=out.alive)
     end, b = path.max(-1).values, cache.arange[:len(path)]  # each path's deepest node (indices grow along a path)
-    cands = drafter.propose(out.draft_inputs[b, end], kernels or plain).topk(max(drafter.topk), dim=-1).indices
+    cands = drafter.propose(out.draft_inputs[b, end], forms or plain).topk(max(drafter.topk), dim=-1).indices
     depth = out.depths[b, end] if out.depths is not None else torch.full_like(end, cands.shape[1])  # cands (B, K, R)
     return pack_results(path, emitted, depth, cands, out.alive)
 
 
-def settle_on_host(cache, kernels, drafter, decs: list, trees: list[Tree], res, index: list[int]) -> list:
+def settle_on_host(cache, forms, drafter, decs: list, trees: list[Tree], res, index: list[int]) -> list:
     """A sampling step settled on the host: each tree walked with its sequence's uniforms (sample_verify), the
     accepted keys committed (KVCache.commit, as settle_on_device does), and the drafts at each path's end proposed,
     one product for the cohort. decs: the cohort's sequences (each its sampler, tokens out, cache row cache_row,
@@ -158,7 +158,7 @@ def settle_on_host(cache, kernels, drafter, decs: list, trees: list[Tree], res, 
     depth = [0] * len(decs)  # the depths each path's end drafted
     if draft_inputs is not None:
         b, ends = keep(index), keep([p[-1] for p, _ in paths])
-        top = drafter.propose(draft_inputs[b, ends], kernels or plain).topk(max(drafter.topk), -1).indices.cpu()
+        top = drafter.propose(draft_inputs[b, ends], forms or plain).topk(max(drafter.topk), -1).indices.cpu()
         depth = depths[b, ends].tolist() if depths is not None else [top.shape[1]] * len(decs)
     return [(p, e, top[i, :k], top[i, :k].tolist(), []) if k else (p, e, None, None, [])
             for i, ((p, e), k) in enumerate(zip(paths, depth))]

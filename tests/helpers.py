@@ -419,7 +419,7 @@ class Adversary(Drafter):
         tree = from_branches(dec.root, branches)
         return tree.prefix(min(len(tree), self.max_nodes))  # the engine trims it to the cache's room
 
-    def size(self, n, budget=None):
+    def rows(self, n, budget=None):
         return n + self.extra_rows
 
     def groups(self, tree, n, budget=None):
@@ -643,7 +643,7 @@ def reaches_floor(name, device="cpu", seed: int = 0, checked: bool = True) -> fl
         feed(d, [prompt], [generate(model, prompt, max_new_tokens=n, eos_id=-1)], 0.9, 5)
         out = generate(model, prompt, d, max_new_tokens=n, n_slots=S, eos_id=-1)
     assert out.stop == "max_new_tokens"
-    assert floor is not None, f"{name} declares no floor: set its Drafter.floor (it reached {out.mean_accepted:.2f})"
-    assert out.mean_accepted >= floor, \
-        f"{name} reached {out.mean_accepted:.2f} tokens per step fed AR's continuation, under its floor {floor}"
-    return out.mean_accepted
+    assert floor is not None, f"{name} declares no floor: set its Drafter.floor (it reached {out.tokens_per_step:.2f})"
+    assert out.tokens_per_step >= floor, \
+        f"{name} reached {out.tokens_per_step:.2f} tokens per step fed AR's continuation, under its floor {floor}"
+    return out.tokens_per_step

@@ -42,7 +42,7 @@ def test_bita_equals_ar(device, dtype, args, seed, plen, data, P, prompting, dec
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     out = check_exact(model, prompt, d, 20, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
-    assert out.mean_accepted >= 1.5  # the mask rows' candidates carry the truth: drafts are accepted
+    assert out.tokens_per_step >= 1.5  # the mask rows' candidates carry the truth: drafts are accepted
 
 
 @pytest.mark.parametrize("prompting", ["deep", "shallow"])
@@ -101,7 +101,7 @@ def test_draft_tree_shapes():
     assert len(draft(full)) == 1 + 3 + 9 + 27
     assert draft(straight).tokens.tolist() == [5, 10, 20, 30]
     assert eff.max_rows == 10 + 10 * 3 and straight.max_rows == 4 + 3
-    assert eff.size(4) == 4 + 4 * 3 and straight.size(4) == 4 + 3
+    assert eff.rows(4) == 4 + 4 * 3 and straight.rows(4) == 4 + 3
 
 
 def test_straightforward_drops_used_masks():

@@ -42,7 +42,7 @@ def test_own_rows_follow_the_budget(name, seed, exact, dtype):
 
     def spy(tree, n, budget=None):
         g = groups(tree, n, budget)
-        seen.append((d.planner.last, budget, d.own_depths(budget), n + len(g.hosts) * g.M, d.size(n, budget)))
+        seen.append((d.planner.last, budget, d.own_depths(budget), n + len(g.hosts) * g.M, d.rows(n, budget)))
         return g
     d.groups = spy
     out = generate(model, prompt, d, **kw)

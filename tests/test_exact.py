@@ -61,7 +61,7 @@ def test_adversary_gets_drafts_accepted(device):
     model = random_model(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, intermediate_size=48),
                          device=device)
     ar, adv = run_pair(model, list(range(10)), True, draft_seed=1, n_new=40)
-    assert adv.mean_accepted > 1.5 and adv.steps < ar.steps
+    assert adv.tokens_per_step > 1.5 and adv.steps < ar.steps
 
 
 def test_stops_on_eos_like_ar(device):

@@ -101,7 +101,7 @@ def test_every_method_replays_as_a_graph(name, family, monkeypatch):
     monkeypatch.setattr(sim, "run", spy)
     out = generate(model, prompt, d, **kw)
     assert out.tokens == ar.tokens and torch.equal(out.logits, ar.logits)
-    assert out.mean_accepted > 1.5 or d.max_rows == 1  # drafts accepted (AR drafts none)
+    assert out.tokens_per_step > 1.5 or d.max_rows == 1  # drafts accepted (AR drafts none)
     steps = [k for k in keys if k[0] == "step"]
     if type(d).groups is Drafter.groups:
         assert len(steps) == 1  # no rows after the tree: one graph for every tree, shapes fixed, the tree is data

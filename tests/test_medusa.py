@@ -101,7 +101,7 @@ def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, siz
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     out = check_exact(model, prompt, d, 24, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
-    assert out.mean_accepted >= 1.5  # the heads' candidates carry the truth (helpers.peek): drafts are accepted
+    assert out.tokens_per_step >= 1.5  # the heads' candidates carry the truth (helpers.peek): drafts are accepted
 
 
 def test_a_few_training_steps_reduce_the_loss():
@@ -186,7 +186,7 @@ def test_token_heads_read_the_token_each_step_emits_last_and_keep_it_on_disk(tmp
     propose = d.propose
     d.propose = lambda drafts, *a: seen.append(drafts[:, 1].clone()) or propose(drafts, *a)
     out = generate(model, [1, 2, 3], d, max_new_tokens=12, eos_id=-1)
-    ends = torch.tensor(out.accepted).cumsum(0) - 1  # each step's last emitted token
+    ends = torch.tensor(out.emitted).cumsum(0) - 1  # each step's last emitted token
     assert len(seen) == out.steps
     assert torch.equal(torch.cat(seen), model.embed(torch.tensor(out.tokens)[ends]))
 

@@ -125,13 +125,13 @@ def test_fast_modes_padded_products_cost_their_bucket():
 def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp_path):
     """measured.measure prices rows by bucket where fast mode's tuned products pad them, and by a line
     in exact mode and under plain products; a cached measure reads back the same."""
-    from nanospec.tuning import products as kernels
+    from nanospec.tuning import products
     from nanospec.tuning.measured import measure
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     model = random_model(ARGS)
     rows = BUCKETS[:4]
     assert not measure(model, rows=rows, context=8, reps=1).padded  # no tuned products
-    dev = replace(devices.of("cpu"), kernels=kernels.tune(model, reps=1))
+    dev = replace(devices.of("cpu"), forms=products.tune(model, reps=1))
     for again in (False, True):
         assert measure(model, rows=rows, context=8, reps=1, dev=dev).padded
         assert not measure(model, exact=True, rows=rows, context=8, reps=1, dev=dev).padded
@@ -140,12 +140,11 @@ def test_measured_forwards_are_padded_only_under_tuned_products(monkeypatch, tmp
 def test_a_drafters_own_product_shapes_leave_the_row_costs_measured(monkeypatch, tmp_path):
     """measure keys its cache by the forms of the model's own products: a table with a drafter's shape added (a draft
     vocabulary's head) reads the measure back; a model product's form changed measures again."""
-    from nanospec.tuning import measured
-    from nanospec.tuning import products as kernels
+    from nanospec.tuning import measured, products
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     model, runs = random_model(ARGS), []
-    table = kernels.tune(model, buckets=BUCKETS[:2], reps=1).table
-    dev = lambda t: replace(devices.of("cpu"), kernels=kernels.Kernels(t))
+    table = products.tune(model, buckets=BUCKETS[:2], reps=1).table
+    dev = lambda t: replace(devices.of("cpu"), forms=products.Forms(t))
     run = measured.Decoding.run
     monkeypatch.setattr(measured.Decoding, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
     first = measured.measure(model, rows=BUCKETS[:2], context=8, reps=1, dev=dev(table)).forward(1)
@@ -210,7 +209,7 @@ def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
 
 def ranked(acc):
     """A stand-in ranked drafter: its prior acc per depth over 3 ranks, a row per node, one match length."""
-    return SimpleNamespace(topk=[3] * len(acc), acc=acc, size=lambda n, budget=None: n, family=None,
+    return SimpleNamespace(topk=[3] * len(acc), acc=acc, rows=lambda n, budget=None: n, family=None,
                            match_length=lambda dec: 0)
 
 
@@ -288,7 +287,7 @@ def test_drafting_that_costs_more_than_its_forward_goes_to_ar():
         planner = Probing(cost, replan=8)
         drive(planner, [[0.6, 0.1, 0.1], [0.4, 0.1, 0.1]], 100, lambda step, i: (i - 1) % 5 < 3,
               lambda rows, size: cost.forward(rows) + (0.03 if size else 0.0))
-        assert (planner.size == 0) == ar and (planner.used[0] > 50) == ar
+        assert (planner.chosen == 0) == ar and (planner.used[0] > 50) == ar
 
 
 def test_choose_tree_keeps_to_a_family():
@@ -364,7 +363,7 @@ def test_the_budget_shrinks_to_ar_when_drafts_fail():
     torch.nn.init.normal_(heads.proj[0].weight, std=5.0)  # wrong guesses
     d = Medusa(heads, choose_tree(ACC, 6), [[0.9] * 3] * 3).plan(Probing(FixedCost(0.01, 0.002), replan=4, alpha=0.3))
     generate(model, [3, 4, 5], d, max_new_tokens=120, eos_id=-1)
-    assert d.planner.size == 0 and d.planner.used[0] > 40
+    assert d.planner.chosen == 0 and d.planner.used[0] > 40
 
 
 @pytest.mark.parametrize("row_cost", [1e-4, 1e-2])
@@ -382,7 +381,7 @@ def test_probes_cost_at_most_a_share_of_the_time_at_ar(row_cost):
     d = Medusa(heads, choose_tree(ACC, 6), [[0.9] * 3] * 3).plan(planner)
     log = []  # (the step's size, the size planned for the replan period, its rows)
     observe = planner.observe
-    planner.observe = lambda dec, size, rows, *a, **k: (log.append((size, planner.size, rows))
+    planner.observe = lambda dec, size, rows, *a, **k: (log.append((size, planner.chosen, rows))
                                                         or observe(dec, size, rows, *a, **k))
     for prompt in ([3, 4, 5], [6, 7], [8]):
         generate(model, prompt, d, max_new_tokens=200, eos_id=-1)
@@ -447,7 +446,7 @@ def test_a_probe_that_finds_good_drafts_brings_drafting_back():
     """A ranked drafter whose candidates are all wrong for a stretch (AR gets planned), then right at
     top-1 on 3 of 5 tokens: a probe's outcomes replace the stale estimates, so drafting comes back at
     the first probe. An EMA nudged by a probe's few outcomes kept a SmolLM2 Medusa at AR for good."""
-    planner = Probing(FixedCost(0.01, 0.004), sizes=(0, 1, 2, 4), replan=8)  # 3 rows cost 2.2x 1 row
+    planner = Probing(FixedCost(0.01, 0.004), budgets=(0, 1, 2, 4), replan=8)  # 3 rows cost 2.2x 1 row
     sizes = drive(planner, [[0.5, 0.1, 0.1]] * 2, 600, lambda step, i: step >= 300 and i % 5 < 3)
     bad, good = sizes[:300], sizes[300:]
     assert bad[-40:].count(0) >= 30  # wrong drafts: AR
@@ -464,7 +463,7 @@ def test_a_probe_comes_sooner_the_closer_drafting_is_to_paying():
     cost, the old price, probed both alike: 5 probes in 600 tokens)."""
 
     def drafting(hit) -> int:
-        planner = Probing(FixedCost(0.01, 0.005), sizes=(0, 1, 2, 4), replan=8)  # 2 rows cost 4/3 of 1 row
+        planner = Probing(FixedCost(0.01, 0.005), budgets=(0, 1, 2, 4), replan=8)  # 2 rows cost 4/3 of 1 row
         return sum(s > 0 for s in drive(planner, [[0.25, 0.0, 0.0]] * 2, 600, lambda step, i: hit(i)))
 
     near, far = drafting(lambda i: i % 4 == 0), drafting(lambda i: False)
@@ -476,7 +475,7 @@ def test_a_probe_gathers_probe_candidate_lists_across_the_batch(B):
     """A probe's drafting steps gather PROBE candidate lists per depth, from its batch's sequences
     together: PROBE / B steps, not PROBE whatever the batch (at B = 8 eight times what the estimate
     needs, each step costing about an AR step more)."""
-    planner = Probing(FixedCost(0.01, 0.0002), sizes=(0, 1, 2, 4), replan=8)
+    planner = Probing(FixedCost(0.01, 0.0002), budgets=(0, 1, 2, 4), replan=8)
     sizes = drive(planner, [[0.2, 0.0, 0.0]] * 2, 1200 // B, lambda step, i: False, B=B)
     runs = [len(r) for r in "".join("d" if s else "." for s in sizes).split(".") if r]
     # the first: drafting at the prior; the last: cut short
@@ -487,7 +486,7 @@ def test_a_probe_weighs_beside_the_history():
     """A probe's outcomes weigh as PROBE steps of the history: 8 right guesses move an estimate of
     0.2 to 0.6, not to 1 (a good stretch that a probe meets would plan drafting as if it always came)."""
     p = Probing(FixedCost(0.01, 0.001))
-    p.start(SimpleNamespace(topk=[3], acc=[[0.2, 0.0, 0.0]], size=lambda n, budget=None: n, family=None), None)
+    p.start(SimpleNamespace(topk=[3], acc=[[0.2, 0.0, 0.0]], rows=lambda n, budget=None: n, family=None), None)
     dec, p.probed = SimpleNamespace(out=[], cur=0), True
     for i in range(PROBE + 1):
         p.observe(dec, 1, 2, 0.01, cands=[[i, -1, -2]])  # a depth-0 candidate list that guesses output i
@@ -498,14 +497,14 @@ def test_a_probe_weighs_beside_the_history():
 @pytest.mark.parametrize("name", METHODS)
 def test_a_planner_offers_no_more_than_a_methods_largest_draft(name):
     """A method that declares its largest draft (Drafter.max_draft) is never offered a larger budget, and its
-    exact block holds that draft's rows, not the planner's largest size's."""
+    exact block holds that draft's rows, not the planner's largest budget's."""
     d = drafter(name, random_model(ARGS, 3))
-    sizes = Probing(FixedCost(0.01, 1e-5)).sizes
+    budgets = Probing(FixedCost(0.01, 1e-5)).budgets
     d.plan(Probing(FixedCost(0.01, 1e-5)))
-    most = max(sizes) if d.max_draft is None else d.max_draft
-    assert d.planner.sizes == sorted({min(s, most) for s in sizes}) and d.max_rows >= d.size(most + 1, most)
+    most = max(budgets) if d.max_draft is None else d.max_draft
+    assert d.planner.budgets == sorted({min(s, most) for s in budgets}) and d.max_rows >= d.rows(most + 1, most)
     if d.max_draft is not None:
-        assert d.max_rows == d.size(most + 1, most) < d.size(max(sizes) + 1, max(sizes))
+        assert d.max_rows == d.rows(most + 1, most) < d.rows(max(budgets) + 1, max(budgets))
 
 
 @pytest.mark.parametrize("name", NESTED)
@@ -520,7 +519,7 @@ def test_a_nested_budget_from_its_own_gains(name):
     observe = d.planner.observe
     d.planner.observe = lambda dec, size, rows, *a, **k: steps.append((size, rows)) or observe(dec, size, rows, *a, **k)
     out = generate(model, prompt, d, max_new_tokens=48, eos_id=-1)
-    assert out.tokens == ar.tokens and max(d.planner.used) >= min(8, d.max_draft) and out.mean_accepted > 3
+    assert out.tokens == ar.tokens and max(d.planner.used) >= min(8, d.max_draft) and out.tokens_per_step > 3
     assert all(rows <= size + 1 for size, rows in steps if size)  # a budget caps the draft
     assert max(d.planner.gain.values()) > 3  # what a large budget got accepted
 
@@ -538,7 +537,7 @@ def test_a_planned_nested_drafter_is_exact(name, dtype, device):
     d.planner, steps = Budgets([1, 3, 0, 7, 16, 2]), []
     out = check_exact(model, prompt, d, 32, fast=dtype == torch.float32,
                       on_step=lambda dec, step: steps.append((step.budget, len(step.tree), len(step.whole))))
-    assert out.mean_accepted > 1.5 and {b for b, _, _ in steps} == {0, 1, 2, 3, 7, 16}
+    assert out.tokens_per_step > 1.5 and {b for b, _, _ in steps} == {0, 1, 2, 3, 7, 16}
     assert all(n <= b + 1 for b, n, _ in steps) and any(n < whole for _, n, whole in steps)  # prefixes ran
 
 
@@ -550,12 +549,12 @@ def test_a_nested_draft_is_scored_at_every_budget():
     parents = [-1, 0, 0, 1, 0, 2, 3, 4, 1, 5] + [0] * 7
     tree = Tree([50] + [10 + i for i in range(1, 17)], parents)
     want = {1: 0, 2: 1, 4: 1, 8: 2, 12: 3, 16: 3, 24: 3, 64: 3}
-    p = Probing(FixedCost(0.01, 1e-4), sizes=(0, *want))
+    p = Probing(FixedCost(0.01, 1e-4), budgets=(0, *want))
     p.start(SimpleNamespace(topk=None, nested=True, match_length=lambda dec: 0), None)
     dec = SimpleNamespace(out=[99, 12, 15, 19, 7])
     p.observe(dec, 16, 17, 0.01, [0, 2, 5, 9], tree)
     assert {s: p.gain[0, s] for s in want} == want and not p.drafts[id(dec)]
-    p = Probing(FixedCost(0.01, 1e-4), sizes=(0, *want))
+    p = Probing(FixedCost(0.01, 1e-4), budgets=(0, *want))
     p.start(SimpleNamespace(topk=None, nested=True, match_length=lambda dec: 0), None)
     dec = SimpleNamespace(out=[99, 12])
     p.observe(dec, 1, 2, 0.01, [0], tree)  # budget 1: node 1 is wrong; 12 is AR's token
@@ -597,7 +596,7 @@ def nested_run(p, context, whole, steps=200) -> list[tuple[int, int]]:
     (its Decoding persists, as the engine's does): context(i) and whole(i, seq) give step i's context
     and whole draft, seq the last token and the 16 after it. (context, size) of each step."""
     world = list(range(1000, 9000))
-    p.start(SimpleNamespace(topk=None, nested=True, size=lambda n, budget=None: n,
+    p.start(SimpleNamespace(topk=None, nested=True, rows=lambda n, budget=None: n,
                             match_length=lambda dec: context(dec.i)), None)
     dec, out = SimpleNamespace(cur=1, out=[], i=0), []
     for dec.i in range(steps):
@@ -631,8 +630,8 @@ def test_a_nested_draft_is_scored_on_ar_steps_too():
     budget, 1)."""
     from nanospec.tree import Tree
     p = Probing(FixedCost(0.01, 0.002))
-    p.gain, p.nodes, p.tries = ({(0, s): 0.0 for s in p.sizes}, {(0, s): 1.0 for s in p.sizes},
-                                Counter({(0, s): 99 for s in p.sizes}))
+    p.gain, p.nodes, p.tries = ({(0, s): 0.0 for s in p.budgets}, {(0, s): 1.0 for s in p.budgets},
+                                Counter({(0, s): 99 for s in p.budgets}))
     sizes = [s for _, s in nested_run(p, lambda i: 0, lambda i, seq: Tree.chain(seq[0], seq[1:]), steps=30)]
     assert sizes[0] == 0 and 1 not in sizes and min(sizes[-4:]) >= 16
 
@@ -649,7 +648,7 @@ def test_planned_trees_are_exact(dtype, row_cost, device):
     d.planner.start = lambda *a: runs.append([]) or start(*a)
     d.planner.budget = lambda *a: (b := budget(*a), runs[-1].append(b[0]))[0]
     out = check_exact(model, [1, 2, 3, 4], d, 32, fast=dtype == torch.float32, peeking=0.9, seed=1)
-    assert out.mean_accepted >= 1.5 and (max(runs[0]) >= 16 if row_cost < 1e-3 else len(set(runs[0])) >= 2)
+    assert out.tokens_per_step >= 1.5 and (max(runs[0]) >= 16 if row_cost < 1e-3 else len(set(runs[0])) >= 2)
 
 
 @settings(max_examples=50, deadline=None)
@@ -671,7 +670,7 @@ def test_the_lengths_are_calibrated_by_what_drafting_steps_got(monkeypatch):
 
     def run(b1, p0, calibrated):
         rng, hits, log = random.Random(0), {}, []
-        planner = Probing(FixedCost(0.01, b1), sizes=(0, 1, 2, 4), replan=8)
+        planner = Probing(FixedCost(0.01, b1), budgets=(0, 1, 2, 4), replan=8)
         if not calibrated:
             monkeypatch.setattr(planner, "calibration", lambda: 1.0)
         observe = planner.observe

@@ -101,7 +101,7 @@ def test_no_match_is_an_ar_step(device):
                       on_step=lambda dec, step: steps.append((step.tree.matched, len(step.tree), len(step.tokens))))
     assert all((m == 0) == (size == 1) for m, size, _ in steps) and all(k == 1 for m, _, k in steps if not m)
     assert steps[0][:2] == (0, 1) and sum(m == 0 for m, _, _ in steps) >= 10
-    assert any(k > 1 for m, _, k in steps if m) and out.mean_accepted > 1.5
+    assert any(k > 1 for m, _, k in steps if m) and out.tokens_per_step > 1.5
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -134,7 +134,7 @@ def test_the_last_occurrence_drafts_from_the_most_recent_text():
     for occurrence in OCCURRENCES:
         d = PLD(10, 2, occurrence=occurrence)
         d.warm_up([prompt[-1:] + stale, prompt[-1:] + ar])
-        accepted[occurrence] = check_exact(model, prompt, d, 40).mean_accepted
+        accepted[occurrence] = check_exact(model, prompt, d, 40).tokens_per_step
     assert accepted["last"] > 4 and accepted["last"] > accepted["first"] + 1, accepted
 
 
@@ -145,7 +145,7 @@ def test_its_drafts_are_cut_at_the_caches_end(device):
     model, steps = random_model(ARGS, 2, device=device), []
     out = check_exact(model, [3, 9, 4, 1, 7, 12, 5], PLD(10, 2), 40, peeking=1.0, tight=True,
                       on_step=lambda dec, step: steps.append((len(step.tree), len(step.whole), dec.room)))
-    assert out.stop == "max_new_tokens" and out.mean_accepted > 4
+    assert out.stop == "max_new_tokens" and out.tokens_per_step > 4
     assert any(size < whole for size, whole, _ in steps)
 
 

@@ -18,7 +18,7 @@ from nanospec.model import ModelArgs
 from nanospec.training.forced import labelled
 from nanospec.tree import Layout, Nodes, Tree
 from nanospec.tree import choose_tree as medusa_tree
-from nanospec.tuning.probing import SIZES, own_sizes
+from nanospec.tuning.probing import BUDGETS, own_budgets
 from nanospec.tuning.products import BUCKETS
 
 # --- early pruning and the drafter ---------------------------------------------------------------
@@ -105,13 +105,13 @@ def test_propd_equals_ar(device, dtype, args, seed, plen, size, k, sampled, prun
     early = EarlyHead(args.dim, args.vocab_size, 3, args.norm_eps).to(device=device, dtype=DTYPES[dtype])
     layer = seed % args.n_layers + 1 if args.n_layers > 1 else 1
     d = ProPD(heads, medusa_tree(ACC, size), ACC, early if prune else None, layer, k, dynamic,
-              sizes=(1, 3, size), replan=4, cost=FixedCost(1e-2, row_cost))
+              budgets=(1, 3, size), replan=4, cost=FixedCost(1e-2, row_cost))
     prompt = torch.randint(0, args.vocab_size, (plen,), generator=torch.Generator().manual_seed(seed)).tolist()
     sampling = dict(temperature=1.0, top_p=0.9, seed=seed) if sampled else {}
     if prune:
         aimed(d, generate(model, prompt, max_new_tokens=24, exact=True, eos_id=-1, **sampling).tokens, seed)
     out = check_exact(model, prompt, d, 24, sampling, fast=dtype == "fp32", peeking=0.9, seed=seed)
-    assert out.mean_accepted >= 1.5
+    assert out.tokens_per_step >= 1.5
     if prune and not dynamic and size >= 3 and 2 * k <= args.vocab_size:  # wrong branches to prune
         assert pruned_rows(d) > 0
 
@@ -140,7 +140,7 @@ def test_the_plan_is_redone_only_when_the_sequence_moves(monkeypatch):
     args = ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=13, intermediate_size=24)
     model = random_model(args, 0)
     d = ProPD(Heads(16, 13, 3).init_from(model.lm_head), medusa_tree(ACC, 6), ACC, dynamic=True,
-              sizes=(1, 2, 6), replan=16)
+              budgets=(1, 2, 6), replan=16)
     calls = []
     real = planner.tree_lengths
     monkeypatch.setattr(planner, "tree_lengths", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -154,15 +154,15 @@ def test_the_plan_is_redone_only_when_the_sequence_moves(monkeypatch):
 def test_its_own_planner_drafts_every_step_even_where_drafting_cannot_pay():
     """The paper's ProPD never takes an AR step: with rows so dear that the core planner
     plans AR, its sizes still draft: the core's by default, and those a CPU's layer hands it
-    (tuning.probing.own_sizes), each filling fast mode's row buckets at B = 1, 2, 4, 8."""
+    (tuning.probing.own_budgets), each filling fast mode's row buckets at B = 1, 2, 4, 8."""
     args = ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=13, intermediate_size=24)
     model = random_model(args, 0)
     d = ProPD(Heads(16, 13, 3).init_from(model.lm_head), medusa_tree(ACC, 6), ACC, dynamic=True,
               cost=FixedCost(1e-3, 1.0))
-    assert 0 not in d.planner.sizes
-    own_sizes(d)
-    assert 0 not in d.planner.sizes and d.planner.sizes == [s for s in SIZES if s]
-    assert all(B * (s + 1) in BUCKETS for s in d.planner.sizes for B in (1, 2, 4, 8) if B * (s + 1) <= 64)
+    assert 0 not in d.planner.budgets
+    own_budgets(d)
+    assert 0 not in d.planner.budgets and d.planner.budgets == [s for s in BUDGETS if s]
+    assert all(B * (s + 1) in BUCKETS for s in d.planner.budgets for B in (1, 2, 4, 8) if B * (s + 1) <= 64)
     outs = generate(model, [[1, 2, 3], [4, 5]], d, max_new_tokens=24, eos_id=-1)
     assert d.planner.used[0] == 0 and sum(d.planner.used.values()) == max(o.steps for o in outs)
     core = planner.Planner(FixedCost(1e-3, 1.0))
@@ -221,6 +221,6 @@ def test_regression_last_row_of_the_block():
     model = random_model(args, seed)
     torch.manual_seed(seed)
     heads = Heads(args.dim, args.vocab_size, 3).init_from(model.lm_head)
-    d = ProPD(heads, medusa_tree(ACC, 19), ACC, None, 1, 1, True, sizes=(1, 3, 19), replan=4)
+    d = ProPD(heads, medusa_tree(ACC, 19), ACC, None, 1, 1, True, budgets=(1, 3, 19), replan=4)
     prompt = torch.randint(0, args.vocab_size, (24,), generator=torch.Generator().manual_seed(seed)).tolist()
     check_exact(model, prompt, d, 24, dict(temperature=1.0, top_p=0.9, seed=seed), fast=False)

@@ -99,7 +99,7 @@ class BiTA(Ranked):
         self.template, self.family = Template(paths), paths  # a planned tree keeps the variant's shape
         self.topk = self.template.topk
         self.ahead = M  # masks per group: M, or a planner's budget's worth (Ranked.own_depths)
-        self.max_rows = self.size(len(self.template))
+        self.max_rows = self.rows(len(self.template))
 
     @classmethod
     def load(cls, model, weights, decoding="efficient", k=3, prompting="deep") -> "BiTA":
@@ -126,7 +126,7 @@ class BiTA(Ranked):
         """Masks per group: straightforward decoding's root group serves every depth of the chain, so all M."""
         return self.tune.M if self.decoding == "straight" else self.own_depths(budget)
 
-    def size(self, n, budget=None):
+    def rows(self, n, budget=None):
         return n + self.hosts(n) * self.masks(budget)
 
     def start(self, dec):
@@ -145,7 +145,7 @@ class BiTA(Ranked):
 
     def forward(self, f, nodes):
         """One forward: the tree (verified) and a mask group on each node (or the root) that drafts next."""
-        n, M, N = nodes.n, nodes.M, nodes.N
+        n, M, N = nodes.largest, nodes.M, nodes.N
         G = self.hosts(n)
         x = f.embed()
         x[:, n:n + G * M] = self.tune.mask[:M].to(x.dtype).repeat(G, 1)

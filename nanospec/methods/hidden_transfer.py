@@ -117,7 +117,7 @@ class HiddenTransfer(Ranked):
         if self.template.depth > tr.k:
             raise NanospecError(f"the tree is {self.template.depth} deep but there are {tr.k} transfer steps")
         self.ahead = tr.k  # pseudo rows per node: k, or a planner's budget's worth (Ranked.own_depths)
-        self.max_rows = self.size(len(self.template))
+        self.max_rows = self.rows(len(self.template))
         self.topk = self.template.topk
 
     @classmethod
@@ -134,14 +134,14 @@ class HiddenTransfer(Ranked):
         tr = noisy(Transfer(model.args.dim, layers), seed, 0.3).to(model.embed.weight)
         return cls(tr, choose_tree(RANDOM_ACC[:len(layers)], 8), chained=seed % 2 == 0)
 
-    def size(self, n, budget=None):
+    def rows(self, n, budget=None):
         return n * (1 + self.own_depths(budget))  # every node carries a group of pseudo rows
 
     def groups(self, tree, n, budget=None):
         return Groups(tuple(range(n)), self.own_depths(budget), chained=self.chained)
 
     def forward(self, f, nodes):
-        n, k, device = nodes.n, nodes.M, f.block.tokens.device
+        n, k, device = nodes.largest, nodes.M, f.block.tokens.device
         x = f.embed()  # every node hosts a group: pseudo row i of each is tree.group_row_index's row i
         pos = torch.arange(n, device=device).expand(len(x), n)
         h = transfer(f, self.tr, x, pos, list(group_row_index(n, n, k, device)))

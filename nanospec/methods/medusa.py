@@ -134,7 +134,7 @@ class Medusa(Ranked):
         self.heads, self.acc = heads, acc  # acc: held-out accuracy per head and rank (the planner's prior)
         self.template = Template(paths)
         self.max_rows, self.topk = len(self.template), self.template.topk
-        self.narrow = heads.narrowed()  # the draft vocabulary's product, which a device's kernels may tune
+        self.narrow = heads.narrowed()  # the draft vocabulary's product, whose form a device's forms may pick
 
     @classmethod
     def load(cls, model, weights, tree_size=0) -> "Medusa":

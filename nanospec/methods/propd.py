@@ -23,10 +23,10 @@ Choices where the paper is silent, and why:
   --method medusa` after the Medusa heads, or `--method propd` alone; --forced: teacher-forced real text too).
 - Iteration time is wall time from one draft to the next (forward, verification, commit, drafting), keyed by the
   tree's size before pruning: pruning shows as cheaper large trees, how the two techniques combine (section 5.4.3).
-- Candidate sizes: the paper names none: the core planner's (1, 3, 7, ..., 63: with the root, powers of two rows), or a
-  device layer's (a CPU's: one under each of fast mode's row buckets, tuning/probing.own_sizes).
-- Until two sizes are measured the planner explores: the static tree's size, then the smallest. Each generation's first
-  step, one AR row (no hidden state yet), is not timed: a single row takes a faster matrix-vector path on CPU.
+- Candidate budgets: the paper names none: the core planner's (1, 3, 7, ..., 63: with the root, powers of two rows),
+  or a device layer's (a CPU's: one under each of fast mode's row buckets, tuning/probing.own_budgets).
+- Until two budgets are measured the planner explores: the static tree's size, then the smallest. Each generation's
+  first step, one AR row (no hidden state yet), is not timed: a single row takes a faster matrix-vector path on CPU.
 - Whose costs: the paper's online line (`planner=online`) cannot price that AR row, so it never steps aside, and in
   a batch on a CPU it loses to AR. By default (`measured`) a device layer hands ProPD the core planner on the machine's
   measured prices (decode.py: each live batch size and budget, 0 included); with none, Medusa's tree every step.
@@ -56,7 +56,7 @@ from ..drafter import RANDOM_ACC, noisy
 from ..io.checkpoint import load_drafter_file, save_drafter
 from ..io.files import fingerprint
 from ..model import RMSNorm
-from ..planner import SIZES as CORE_SIZES
+from ..planner import BUDGETS as CORE_BUDGETS
 from ..planner import Planner
 from ..training.forced import labelled, targets, training_items
 from ..training.loop import Checkpoint, RankAccuracy, adamw, cosine_lr, distilled, hidden_states, update
@@ -64,7 +64,7 @@ from ..tree import choose_tree
 from ..tuning.measured import Measured
 from .medusa import Heads, Medusa, load_heads
 
-SIZES = tuple(s for s in CORE_SIZES if s)  # the core planner's without 0: ProPD always drafts
+BUDGETS = tuple(s for s in CORE_BUDGETS if s)  # the core planner's without 0: ProPD always drafts
 KEEP = 0.97  # the share of right tokens the pruning's top-k must keep, held out (see the header)
 
 
@@ -119,12 +119,12 @@ class ProPD(Medusa):
     floor = 1.9  # tokens per step when a test feeds it AR's continuation (tests/helpers.py, reaches_floor)
 
     def __init__(self, heads, paths, acc, early: EarlyHead | None = None, layer: int = 2, k: int = 10,
-                 dynamic: bool = True, sizes=SIZES, replan: int = 32, alpha: float = 0.3, lam: float = 0.01,
+                 dynamic: bool = True, budgets=BUDGETS, replan: int = 32, alpha: float = 0.3, lam: float = 0.01,
                  cost: CostModel | None = None):
         super().__init__(heads, paths, acc)
         self.early, self.layer, self.k = early, layer, k
         if dynamic:
-            self.plan(Planner(cost or CostModel(alpha, lam), sizes, replan))
+            self.plan(Planner(cost or CostModel(alpha, lam), budgets, replan))
         self.pruning = torch.zeros(2, dtype=torch.long, device=heads.res[0].weight.device)  # draft rows, pruned ones
 
     @classmethod
@@ -132,7 +132,7 @@ class ProPD(Medusa):
              replan=32) -> "ProPD":
         """k=None: the smallest k whose held-out hit rate keeps KEEP of the right tokens; none: no pruning. planner:
         measured (none of its own: decode.py's core planner on measured costs, AR steps allowed), online (the paper's
-        section 4.2: sizes 1-63 from step times learnt as it runs) or static (Medusa's tree every step)."""
+        section 4.2: budgets 1-63 from step times learnt as it runs) or static (Medusa's tree every step)."""
         if planner not in PLANNERS:
             raise NanospecError(f"propd planner {planner!r}: choose from {', '.join(PLANNERS)}")
         heads, meta = load_heads(model, weights)
@@ -154,12 +154,12 @@ class ProPD(Medusa):
     @classmethod
     def random(cls, model, seed=0) -> "ProPD":
         """Noisy heads; an even seed prunes on a static tree after a middle layer with an untrained early head (the
-        logit lens: most right tokens in its top sixth), an odd one plans its sizes on a fixed cost line, unpruned."""
+        logit lens: most right tokens in its top sixth), an odd one plans its budgets on a fixed cost line, unpruned."""
         a, paths = model.args, choose_tree(RANDOM_ACC, 12)
         heads = noisy(Heads(a.dim, a.vocab_size, 3).init_from(model.lm_head), seed, 0.1).to(model.embed.weight)
         if seed % 2:  # cheap rows: large trees pay
             line = Measured({1: 1e-2 + 1e-5, 2: 1e-2 + 2e-5})
-            return cls(heads, paths, RANDOM_ACC, None, dynamic=True, sizes=(1, 4, 12), replan=4, cost=line)
+            return cls(heads, paths, RANDOM_ACC, None, dynamic=True, budgets=(1, 4, 12), replan=4, cost=line)
         early = noisy(EarlyHead(a.dim, a.vocab_size, min(a.dim, 16), a.norm_eps).init_from(model), seed, 0.01)
         return cls(heads, paths, RANDOM_ACC, early.to(model.embed.weight), 1 + seed // 2 % max(a.n_layers - 1, 1),
                    max(2, a.vocab_size // 6), dynamic=False)

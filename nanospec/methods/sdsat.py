@@ -114,7 +114,7 @@ class SDSAT(Ranked):
         self.template = Template(self.family)
         self.topk = self.template.topk
         self.ahead = k  # adaptive tokens: k, or a planner's budget's worth (Ranked.own_depths)
-        self.max_rows = self.size(len(self.template))
+        self.max_rows = self.rows(len(self.template))
         self.verifying = self.drafts = self.drafts_accepted = self.draft_only = 0  # statistics for report()
 
     @classmethod
@@ -126,7 +126,7 @@ class SDSAT(Ranked):
         """A noisy update of rank 4 and one adaptive token; 4 of them drafted, 2 candidates each."""
         return cls(noisy(Delta(model, 4), seed, 0.3).to(model.embed.weight), k=4, width=2)
 
-    def size(self, n, budget=None):
+    def rows(self, n, budget=None):
         return n + self.own_depths(budget)
 
     def draft(self, dec, cands, template, budget) -> Tree:
@@ -142,7 +142,7 @@ class SDSAT(Ranked):
     def forward(self, f, nodes):
         """Either step's forward: the tree's rows, verified (eq. 3), then k adaptive rows, whose logits draft for a
         path that ends at the top-1 chain's end (the next step is a step 2) and no other (the next is a step 1)."""
-        n, k, N = nodes.n, nodes.M, nodes.N
+        n, k, N = nodes.largest, nodes.M, nodes.N
         adaptive = slice(n, n + k)
         x, update = f.embed(), None  # sdsat_full: the rows hold a fine-tuned model's own adaptive ids
         if self.delta is not None:

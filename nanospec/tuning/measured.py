@@ -18,31 +18,33 @@ from ..engine import Decoding
 from ..io.files import atomic_write, cache_root, fingerprint, hardware
 from ..sizes import MIN_BLOCK
 from ..tree import Tree
-from .products import BUCKETS, Kernels, products, to_json
+from .products import BUCKETS, Forms, products, to_json
 
 COST_ROWS = BUCKETS + (96, 128)  # every bucket of fast mode's products, and beyond them
-WINDOW = 16  # the steps of a key (a size and kind, a size and budget) whose median is taken
-OWN = 3  # steps of a size and budget before they price it themselves
+WINDOW = 16  # the steps of a key (a batch size and kind, a batch size and budget) whose median is taken
+OWN = 3  # steps of a batch size and budget before they price it themselves
 COSTS_VERSION = 4  # bumped when the code changes what a forward costs, or how it is measured: cached ones are stale
 
 
 class Measured:
-    """A step's seconds at a live batch size: what steps of that size and budget took (its realized price), else a
-    forward's by rows (measured.measure) plus what steps of that size and kind took beyond their forwards.
+    """A step's seconds at a live batch size: what steps of that batch size and budget took (its realized price),
+    else a forward's by rows (measured.measure) plus what steps of that batch size and kind took beyond their
+    forwards.
 
     A forward: a count measured slower than a larger one takes its time (fast mode then runs the product on more
     rows: products.py; else it is noise). Between measured counts a forward is interpolated, or (padded: fast mode's
     tuned products, which run a row count at its bucket's, products.BUCKETS) costs the next measured count, as 9 rows
     cost 12.
 
-    A step: each live batch size is priced by its own steps, never another size's (a batch's tail, as its sequences
-    stop, runs sizes whose steps cost what they cost, not a share of a larger batch's: RESULTS.md, "Why the heuristics
-    stay"). A (size, budget) run OWN times is priced at its steps' median: what the method's step really cost,
-    whatever rows it ran beyond the tree or left out (SDSAT's adaptive rows, BiTA's masks, ProPD's pruning, a step 1
-    with no drafts). Before, at its forward plus its kind's excess (AR's or a drafter's) at that size: what a forward
-    of the same rows leaves out (drafting, the draft heads' products, verification, the host's work). A size with no
-    steps of the kind: its forward alone (the planner tries it, then knows). Each price is the median of the last
-    WINDOW steps of its key: a first step's warm-up or a stall of a few steps does not swing it.
+    A step: each live batch size is priced by its own steps, never another batch size's (a batch's tail, as its
+    sequences stop, runs batch sizes whose steps cost what they cost, not a share of a larger batch's: RESULTS.md,
+    "Why the heuristics stay"). A (batch size, budget) run OWN times is priced at its steps' median: what the
+    method's step really cost, whatever rows it ran beyond the tree or left out (SDSAT's adaptive rows, BiTA's
+    masks, ProPD's pruning, a step 1 with no drafts). Before, at its forward plus its kind's excess (AR's or a
+    drafter's) at that batch size: what a forward of the same rows leaves out (drafting, the draft heads' products,
+    verification, the host's work). A batch size with no steps of the kind: its forward alone (the planner tries it,
+    then knows). Each price is the median of the last WINDOW steps of its key: a first step's warm-up or a stall of
+    a few steps does not swing it.
 
     Prices decay as the machine drifts: each step is kept at the machine's pace when it ran (its seconds over the
     pace), and every price is read at the pace now. The pace is the median, over the last WINDOW steps with a
@@ -103,12 +105,12 @@ def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps
     of a shared machine slows a whole round, which its shares do not see, and one slow forward moves one share of
     one round, where the fastest time of each count would price a count by its luckiest forward against the
     others' (their shape, which the planner's choices read, then varies from one measure to the next). dev: the
-    device's layout and speed (devices.py; its kernels: fast mode's product forms, the model's part of the key)."""
+    device's layout and speed (devices.py; its forms: fast mode's product forms, the model's part of the key)."""
     w = model.embed.weight
-    table = None if exact or dev is None else dev.kernels
+    table = None if exact or dev is None else dev.forms
     if table is not None:  # the forms of the model's own products (a drafter's own shapes do not run here)
         own = {tuple(m.weight.shape) for m in products(model)}
-        table = Kernels({k: v for k, v in table.table.items() if k[:2] in own})
+        table = Forms({k: v for k, v in table.table.items() if k[:2] in own})
     forms = "" if table is None else "-" + hashlib.sha256(to_json(table).encode()).hexdigest()[:8]
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}-{COSTS_VERSION}"
     path = cache_root() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")

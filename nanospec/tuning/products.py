@@ -1,6 +1,6 @@
 """Fast mode's matrix products by row count (`--kernels tuned`, the default on a CPU): each product's
-fastest form on this machine, tuned once per weight shape and cached, handed to the model as the device's `kernels`
-(devices.Device.kernels: forward.Context.linear calls it for each product of a fast forward).
+fastest form on this machine, tuned once per weight shape and cached, handed to the model as the device's `forms`
+(devices.Device.forms: forward.Context.linear calls it for each product of a fast forward).
 
 A forward of a few rows on a CPU is bound by reading the weights, yet eager `F.linear` handles
 a small row count almost row by row. The same product written weight-first, `(W @ x.T).T`, or
@@ -48,7 +48,7 @@ if torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) fo
 PAD_MARGIN = 0.1  # run a product on more rows only if that measured at least 10% faster
 
 
-class Kernels:
+class Forms:
     """The products' forms, {(out, in, rows bucket): (form, rows)}: each one's fastest here (tune)."""
 
     def __init__(self, table: dict):
@@ -81,7 +81,7 @@ def products(*owners) -> list[torch.nn.Linear]:
     return [m for module in modules for m in module.modules() if isinstance(m, torch.nn.Linear) and m.bias is None]
 
 
-def to_json(k: Kernels) -> str:
+def to_json(k: Forms) -> str:
     """The table as {"NxK": [[bucket, form, rows], ...]}, sorted: one table, one text (measured.measure hashes it)."""
     shapes = {}
     for (N, K, b), v in sorted(k.table.items()):
@@ -89,18 +89,18 @@ def to_json(k: Kernels) -> str:
     return json.dumps(shapes)
 
 
-def from_json(text: str) -> Kernels:
-    return Kernels({(*map(int, s.split("x")), b): (form, rows)
+def from_json(text: str) -> Forms:
+    return Forms({(*map(int, s.split("x")), b): (form, rows)
                     for s, rs in json.loads(text).items() for b, form, rows in rs})
 
 
-def tuned(model, *drafters) -> Kernels:
+def tuned(model, *drafters) -> Forms:
     """The table of the model's and drafters' products on this machine, read from the cache root; a shape the cache
     lacks is tuned and added. Two processes may write at once: each write is whole (atomic_write), and a shape the
     other one added meanwhile may be lost, to be tuned again next time."""
     w = model.embed.weight
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'-'.join(sorted(FORMS))}"
-    path = cache_root() / "kernels" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    path = cache_root() / "forms" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     read = lambda: from_json(path.read_text()).table if path.is_file() else {}
     table, mine = read(), products(model, *drafters)
     known = {k[:2] for k in table}
@@ -110,13 +110,13 @@ def tuned(model, *drafters) -> Kernels:
               file=sys.stderr, flush=True)
         table = {**read(), **tune(*missing).table}  # read again: shapes another process added since
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda p: p.write_text(to_json(Kernels(table))))
+        atomic_write(path, lambda p: p.write_text(to_json(Forms(table))))
     shapes = {tuple(m.weight.shape) for m in mine}
-    return Kernels({k: v for k, v in table.items() if k[:2] in shapes})  # only these: measured.measure keys by it
+    return Forms({k: v for k, v in table.items() if k[:2] in shapes})  # only these: measured.measure keys by it
 
 
 @torch.inference_mode()
-def tune(*owners, buckets=BUCKETS, reps: int = 4) -> Kernels:
+def tune(*owners, buckets=BUCKETS, reps: int = 4) -> Forms:
     """Time every form for every weight shape of the owners' products (a model's, drafters') and row bucket;
     each bucket keeps the fastest (form, rows) of its own and the larger buckets up to twice its rows."""
     shapes = {}
@@ -140,4 +140,4 @@ def tune(*owners, buckets=BUCKETS, reps: int = 4) -> Kernels:
             own = min((k for k in best if k[1] == b), key=best.get)
             more = min((k for k in best if b < k[1] <= 2 * b), key=best.get, default=own)
             table[(N, K, b)] = more if best[more] < (1 - PAD_MARGIN) * best[own] else own
-    return Kernels(table)
+    return Forms(table)
