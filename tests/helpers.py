@@ -602,6 +602,11 @@ def each_method(examples: int):
     return settings(max_examples=max(2, int(share // len(METHODS))), deadline=None)
 
 
+def each_dtype():
+    """Hypothesis settings for a method's exactness property run once per dtype (parametrized by DTYPES): the
+    profile's examples split between fp32 and bf16, so that both cost what one property does."""
+    return settings(max_examples=max(2, settings.default.max_examples // 2), deadline=None)
+
 def check_batch(model, prompts, d, n, exact=True, peeking: float = 0.0, seed=0, sampling=None, rows=None,
                 block_batch=None):
     """The batch against each prompt decoded alone by AR at the same shapes (Q, S): the same tokens

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import check_exact, model_args, one_forward, random_model
+from helpers import check_exact, each_dtype, model_args, one_forward, random_model
 from nanospec import NanospecError
 from nanospec.io.checkpoint import load
 from nanospec.methods.bita import BiTA, Tuning, batches, pack, sar_logits, sar_loss
@@ -31,6 +31,7 @@ def random_tuning(args, seed, M, P, prompting, dtype, device, scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@each_dtype()
 @given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 24), data=st.data(),
        P=st.integers(1, 5), prompting=st.sampled_from(["deep", "shallow", "none"]),
        decoding=st.sampled_from(["efficient", "full", "straight"]), k=st.integers(1, 3), sampled=st.booleans())

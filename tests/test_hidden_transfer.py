@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import check_exact, descend, model_args, one_forward, random_model
+from helpers import check_exact, descend, each_dtype, model_args, one_forward, random_model
 from nanospec import NanospecError
 from nanospec.methods.hidden_transfer import HiddenTransfer, Transfer, batches, kl_loss, pack, pseudo_states
 from nanospec.model import ModelArgs
@@ -30,6 +30,7 @@ def random_transfer(dim, layers, seed, noise=0.3, dtype=torch.float32, device="c
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@each_dtype()
 @given(args=model_args(), n_layers=st.integers(2, 4), seed=st.integers(0, 2**16), plen=st.integers(1, 24),
        data=st.data(), tree_size=st.integers(1, 12), chained=st.booleans(), sampled=st.booleans())
 def test_hidden_transfer_equals_ar(device, dtype, args, n_layers, seed, plen, data, tree_size, chained, sampled):

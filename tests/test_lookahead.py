@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import model_args, random_model
+from helpers import each_dtype, model_args, random_model
 from nanospec import NanospecError
 from nanospec.engine import generate, shapes
 from nanospec.methods import parse_spec, split_specs
@@ -163,6 +163,7 @@ def repetitive_prompt(rng, V, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@each_dtype()
 @given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 40),
        strategy=st.sampled_from(STRATEGIES), dl=st.integers(1, 12), sampled=st.booleans())
 def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, strategy, dl, sampled):

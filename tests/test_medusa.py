@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import check_exact, model_args, noisy, random_model, run_cli
+from helpers import check_exact, each_dtype, model_args, noisy, random_model, run_cli
 from nanospec import NanospecError
 from nanospec.engine import generate
 from nanospec.io.checkpoint import save, save_drafter
@@ -82,6 +82,7 @@ def test_chosen_trees_are_prefix_closed_and_parents_first(acc, size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@each_dtype()
 @given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 30), size=st.integers(1, 20),
        sampled=st.booleans(), layers=st.integers(1, 2), token=st.booleans(), narrow=st.booleans())
 def test_exact_mode_logits_bitwise_equal_ar(device, dtype, args, seed, plen, size, sampled, layers, token, narrow):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import ARGS, call, check_exact, decode_main, model_args, random_model, reaches_floor, run_cli
+from helpers import ARGS, call, check_exact, decode_main, each_dtype, model_args, random_model, reaches_floor, run_cli
 from nanospec.engine import generate
 from nanospec.methods.pld import OCCURRENCES, PLD
 
@@ -105,6 +105,7 @@ def test_no_match_is_an_ar_step(device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@each_dtype()
 @given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 40), num_tokens=st.integers(1, 12),
        ngrams=st.tuples(st.integers(1, 4), st.integers(1, 4)).map(sorted), occurrence=st.sampled_from(OCCURRENCES),
        sampled=st.booleans(), tight=st.booleans())

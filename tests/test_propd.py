@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import FixedCost, check_exact, model_args, path_to, random_model
+from helpers import FixedCost, check_exact, each_dtype, model_args, path_to, random_model
 from nanospec import NanospecError, planner
 from nanospec.engine import generate
 from nanospec.io.checkpoint import load
@@ -91,6 +91,7 @@ def test_pruning_takes_descendants_and_keeps_the_root():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@each_dtype()
 @given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 30), size=st.integers(1, 20),
        k=st.integers(1, 4), sampled=st.booleans(), prune=st.booleans(), dynamic=st.booleans(),
        row_cost=st.sampled_from([1e-5, 1e-3]))

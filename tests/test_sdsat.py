@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import check_exact, descend, model_args, noisy, peek, random_model
+from helpers import check_exact, descend, each_dtype, model_args, noisy, peek, random_model
 from nanospec import NanospecError
 from nanospec.cache import Block, KVCache
 from nanospec.engine import Decoding, generate, lay_out
@@ -79,6 +79,7 @@ def test_planted_faults_change_standard_rows(planted):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@each_dtype()
 @given(args=model_args(), seed=st.integers(0, 2**16), plen=st.integers(1, 24), k=st.integers(1, 5),
        width=st.integers(1, 3), diverse=st.booleans(), sampled=st.booleans())
 def test_sdsat_equals_ar(device, dtype, args, seed, plen, k, width, diverse, sampled):
