@@ -18,6 +18,8 @@ class CostModel:
         self.perf, self.seen = {}, {}  # (batch, rows) -> EMA of step seconds; step of its last update
 
     def update(self, rows: int, seconds: float, batch: int = 1, ar: bool = False, budget: int | None = None) -> None:
+        """Learn a step's seconds (ar, budget and estimate's bare: the planner's interface, which
+        tuning/measured.Measured prices by; this model keys by (batch, rows) alone)."""
         if rows <= batch:  # one row per sequence takes another kernel path on a CPU: it would bend the line
             return
         old = self.perf.get((batch, rows))

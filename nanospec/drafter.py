@@ -139,7 +139,8 @@ class Drafter:
 
     def match_length(self, dec) -> int:
         """What predicts how much of an unranked drafter's next draft is accepted (Lookahead: how long a
-        suffix its trie matches): the planner keeps its gains per match length."""
+        suffix its trie matches): tuning/probing.Probing, the planner that plans unranked drafters, keeps its gains
+        per match length."""
         return 0
 
     def rows(self, n: int, budget: int | None = None) -> int:

@@ -12,10 +12,10 @@
 - advance: each sequence's cursor, tokens and next candidates, on the host (Decoding.advance).
 
 A Decoding is one sequence's generation: its state, handed to its drafter at every step. In exact mode every forward
-runs Q rows per sequence on a cache of S slots, each row gathering its last W keys (sizes.shapes), and the blocks of a
-block batch of sequences (sizes.block_batch), idle ones padded, so a product's total rows never change
-(exact.py says why that makes a tree's logits AR's). A device's Programs (programs.py: CUDA graphs) run the step's and
-prefill's programs; without one, they run eagerly.
+runs Q rows per sequence on a cache of S slots, each row gathering its last W keys (sizes.shapes); on a device whose
+kernels depend on the total rows (CUDA), the blocks of a fixed block batch of sequences, idle ones padded
+(sizes.block_batch), so the total never changes (exact.py says why that makes a tree's logits AR's). A device's Programs
+(programs.py: CUDA graphs) run the step's and prefill's programs; without one, they run eagerly.
 """
 from __future__ import annotations
 

@@ -48,9 +48,11 @@ guarantee, kept in devices.py and the core:
 - a product's row independent of its index: a CPU's BLAS takes paths by a row's alignment (devices.CPU.aligned pads
   every row to 64 bytes; forward.Context.linear applies it to each exact product) and MKL computes the last rows of
   a 5-11 row product on another path (devices.MIN_BLOCK: Q is at least 16);
-- a product's row independent of the total rows: cuBLAS picks its kernel by them (devices.CUDA.block_batch), so a
-  forward always runs the same total, Q rows per sequence (Block.pad) for a fixed batch of sequences' blocks, idle
-  ones padded (sizes.block_batch and engine.stack);
+- a product's row independent of the total rows. cuBLAS picks its kernel by them, so on CUDA a forward always runs
+  the same total: Q rows per sequence (Block.pad) for a fixed batch of sequences' blocks, idle ones padded
+  (devices.CUDA.block_batch, sizes.block_batch, engine.stack). A CPU's BLAS, norms and softmax give an aligned row
+  the same bits at any total of at least 16 rows (tests/test_batch.py), so a CPU runs only the live sequences'
+  blocks (devices.Device.block_batch None): k sequences' k * Q rows against AR's Q;
 - an elementwise kernel the same code path for every element: a CPU's vectorised kernels end a thread's run with a
   scalar loop. Correctly rounded operations (add, multiply, divide, square root: the norm's rsqrt is 1 / sqrt) give
   the same bits on either path; approximated ones (SiLU's exp, RoPE's cos and sin) do not, and go through
@@ -61,14 +63,16 @@ guarantee, kept in devices.py and the core:
   have G rows, a key head's query heads, and G may be 5-11: MKL's caveat spares them, since query head g is row g
   in both runs.
 A GPU's kernels (the base devices.Device) apply the same code to every row and element of a fixed shape: it needs
-the fixed total alone. Norms reduce within a row in one kernel over the block's fixed shape on every device. A
+the fixed total alone. Norms reduce within a row in one kernel, a row's reduction the same whatever the rows around
+it (on a GPU at the fixed total, on a CPU at any total). A
 compiled layer (compiled.py) is one callable for AR and every method at these shapes; that inductor's generated
 loops give a row the same bits at any index is tested (tests/test_compile.py), not argued here.
 
-Both runs must share every shape (Q, the cache's S slots, W and the block batch), the dtype and the Device value
-(its `call`: a compiled layer's bits are not an eager one's, compiled.py). decode.py and the bench size the shapes
-over the method and AR together (sizes.shapes, sizes.block_batch); a caller of engine.generate passes the same Q,
-n_slots and tail to both. Sized apart, AR's run would split its sums at other keys and, on a GPU, run other kernels.
+Both runs must share every shape (Q, the cache's S slots, W and the block batch), the dtype, the Device value (its
+`call`: a compiled layer's bits are not an eager one's, compiled.py) and the machine (the same library build and thread
+count). decode.py and the bench size the shapes over the method and AR together (sizes.shapes, sizes.block_batch); a
+caller of engine.generate passes the same Q, n_slots, tail and block_batch to both. Sized apart, AR's run would split
+its sums at other keys and, on a GPU, run other kernels.
 
 What breaks it: a W shorter than a row's path (its ancestors would be read in place, in slot order, not by depth:
 the engine refuses such a tree), a key in another column (an off-by-one at the window's or the tail's edge), a

@@ -58,7 +58,8 @@ class Context:
     def linear(self, proj, x, add=None):
         """proj(x), a layer's product (with its bias, if any). Exact mode: the rows as the device's products need
         them (devices.Device.aligned), folded into one matrix: F.linear, or addmm with add (a residual) in its
-        epilogue. Fast mode: the device's form of the product (devices.Device.forms: a tuned one, else F.linear)."""
+        epilogue (o_proj and down_proj, which have no bias in any family). Fast mode: the device's form of the
+        product (devices.Device.forms: a tuned one, else F.linear)."""
         if not self.exact:
             y = F.linear(x, proj.weight, proj.bias) if self.dev.forms is None else self.dev.forms(proj, x)
         else:

@@ -22,8 +22,9 @@ adaptive rows, masks) is priced at what it costs. Acceptance is the sequences': 
 size. A ledger keeps, per live batch size, what the planner expected of its AR and drafting steps and what they got
 (`profile`, decode.py --bench --profile); `priced` names a step's price (decode.py --show).
 
-A device layer may hand a drafter a planner that adds to this one (tuning/probing.py: probes,
-unranked drafters' gains, budgets that fill a CPU's row buckets), and budgets of its own.
+This planner plans ranked drafters (with `topk`); an unranked (nested) one, Lookahead's or PLD's, is planned by
+tuning/probing.Probing alone. A device layer may hand a drafter a planner that adds to this one (tuning/probing.py:
+probes, unranked drafters' gains, budgets that fill a CPU's row buckets), and budgets of its own.
 """
 import itertools
 import math
@@ -132,7 +133,8 @@ class Planner:
     def observe(self, dec, budget: int, rows: int, seconds: float, path=(0,), drafted=None, cands=None) -> None:
         """After a step, per sequence: the step's rows and time (rows 0: a batch's step is counted with
         its first sequence), the sequence's accepted path (node indices, root first), a nested drafter's
-        whole draft, and the next candidates (host lists per depth)."""
+        whole draft (for a subclass: tuning/probing.Probing scores it), and the next candidates (host lists
+        per depth)."""
         B, _, expect = self.planned or (self.batch, budget, None)
         row = self.ledger.setdefault((B, bool(budget)), [0, 0, 0.0, 0.0, 0.0])  # the ledger: every sequence's tokens
         row[1] += len(path)

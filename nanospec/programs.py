@@ -1,9 +1,10 @@
 """How exact mode's device programs run as CUDA graphs (Graphs); without a Programs the engine runs them eagerly.
 
-Exact mode runs every forward with the same shapes: Q rows against a cache of S slots, each row gathering the
-same number of keys. That is what a CUDA graph needs. A program is captured once per shape (and per method
-variant, e.g. "with hidden states") and then replayed: one launch instead of hundreds of kernel launches from
-Python, which bound an eager step on a GPU (its wall time is the host's launches, not the GPU's work).
+Exact mode runs every forward with the same shapes: Q rows against a cache of S slots, each row gathering the same
+number of keys. That is what a CUDA graph needs. A program is captured once per key (a step's: the drafter, greedy
+or sampled, and for a method with group rows its tree and group size; prefill's: its inputs) and shape, then
+replayed: one launch instead of hundreds of kernel launches from Python, which bound an eager step on a GPU (its
+wall time is the host's launches, not the GPU's work).
 
 Bitwise equality with AR survives by construction: AR's exact forward replays the same captured graph (same
 kernels, same shapes) as every method's, and a replay runs exactly the kernels the eager capture chose

@@ -25,7 +25,8 @@ Choices where the papers are silent, and why:
   model's frozen lm_head shared by all heads (EAGLE's choice), which the SmolLM2 heads use: an own projection there
   is as large as the lm_head, per head. Sharing costs a little accuracy and acceptance for a far smaller file
   (RESULTS.md, "Medusa").
-- A generation's first step has no hidden state yet for the prompt's last token, so it drafts nothing (one AR step).
+- A generation's first step has no hidden state yet for the prompt's last token, so it drafts nothing (the root
+  alone).
 
 One option is not Medusa-1's. With --token-input head k reads h + T_k e, e the embedding of
 x_{t+1}, the token the lm_head picks from h, and T_k a zero-initialised linear map. Under greedy decoding x_{t+1} is

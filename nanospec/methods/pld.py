@@ -16,9 +16,9 @@ the most recent. The defaults are transformers': 10, 2, 1, first.
 
 What the core does for it: the engine lays the chain out as rows, verifies it against the model's own tokens,
 commits the accepted keys and runs a batch's sequences in one forward. The chain is nested (its first s + 1 nodes
-are a budget-s draft), so under a planner (--planner measured) the engine runs a prefix of it, the planner
-keeping the gains per match length (the matched n-gram's: match_length) and offering no budget over num_tokens
-(max_draft).
+are a budget-s draft), so under a planner (--planner measured: tuning/probing.Probing, the planner of unranked
+drafters) the engine runs a prefix of it, the planner keeping the gains per match length (the matched n-gram's:
+match_length) and offering no budget over num_tokens (max_draft).
 warm_up's texts are context placed before the prompt.
 """
 from .. import NanospecError
