@@ -66,7 +66,7 @@ class Drafter:
     max_rows = 1        # the most rows one step's forward runs (sizes the exact-mode block)
     reserved_slots = 0  # cache slots for method-owned keys
     topk: list[int] = []  # candidates kept per draft depth
-    family = None       # the rank paths a planned tree may use (None: any; see planner.Planner)
+    allowed_paths = None  # the rank paths a planned tree may use (None: any; see planner.Planner)
     planner = None      # the draft budget per step (planner.py); None: the method's static tree
     nested = False      # unranked drafts only: the first s+1 nodes of a budget-B tree are its budget-s tree
     own_rows = "own rows"  # what the rows after the tree are, for a reader (show.py)
@@ -121,7 +121,7 @@ class Drafter:
         if self.max_draft is not None:
             planner.budgets = sorted({min(s, self.max_draft) for s in planner.budgets})
         self.planner = planner
-        if self.topk and self.family is None:
+        if self.topk and self.allowed_paths is None:
             R = len(self.acc[0]) if self.acc else 10
             self.topk = [max(R, *self.topk)] * len(self.topk)
         self.max_rows = max(self.max_rows, self.rows(1 + max(planner.budgets), max(planner.budgets)))

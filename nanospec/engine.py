@@ -255,7 +255,7 @@ class Output:
     tokens: list[int]
     stop: str                   # "eos", "max_new_tokens" or "cache_full"
     steps: int = 0
-    emitted: list[int] = field(default_factory=list)  # tokens emitted per step
+    step_lengths: list[int] = field(default_factory=list)  # tokens emitted per step
     ar_steps: list[tuple[int, float]] = field(default_factory=list)  # each AR step's sequences and seconds
     forward_s: float = 0.0      # time in the steps' forwards (device-synchronised)
     prefill_s: float = 0.0      # the call's: every prompt's, in a batch
@@ -331,7 +331,7 @@ def generate(model, prompt, drafter: Drafter | None = None, *, max_new_tokens=12
                 planner.observe(d, budget, rows if i == 0 else 0, secs, r.path, r.whole, d.lists)
             logits[d].append(r.logits)  # None unless record_logits
             outs[d].steps += 1
-            outs[d].emitted.append(len(toks))
+            outs[d].step_lengths.append(len(toks))
             if budget == 0 or drafter.is_ar:  # an AR step: the planner's (a budget of 0), or AR's own
                 outs[d].ar_steps.append((len(live), secs))
             stop = "eos" if eos in toks else "max_new_tokens" if len(d.out) >= max_new_tokens else \

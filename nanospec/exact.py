@@ -94,7 +94,7 @@ import torch.nn.functional as F
 class Canonical:
     """Each row's keys in canonical order, as attend reads them."""
     tail_slots: torch.Tensor  # (B, 1, T, W) the slots of each row's last W keys, canonical order (padding: slot 0)
-    heads: torch.Tensor       # (Hkv, 1, 1) the key heads: with ctx.cache_index, the tail's gather index
+    key_heads: torch.Tensor   # (Hkv, 1, 1) the key heads: with ctx.cache_index, the tail's gather index
     in_place: torch.Tensor    # (B * Hkv, T * G, S) the scores' mask over the slots read in place: 0 seen, -inf not
     gathered: torch.Tensor    # (B * Hkv * T, 1, W) the scores' mask over the tail (every query head's): 0 a key
 
@@ -144,7 +144,7 @@ def attend(q, kv, ctx):
     (B, T, Hkv, G, D), (S, Dc), c = q.shape, kv.shape[-2:], ctx.canonical
     W = c.tail_slots.shape[-1]
     q = F.pad(q.transpose(1, 2), (0, Dc - D)) if Dc > D else q.transpose(1, 2).contiguous()  # (B, Hkv, T, G, D')
-    k_tail, v_tail = kv[:, ctx.cache_index, c.heads, c.tail_slots]  # (B, Hkv, T, W, D') each: tails, canonical order
+    k_tail, v_tail = kv[:, ctx.cache_index, c.key_heads, c.tail_slots]  # (B, Hkv, T, W, D') each: canonical order
     k, v = kv if ctx.cache_rows is None else kv.index_select(1, ctx.cache_rows)  # each sequence's cache row
     scores = q.new_empty(B, Hkv, T, G, S + W)
     in_place_scores = scores.view(-1, T * G, S + W)[..., :S]  # views: the scores are written in one buffer

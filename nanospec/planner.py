@@ -41,9 +41,9 @@ def expected_lengths(paths: list[tuple[int, ...]], p: list[list[float]]) -> list
     return list(itertools.accumulate((math.prod(p[d][r] for d, r in enumerate(q)) for q in paths), initial=1.0))
 
 
-def tree_lengths(p: list[list[float]], budgets, family=None) -> dict[int, float]:
+def tree_lengths(p: list[list[float]], budgets, allowed=None) -> dict[int, float]:
     """The expected length of the best tree of each budget (the best s paths are the first s of the best)."""
-    paths = choose_tree(p, max(budgets), family)
+    paths = choose_tree(p, max(budgets), allowed)
     length = expected_lengths(paths, p)
     return {s: length[min(s, len(paths))] for s in budgets}
 
@@ -55,7 +55,7 @@ def best(lengths: dict[int, float], seconds) -> int:
 
 class Planner:
     """Each step's budget for one ranked drafter (with `topk`): the best tree of each budget over its rank
-    paths (Drafter.family) from P[d][k], an EMA of "depth d's true token was in its top k+1"."""
+    paths (Drafter.allowed_paths) from P[d][k], an EMA of "depth d's true token was in its top k+1"."""
 
     def __init__(self, cost, budgets=BUDGETS, replan: int = 32, alpha: float = 0.05):
         self.cost, self.budgets, self.replan, self.alpha = cost, sorted(budgets), replan, alpha
@@ -84,7 +84,7 @@ class Planner:
     def lengths(self, sure: bool = False) -> dict[int, float]:
         """The expected accepted length per budget, of a sequence of the batch (sure: the model's, as if
         every top-1 were right; else calibrated by the drafting steps' outcomes)."""
-        raw = tree_lengths(self.p(sure), self.budgets, self.drafter.family)
+        raw = tree_lengths(self.p(sure), self.budgets, self.drafter.allowed_paths)
         if sure:
             return raw
         self.raw = raw
@@ -111,7 +111,7 @@ class Planner:
         self.used[budget] += 1
         self.planned = self.batch, budget, self.expect.get(budget)
         if budget and self.P and (self.tree is None or self.tree[0] != budget):  # built once per plan
-            self.tree = budget, Template.of(tuple(choose_tree(self.p(), budget, self.drafter.family)))
+            self.tree = budget, Template.of(tuple(choose_tree(self.p(), budget, self.drafter.allowed_paths)))
         return budget, self.tree[1] if budget and self.P else None
 
     def due(self) -> bool:

@@ -166,7 +166,7 @@ class Layout:
 def choose_tree(acc: list[list[float]], size: int, allowed=None) -> list[tuple[int, ...]]:
     """Rank paths (r_1, ..., r_d), parents first: the `size` most probable under acc[d][r], the
     chance that depth d+1's rank-r candidate is right (Medusa's sparse tree; ProPD's expansion).
-    allowed: the paths a method's trees may use (its shape family), None for any.
+    allowed: the paths a method's trees may use (Drafter.allowed_paths), None for any.
 
     Best-first search. A path's children are pushed one at a time, most probable first: popping a
     node pushes its best child and its next sibling, so the heap holds about two entries per pop

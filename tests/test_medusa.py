@@ -187,7 +187,7 @@ def test_token_heads_read_the_token_each_step_emits_last_and_keep_it_on_disk(tmp
     propose = d.propose
     d.propose = lambda drafts, *a: seen.append(drafts[:, 1].clone()) or propose(drafts, *a)
     out = generate(model, [1, 2, 3], d, max_new_tokens=12, eos_id=-1)
-    ends = torch.tensor(out.emitted).cumsum(0) - 1  # each step's last emitted token
+    ends = torch.tensor(out.step_lengths).cumsum(0) - 1  # each step's last emitted token
     assert len(seen) == out.steps
     assert torch.equal(torch.cat(seen), model.embed(torch.tensor(out.tokens)[ends]))
 

@@ -209,7 +209,7 @@ def test_a_step_costs_its_forward_and_what_steps_of_its_kind_took_beyond_it():
 
 def ranked(acc):
     """A stand-in ranked drafter: its prior acc per depth over 3 ranks, a row per node, one match length."""
-    return SimpleNamespace(topk=[3] * len(acc), acc=acc, rows=lambda n, budget=None: n, family=None,
+    return SimpleNamespace(topk=[3] * len(acc), acc=acc, rows=lambda n, budget=None: n, allowed_paths=None,
                            match_length=lambda dec: 0)
 
 
@@ -290,9 +290,9 @@ def test_drafting_that_costs_more_than_its_forward_goes_to_ar():
         assert (planner.chosen == 0) == ar and (planner.used[0] > 50) == ar
 
 
-def test_choose_tree_keeps_to_a_family():
-    family = [(0,), (1,), (0, 0), (0, 1)]  # BiTA's efficient shape: only the top-1 has children
-    assert choose_tree(ACC, 10, family) == [(0,), (0, 0), (1,), (0, 1)]
+def test_choose_tree_keeps_to_the_allowed_paths():
+    allowed = [(0,), (1,), (0, 0), (0, 1)]  # BiTA's efficient shape: only the top-1 has children
+    assert choose_tree(ACC, 10, allowed) == [(0,), (0, 0), (1,), (0, 1)]
     assert choose_tree(ACC, 10)[:4] == [(0,), (0, 0), (1,), (0, 0, 0)]  # 0.2 > 0.6 * 0.5 * 0.4
 
 
@@ -486,7 +486,7 @@ def test_a_probe_weighs_beside_the_history():
     """A probe's outcomes weigh as PROBE steps of the history: 8 right guesses move an estimate of
     0.2 to 0.6, not to 1 (a good stretch that a probe meets would plan drafting as if it always came)."""
     p = Probing(FixedCost(0.01, 0.001))
-    p.start(SimpleNamespace(topk=[3], acc=[[0.2, 0.0, 0.0]], rows=lambda n, budget=None: n, family=None), None)
+    p.start(SimpleNamespace(topk=[3], acc=[[0.2, 0.0, 0.0]], rows=lambda n, budget=None: n, allowed_paths=None), None)
     dec, p.probed = SimpleNamespace(out=[], cur=0), True
     for i in range(PROBE + 1):
         p.observe(dec, 1, 2, 0.01, cands=[[i, -1, -2]])  # a depth-0 candidate list that guesses output i
@@ -655,7 +655,7 @@ def test_planned_trees_are_exact(dtype, row_cost, device):
 @given(st.integers(1, 4), st.integers(1, 5), st.integers(0, 40), st.randoms(use_true_random=False))
 def test_best_trees_nest(K, R, s, rnd):
     """plan() searches once at the largest size and takes prefixes: the best s-node tree must be the
-    first s paths of the best larger one (ties included), with any allowed family."""
+    first s paths of the best larger one (ties included), with any allowed paths."""
     acc = [[rnd.choice([0.0, 0.1, 0.25, 0.5, rnd.random()]) for _ in range(R)] for _ in range(K)]
     allowed = None if rnd.random() < 0.5 else product_paths([rnd.randint(1, R) for _ in range(K)])
     assert choose_tree(acc, s, allowed) == choose_tree(acc, 64, allowed)[:s]

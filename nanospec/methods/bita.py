@@ -96,7 +96,7 @@ class BiTA(Ranked):
         self.reserved_slots = tune.P
         paths = {"efficient": [(0,) * d + (j,) for d in range(M) for j in range(k)],  # top-1s have children
                  "full": product_paths([k] * M), "straight": [(0,) * d for d in range(1, M + 1)]}[decoding]
-        self.template, self.family = Template(paths), paths  # a planned tree keeps the variant's shape
+        self.template, self.allowed_paths = Template(paths), paths  # a planned tree keeps the variant's shape
         self.topk = self.template.topk
         self.ahead = M  # masks per group: M, or a planner's budget's worth (Ranked.own_depths)
         self.max_rows = self.rows(len(self.template))

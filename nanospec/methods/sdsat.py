@@ -110,8 +110,8 @@ class SDSAT(Ranked):
         self.factors = None if delta is None else [{m: (a.detach().contiguous(), b.detach().contiguous())
                                                     for m, (a, b) in f.items()} for f in delta.factors()]
         self.ids = None if ids is None else (ids * k if n == 1 else ids[:k])  # identical or diverse tokens
-        self.family = [(0,) * d + (j,) for d in range(k) for j in range(width)]  # top-1s have children
-        self.template = Template(self.family)
+        self.allowed_paths = [(0,) * d + (j,) for d in range(k) for j in range(width)]  # top-1s have children
+        self.template = Template(self.allowed_paths)
         self.topk = self.template.topk
         self.ahead = k  # adaptive tokens: k, or a planner's budget's worth (Ranked.own_depths)
         self.max_rows = self.rows(len(self.template))
