@@ -101,7 +101,7 @@ class Context:
 def exact_layer(layer, x, ctx: Context, kv):
     """model.Layer.forward as exact mode runs it: each residual added in its product's kernel (addmm's epilogue),
     one kernel where `x + ...` is two."""
-    x = ctx.linear(layer.attn.o_proj, layer.attn.heads(layer.attn_norm(x), ctx, kv), add=x)
+    x = ctx.linear(layer.attn.o_proj, layer.attn.attention(layer.attn_norm(x), ctx, kv), add=x)
     return ctx.linear(layer.mlp.down_proj, layer.mlp.inner(layer.mlp_norm(x), ctx), add=x)
 
 
@@ -120,10 +120,10 @@ def attend_fast(q, kv, ctx: Context):
 
 
 def angles(model: Llama, pos: torch.Tensor, dev: Device | None = None):
-    """RoPE's cos and signed sin (B, T, 1, 1, D) for positions (B, T) (model.apply_rope), computed in fp32 as HF does
+    """RoPE's cos and signed sin (B, T, 1, D) for positions (B, T) (model.apply_rope), computed in fp32 as HF does
     and rounded to the weights' dtype; dev: exact mode's device (its elementwise kernels)."""
     freqs, signs = model.rope_constants()
-    freqs = pos[..., None, None, None] * freqs  # int * fp32: fp32
+    freqs = pos[..., None, None] * freqs  # int * fp32: fp32
     f, dt = dev.elementwise if dev else lambda fn, x: fn(x), model.embed.weight.dtype
     return f(torch.cos, freqs).to(dt), (f(torch.sin, freqs) * signs).to(dt)
 

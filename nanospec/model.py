@@ -8,9 +8,13 @@ method needs, each product (ctx.linear: `proj(x)`), each elementwise kernel (ctx
 (ctx.write), attention over the keys each row sees (ctx.attend: exact mode's canonical order, exact.py, or SDPA) and
 each layer (ctx.layer: exact mode adds a residual inside its product's kernel, forward.exact_layer).
 
-Names against HF's: embed = model.embed_tokens, layers[i].attn = self_attn, attn_norm = input_layernorm, mlp_norm =
-post_attention_layernorm, norm = model.norm, lm_head = lm_head; attn.qkv is q_proj, k_proj and v_proj fused and
-mlp.gate_up is gate_proj and up_proj (Attention, MLP); ModelArgs.dim is hidden_size, rms_norm_eps is norm_eps.
+Names against HF's (nanospec's = HF's): embed = model.embed_tokens, layers[i].attn = self_attn, attn_norm =
+input_layernorm, mlp_norm = post_attention_layernorm, norm = model.norm, lm_head = lm_head; attn.qkv = q_proj, k_proj
+and v_proj stacked, mlp.gate_up = gate_proj and up_proj stacked (fused.py: checkpoints keep HF's parts). ModelArgs:
+dim = hidden_size, n_layers = num_hidden_layers, n_heads = num_attention_heads, n_kv_heads = num_key_value_heads,
+head_dim = head_dim, intermediate_size = intermediate_size, norm_eps = rms_norm_eps, rope_theta = rope_theta,
+rope_scaling = rope_scaling, tie_embeddings = tie_word_embeddings, max_seq_len = max_position_embeddings,
+sliding_window = sliding_window (Mistral); qkv_bias and qk_norm: Qwen2's and Qwen3's, by their model types.
 """
 from dataclasses import dataclass
 
@@ -78,7 +82,7 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x, cos, sin):
-    """x (B, T, ..., D) rotated (q and k: a key head's query heads, then its key); cos, sin (B, T, 1, 1, D), sin signed
+    """x (B, T, heads, D) rotated (q's heads, then k's); cos, sin (B, T, 1, D), sin signed
     (-sin, sin): HF's x * cos + cat(-x2, x1) * sin bit for bit (a negation is exact), in four ops."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin
@@ -89,29 +93,28 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = args.n_heads, args.kv_heads, args.hd
         H, Hkv = args.n_heads * args.hd, args.kv_heads * args.hd
-        # qkv is HF's q_proj, k_proj and v_proj as one product (fused.py): for each key head h in turn, its rows are
-        # q_proj's rows of query heads hG..hG+G-1 (G = n_heads // n_kv_heads), then k_proj's rows of head h, then
-        # v_proj's rows of head h (biases alike). Its output viewed (B, T, n_kv, G + 2, hd) holds at [:, :, h] those
-        # query heads, key h, value h: query head i reads key head i // G, as HF's repeat_kv pairs them.
-        fuse(self, "qkv", args.dim, {"q_proj": H, "k_proj": Hkv, "v_proj": Hkv}, args.kv_heads, args.qkv_bias)
-        # Qwen3: q_norm and k_norm both take the one norm_eps, as HF's both take rms_norm_eps (heads() merges them)
+        # qkv is HF's q_proj, k_proj and v_proj stacked as one product (fused.py; gpt-fast's wqkv): its output viewed
+        # (B, T, n_heads + 2 n_kv_heads, hd) holds HF's query heads, then key heads, then value heads
+        fuse(self, "qkv", args.dim, {"q_proj": H, "k_proj": Hkv, "v_proj": Hkv}, bias=args.qkv_bias)
+        # Qwen3: q_norm and k_norm both take the one norm_eps, as HF's both take rms_norm_eps (attention() merges them)
         self.q_norm, self.k_norm = (RMSNorm(args.hd, args.norm_eps) for _ in "qk") if args.qk_norm else (None, None)
         self.o_proj = Product(H, args.dim, "o_proj")
 
-    def heads(self, x, ctx, kv):
+    def attention(self, x, ctx, kv):
         """The query heads' attention outputs (B, T, H * D), before o_proj; kv: the layer's keys and values."""
         B, T, _ = x.shape
-        G = self.n_heads // self.n_kv
-        qkv = ctx.linear(self.qkv, x).view(B, T, self.n_kv, G + 2, self.hd)  # per key head: G queries, key, value
-        qk, v = qkv[:, :, :, :G + 1], qkv[:, :, :, G + 1]
+        Hq, Hkv = self.n_heads, self.n_kv
+        qkv = ctx.linear(self.qkv, x).view(B, T, Hq + 2 * Hkv, self.hd)
+        qk, v = qkv[:, :, :Hq + Hkv], qkv[:, :, Hq + Hkv:]  # q's heads and k's together: one norm, one RoPE
         if self.q_norm is not None:  # Qwen3: HF's q_norm(q), k_norm(k) as one norm, each at norm_eps, before RoPE
-            qk = rms_norm(qk, torch.cat((self.q_norm.weight.expand(G, -1), self.k_norm.weight[None])), self.q_norm.eps)
+            w = torch.cat((self.q_norm.weight.expand(Hq, -1), self.k_norm.weight.expand(Hkv, -1)))
+            qk = rms_norm(qk, w, self.q_norm.eps)
         qk = apply_rope(qk, ctx.cos, ctx.sin)
-        q, k = qk[:, :, :, :G], qk[:, :, :, G]
+        q, k = qk[:, :, :Hq].view(B, T, Hkv, Hq // Hkv, self.hd), qk[:, :, Hq:]  # query head i reads key head i // G
         return ctx.attend(q, ctx.write(kv, k, v))
 
     def forward(self, x, ctx, kv):
-        return ctx.linear(self.o_proj, self.heads(x, ctx, kv))
+        return ctx.linear(self.o_proj, self.attention(x, ctx, kv))
 
 
 class MLP(nn.Module):

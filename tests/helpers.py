@@ -223,7 +223,7 @@ def keys_in_order(ctx, b: int, t: int) -> list[int]:
     """The cache slots exact row t of sequence b reduces over, in order (exact.attend): those it reads in place, in
     slot order, then its gathered tail; key head 0's (every key head's alike)."""
     c = ctx.canonical
-    (B, _, T, W), Hkv = c.tail_slots.shape, c.heads.numel()
+    (B, _, T, W), Hkv = c.tail_slots.shape, c.key_heads.numel()
     in_place = c.in_place.reshape(B, Hkv, T, -1, c.in_place.shape[-1])[b, 0, t, 0] == 0
     gathered = c.gathered.reshape(B, Hkv, T, W)[b, 0, t] == 0
     return in_place.nonzero().flatten().tolist() + c.tail_slots[b, 0, t][gathered].tolist()

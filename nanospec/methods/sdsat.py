@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from .. import NanospecError
 from ..drafter import Out, Ranked, noisy
 from ..forward import Forward
-from ..fused import Product
 from ..io.checkpoint import load_trained, save_drafter
 from ..io.files import fingerprint
 from ..training.data import distill_args
@@ -60,15 +59,12 @@ class Delta(nn.Module):
                                    for k, (_, i) in parts.items()})
         self.b = nn.ParameterDict({k: nn.Parameter(torch.zeros(self.n, o, rank)) for k, (o, _) in parts.items()})
         self.keys = {role: [p.replace(".", "_") for p in ps] for role, ps in PROJECTIONS.items()}
-        self.interleave = {m.role: m.interleave for m in layer.modules() if isinstance(m, Product)}
 
     def factors(self) -> list[dict]:
         """Per layer, {a product's role: (A^T, B^T)}, made of the parameters (gradients flow). B^T's columns follow
-        the fused product's: each part's in `interleave` chunks, interleaved (fused.fuse)."""
-        def b(keys, i, interleave):
-            parts = torch.block_diag(*[self.b[k][i].t() for k in keys]).split([len(self.b[k][i]) for k in keys], 1)
-            return torch.cat([c for g in zip(*(p.chunk(interleave, 1) for p in parts)) for c in g], 1)
-        return [{role: (torch.cat([self.a[k][i].t() for k in keys], 1), b(keys, i, self.interleave[role]))
+        the fused product's: its parts' stacked (fused.fuse)."""
+        return [{role: (torch.cat([self.a[k][i].t() for k in keys], 1),
+                        torch.block_diag(*[self.b[k][i].t() for k in keys]))
                  for role, keys in self.keys.items()} for i in range(self.n)]
 
     def on(self, rows, factors: list | None = None) -> list["Update"]:
