@@ -510,7 +510,7 @@ def test_a_planner_offers_no_more_than_a_methods_largest_draft(name):
 @pytest.mark.parametrize("name", NESTED)
 def test_a_nested_budget_from_its_own_gains(name):
     """A nested drafter has no ranked candidates: each budget is judged by the drafts it got accepted."""
-    model = random_model(ARGS, 3)
+    model = random_model(ARGS, 1)
     prompt = [5, 6, 7, 8] * 6
     ar = generate(model, prompt, max_new_tokens=48, eos_id=-1)
     d = feed(REGISTRY[name].load(model, None), [prompt], [ar])  # its context knows the continuation: long drafts pay

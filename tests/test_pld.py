@@ -94,7 +94,7 @@ def test_no_match_is_an_ar_step(device):
     """A context with no earlier occurrence of its last min_ngram tokens drafts the root alone: that step is AR's,
     one token. Here the prompt's tokens are distinct and only AR's output from its 17th token on is fed: the early
     steps mostly find no match, the later ones draft and are accepted, and the whole output is AR's, bitwise."""
-    model, prompt, steps = random_model(ARGS, 4, device=device), list(range(10, 22)), []
+    model, prompt, steps = random_model(ARGS, 2, device=device), list(range(10, 22)), []
     d = PLD(8, 3, min_ngram=2)
     d.warm_up([generate(model, prompt, max_new_tokens=40, eos_id=-1).tokens[16:]])
     out = check_exact(model, prompt, d, 40,
