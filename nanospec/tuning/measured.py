@@ -18,7 +18,7 @@ from ..engine import Decoding
 from ..io.files import atomic_write, cache_root, fingerprint, hardware
 from ..sizes import MIN_BLOCK
 from ..tree import Tree
-from .products import BUCKETS, Forms, products, to_json
+from .products import BUCKETS, to_json
 
 COST_ROWS = BUCKETS + (96, 128)  # every bucket of fast mode's products, and beyond them
 WINDOW = 16  # the steps of a key (a batch size and kind, a batch size and budget) whose median is taken
@@ -107,10 +107,8 @@ def measure(model, exact: bool = False, rows=COST_ROWS, context: int = 256, reps
     others' (their shape, which the planner's choices read, then varies from one measure to the next). dev: the
     device's layout and speed (devices.py; its forms: fast mode's product forms, the model's part of the key)."""
     w = model.embed.weight
-    table = None if exact or dev is None else dev.forms
-    if table is not None:  # the forms of the model's own products (a drafter's own shapes do not run here)
-        own = {tuple(m.weight.shape) for m in products(model)}
-        table = Forms({k: v for k, v in table.table.items() if k[:2] in own})
+    # the forms of the model's own products (a drafter's own shapes do not run here)
+    table = None if exact or dev is None or dev.forms is None else dev.forms.only(model)
     forms = "" if table is None else "-" + hashlib.sha256(to_json(table).encode()).hexdigest()[:8]
     key = f"{fingerprint(model)}-{hardware(w.device)}-{w.dtype}-{'exact' if exact else 'fast'}{forms}-{COSTS_VERSION}"
     path = cache_root() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")

@@ -54,6 +54,11 @@ class Forms:
     def __init__(self, table: dict):
         self.table, self.prepared = table, {}  # prepared: (id(weight), form) -> the weight as that form wants it
 
+    def only(self, *owners) -> "Forms":
+        """The rows of the owners' product shapes alone."""
+        shapes = {tuple(m.weight.shape) for m in products(*owners)}
+        return Forms({k: v for k, v in self.table.items() if k[:2] in shapes})
+
     def __deepcopy__(self, memo):  # a copied product (a drafter copied for another run) shares the table
         return self
 
@@ -111,8 +116,7 @@ def tuned(model, *drafters) -> Forms:
         table = {**read(), **tune(*missing).table}  # read again: shapes another process added since
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda p: p.write_text(to_json(Forms(table))))
-    shapes = {tuple(m.weight.shape) for m in mine}
-    return Forms({k: v for k, v in table.items() if k[:2] in shapes})  # only these: measured.measure keys by it
+    return Forms(table).only(model, *drafters)  # only these: measured.measure keys by the model's
 
 
 @torch.inference_mode()
